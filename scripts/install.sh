@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything hookwidget needs on a fresh Debian machine: Debian's chromium (browser tests),
+# the node modules (front-end build and vitest), and a virtual environment .venv with torch 2.13.0 (CPU)
+# and hookwidget in editable mode with its test and benchmark extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v chromium >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >/dev/null
+fi
+
+npm ci --no-audit --no-fund
+npm run build
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+# torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
+.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+.venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" "torch==2.13.0"
+echo "install: done ($(.venv/bin/python -c 'import torch, hookwidget; print("torch", torch.__version__, "hookwidget", hookwidget.__version__)'))"

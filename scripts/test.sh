@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Runs every test: the front-end's unit tests (vitest), then pytest (Python, notebooks, real browser).
+# Either runner fails when it collects no test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+npx vitest run
+.venv/bin/python -m pytest "$@"
