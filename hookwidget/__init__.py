@@ -1,3 +1,19 @@
-"""hookwidget: see what PyTorch's hooks see, where gradients go, and what changes when you change them."""
+"""hookwidget: see what PyTorch's hooks see, where gradients go, and what changes when you change them.
+
+    import hookwidget as hw
+    t = hw.trace(step)            # or: with hw.tracing() as t: ...  or the %%hooktrace cell magic
+    t.layers["fc1"].a, t.layers["fc1"].delta, t.weight_grad("fc1"), t.graph
+"""
+
+from .interventions import KINDS, InterventionError
+from .trace import Layer, Trace, trace, tracing
 
 __version__ = "0.1.0"
+__all__ = ["KINDS", "InterventionError", "Layer", "Trace", "load_ipython_extension", "trace", "tracing"]
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext hookwidget` registers the %%hooktrace cell magic."""
+    from .magic import HookTraceMagics
+
+    ipython.register_magics(HookTraceMagics)

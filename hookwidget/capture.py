@@ -1,0 +1,366 @@
+"""The Tracer: runs code with hooks on and records what every module saw.
+
+Forward: each module call's input activation `a` and output. Backward: δ, the gradient
+with respect to the module's output, through a tensor hook registered on the output
+inside the forward hook (exact, and it survives a later in-place op, where full module
+backward hooks raise). When backward starts, the autograd graph is walked from its
+roots and a pre-hook on every node records the gradient norm arriving there.
+
+Every hook belongs to one ExitStack, closed in `finally`; each hook also checks an
+`active` flag, because a hook baked into a graph that outlives the trace can still fire.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import graph as graph_mod
+from .summary import TensorSummary, stats_on_device, to_summaries
+
+CAPTURE_MODES = ("full", "summary", "norms")
+DEFAULT_BUDGET_MB = 512
+
+
+@dataclass
+class Call:
+    """One forward call of a module: what went in, what came out, what came back."""
+
+    index: int
+    a: torch.Tensor | None = None
+    delta: torch.Tensor | None = None
+    output_shape: tuple | None = None
+    a_summary: TensorSummary | None = None
+    delta_summary: TensorSummary | None = None
+    seq_start: int = field(default=0, repr=False)  # autograd sequence numbers created during the call
+    seq_end: int = field(default=0, repr=False)
+    out_node: Any = field(default=None, repr=False)
+    _a_version: int = field(default=-1, repr=False)
+    _a_source: Any = field(default=None, repr=False)
+
+
+@dataclass
+class ModuleRecord:
+    module: nn.Module
+    calls: list = field(default_factory=list)
+    open_calls: list = field(default_factory=list, repr=False)  # seq_start of calls still running
+
+
+@dataclass
+class Records:
+    """Everything a trace saw, before names and the graph are attached (see trace.py)."""
+
+    modules: dict  # nn.Module -> ModuleRecord, in first-call order
+    walk: graph_mod.GraphWalk
+    roots: list  # root tensors' values (detached), one per backward root
+    leaf_grads_before: dict  # leaf tensor -> its .grad before the first backward (clone or None)
+    notes: list
+    backward_calls: int
+    used_autograd_grad: bool
+
+
+class Tracer:
+    """Context manager that owns every hook of one trace; `records` is filled on exit."""
+
+    def __init__(self, modules=None, capture: str = "full", budget_mb: float = DEFAULT_BUDGET_MB,
+                 layer_interventions=None, node_interventions=None, node_grads: bool = True,
+                 keep: Callable[[nn.Module], bool] | None = None, norms_rule=None):
+        if capture not in CAPTURE_MODES:
+            raise ValueError(f"capture={capture!r} is not a capture mode; choose one of {', '.join(CAPTURE_MODES)}")
+        if budget_mb is None or budget_mb < 0:
+            raise ValueError(f"budget_mb={budget_mb!r} must be a number of megabytes >= 0, e.g. budget_mb=512")
+        self.targets = _as_module_list(modules)
+        self.capture = capture
+        self.budget_bytes = int(budget_mb * 2**20)
+        self.layer_interventions = layer_interventions or {}
+        self.node_interventions = node_interventions or {}
+        self.node_grads = node_grads and capture != "norms"
+        self.keep = keep
+        self.norms_rule = norms_rule  # (module, call) -> None, used when capture == "norms"
+        self.active = False
+        self.records: Records | None = None
+        self._lock = threading.Lock()
+        self._stack = ExitStack()
+        self._modules: dict = {}
+        self._pending: list = []  # (call, attr, shape, dtype, stats)
+        self._kept_bytes = 0
+        self._dropped = 0
+        self._walk = graph_mod.GraphWalk()
+        self._roots: list = []
+        self._leaf_grads_before: dict = {}
+        self._backward_calls = 0
+        self._used_grad = False
+        self._notes: list = []
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def __enter__(self) -> Tracer:
+        try:
+            self._install()
+        except BaseException:
+            self._stack.close()
+            raise
+        self.active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+        self._stack.close()
+        self.records = self._finish()
+
+    def _install(self) -> None:
+        s = self._stack
+        if self.targets is None:
+            from torch.nn.modules import module as module_mod
+
+            s.enter_context(_Removing(module_mod.register_module_forward_pre_hook(self._pre_hook)))
+            s.enter_context(_Removing(module_mod.register_module_forward_hook(self._forward_hook)))
+        else:
+            seen = set()
+            for root in self.targets:
+                for m in root.modules():
+                    if id(m) in seen:
+                        continue
+                    seen.add(id(m))
+                    s.enter_context(_Removing(m.register_forward_pre_hook(self._pre_hook)))
+                    s.enter_context(_Removing(m.register_forward_hook(self._forward_hook)))
+        s.enter_context(_Patched(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
+        s.enter_context(_Patched(torch.autograd, "grad", self._wrap_backward(torch.autograd.grad, grad=True)))
+
+    # -- forward -------------------------------------------------------------------------------
+    def _pre_hook(self, module, inputs):
+        if not self.active:
+            return
+        rec = self._modules.get(module)
+        if rec is None:
+            rec = self._modules[module] = ModuleRecord(module)
+        rec.open_calls.append(_next_sequence_nr())
+        return
+
+    def _forward_hook(self, module, inputs, output):
+        if not self.active:
+            return None
+        rec = self._modules.get(module)
+        if rec is None:  # hooks installed mid-call: the pre-hook did not see this call start
+            rec = self._modules[module] = ModuleRecord(module)
+        start = rec.open_calls.pop() if rec.open_calls else _next_sequence_nr()
+        if self.keep is not None and not self.keep(module):
+            return None
+        call = Call(index=len(rec.calls), seq_start=start)
+        rec.calls.append(call)
+        a = _first_tensor(inputs)
+        out = _first_tensor(output)
+        if a is not None:
+            self._keep_input(module, call, a)
+        replaced = None
+        for iv in self.layer_interventions.get(module, ()):
+            if iv.kind.attach == "grad" and out is not None and out.requires_grad:
+                self._stack.enter_context(_Removing(out.register_hook(self._guarded(iv.on_grad))))
+            elif iv.kind.attach == "out":
+                new = iv.on_output(module, inputs, output if replaced is None else replaced)
+                if new is not None:
+                    replaced = new
+        call.seq_end = _next_sequence_nr()
+        if out is not None:
+            call.output_shape = tuple(out.shape)
+            call.out_node = out.grad_fn
+            if out.requires_grad:
+                handle = out.register_hook(self._delta_hook(module, call))
+                self._stack.enter_context(_Removing(handle))
+        return replaced
+
+    def _keep_input(self, module, call: Call, a: torch.Tensor) -> None:
+        if self.capture == "norms":
+            if self.norms_rule is not None and self.norms_rule.wants(module):
+                call.a = a.detach()
+            return
+        if self.capture == "full" and self._fits(a):
+            # Layers whose backward needs their input: autograd's version check guards it,
+            # so no copy is needed; `_a_version` catches forward-only cells that mutate it.
+            if _weight_needs_input(module):
+                call.a = a.detach()
+                call._a_source, call._a_version = a, a._version
+            else:
+                call.a = a.detach().clone()
+            return
+        self._pending.append((call, "a_summary", tuple(a.shape), a.dtype, stats_on_device(a)))
+
+    def _delta_hook(self, module, call: Call):
+        def hook(grad):
+            if not self.active:
+                return
+            with self._lock:
+                if self.capture == "norms":
+                    call.delta = grad.detach()
+                    self.norms_rule.on_delta(module, self._modules[module].calls, self._modules)
+                elif self.capture == "full" and self._fits(grad):
+                    call.delta = grad.detach()
+                else:
+                    self._pending.append(
+                        (call, "delta_summary", tuple(grad.shape), grad.dtype, stats_on_device(grad)))
+            return
+
+        return hook
+
+    def _fits(self, t: torch.Tensor) -> bool:
+        size = t.numel() * t.element_size()
+        if self._kept_bytes + size > self.budget_bytes:
+            self._dropped += 1
+            return False
+        self._kept_bytes += size
+        return True
+
+    # -- backward ------------------------------------------------------------------------------
+    def _wrap_backward(self, original, grad: bool = False):
+        def wrapper(tensors, *args, **kwargs):
+            if self.active:
+                self._on_backward(tensors, grad)
+            return original(tensors, *args, **kwargs)
+
+        wrapper.__wrapped__ = original
+        return wrapper
+
+    def _on_backward(self, tensors, grad: bool) -> None:
+        roots = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in tensors if isinstance(t, torch.Tensor)]
+        self._backward_calls += 1
+        self._used_grad |= grad
+        for r in roots:
+            if r.numel() == 1:
+                self._roots.append(r.detach().clone())
+        new_nodes = self._walk.extend([r.grad_fn for r in roots if r.grad_fn is not None])
+        for i in new_nodes:
+            node = self._walk.nodes[i]
+            variable = getattr(node, "variable", None)
+            if variable is not None and variable not in self._leaf_grads_before:
+                g = variable.grad
+                self._leaf_grads_before[variable] = None if g is None else g.detach().clone()
+            for iv in self.node_interventions.get(self._walk.ids[i], ()):
+                self._stack.enter_context(_Removing(node.register_prehook(self._guarded(iv.on_node_grads))))
+            if self.node_grads:
+                self._stack.enter_context(_Removing(node.register_prehook(self._node_hook(i))))
+
+    def _node_hook(self, i: int):
+        walk = self._walk
+
+        def hook(grad_outputs):
+            if not self.active:
+                return
+            g = grad_outputs[0] if grad_outputs else None
+            if g is not None:
+                with self._lock:
+                    walk.grad_norm[i] = torch.linalg.vector_norm(g.detach().float())
+                    walk.shape.setdefault(i, tuple(g.shape))
+                    walk.order.setdefault(i, len(walk.order))
+            return
+
+        return hook
+
+    def _guarded(self, fn):
+        def hook(*args):
+            if not self.active:
+                return None
+            return fn(*args)
+
+        return hook
+
+    # -- end -----------------------------------------------------------------------------------
+    def _finish(self) -> Records:
+        if not self._walk.nodes:  # forward only: show the graph that backward would have walked
+            self._walk.extend(_outermost_outputs(self._modules.values()))
+        for rec in self._modules.values():
+            for call in rec.calls:
+                if call._a_source is not None and call._a_source._version != call._a_version:
+                    call.a = None
+                    self._notes.append(f"{type(rec.module).__name__}: an input was modified in place after "
+                                       "the call; its activation was not kept")
+                call._a_source = None
+        pending, self._pending = self._pending, []
+        for (call, attr, *_), s in zip(pending, to_summaries([p[2:] for p in pending])):
+            setattr(call, attr, s)
+        if self._dropped:
+            self._notes.append(f"memory budget {self.budget_bytes / 2**20:g} MB reached: {self._dropped} tensors "
+                               "kept as summaries only (shape, norm, min/max/mean, NaN/Inf); raise budget_mb to keep them")
+        if self._backward_calls == 0:
+            self._notes.append("no gradients captured: the code ran no backward (activations only)")
+        if self._used_grad:
+            self._notes.append("torch.autograd.grad was used: parameters reached only by it keep .grad None")
+        return Records(self._modules, self._walk, self._roots, self._leaf_grads_before, self._notes,
+                       self._backward_calls, self._used_grad)
+
+
+_next_sequence_nr = torch._C._autograd._get_sequence_nr
+
+
+def _outermost_outputs(records) -> list:
+    """grad_fn of the outputs of calls that no other recorded call encloses, in call order."""
+    calls = sorted((c for r in records for c in r.calls), key=lambda c: (c.seq_start, -c.seq_end))
+    out, end = [], -1
+    for c in calls:
+        if c.seq_start >= end:
+            end = c.seq_end
+            if c.out_node is not None:
+                out.append(c.out_node)
+    return out
+
+
+def _weight_needs_input(module: nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    return isinstance(w, torch.Tensor) and w.requires_grad and isinstance(
+        module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm))
+
+
+def _tensors(obj) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            if isinstance(x, torch.Tensor):
+                yield x
+
+
+def _first_tensor(obj) -> torch.Tensor | None:
+    return next(iter(_tensors(obj)), None)
+
+
+def _as_module_list(modules):
+    if modules is None:
+        return None
+    if isinstance(modules, nn.Module):
+        return [modules]
+    out = list(modules)
+    bad = [type(m).__name__ for m in out if not isinstance(m, nn.Module)]
+    if bad or not out:
+        raise TypeError(f"modules= takes an nn.Module or a list of them; got {', '.join(bad) or 'an empty list'}")
+    return out
+
+
+class _Removing:
+    """Context manager that removes a hook handle on exit."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __enter__(self):
+        return self.handle
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+class _Patched:
+    """Context manager that replaces a module attribute and puts the original back on exit."""
+
+    def __init__(self, owner, name: str, value):
+        self.owner, self.name, self.value = owner, name, value
+
+    def __enter__(self):
+        self.original = getattr(self.owner, self.name)
+        setattr(self.owner, self.name, self.value)
+
+    def __exit__(self, *exc):
+        setattr(self.owner, self.name, self.original)

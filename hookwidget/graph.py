@@ -1,0 +1,143 @@
+"""The autograd graph of grad_fn nodes as a networkx.DiGraph.
+
+The walk is iterative (a 40,000-node chain would overflow a recursive one) and
+breadth-first from the backward roots, so the same code gives the same node ids:
+`"<name>#<k>"`, the k-th node of that name met by the walk. `id(grad_fn)` is no id:
+Python reuses it once a graph is freed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, deque
+
+import networkx as nx
+
+ROLES = ("root", "op", "param", "leaf", "input")
+# Nodes that hooks add to the graph (full module backward hooks); hidden unless asked for.
+HOOK_NODE_NAMES = ("BackwardHookFunctionBackward",)
+
+
+def node_name(node) -> str:
+    """`AddmmBackward0`, `AccumulateGrad` (without the C++ namespace)."""
+    return node.name().rpartition("::")[2]
+
+
+class GraphWalk:
+    """Grows as backward calls reveal roots; records nodes, edges and what hooks saw."""
+
+    def __init__(self):
+        self.nodes: list = []
+        self.ids: list[str] = []
+        self.edges: list[tuple[int, int]] = []
+        self.inputs: list[int] = []  # for each grad-less input slot: the node that consumed it
+        self.roots: set[int] = set()
+        self.grad_norm: dict = {}  # node index -> 0-d tensor (on device until the end)
+        self.shape: dict = {}
+        self.order: dict = {}  # node index -> position in backward execution
+        self._index: dict = {}
+        self._names: Counter = Counter()
+
+    def extend(self, roots) -> list[int]:
+        """Walk from `roots` (grad_fn nodes); return the indices of nodes not seen before."""
+        new: list[int] = []
+        queue: deque = deque()
+        for r in roots:
+            i = self._add(r, new, queue)
+            self.roots.add(i)
+        while queue:
+            i = queue.popleft()
+            for child, _ in self.nodes[i].next_functions:
+                if child is None:
+                    self.inputs.append(i)
+                else:
+                    self.edges.append((i, self._add(child, new, queue)))
+        return new
+
+    def _add(self, node, new: list, queue: deque) -> int:
+        i = self._index.get(node)
+        if i is None:
+            i = self._index[node] = len(self.nodes)
+            name = node_name(node)
+            self.ids.append(f"{name}#{self._names[name]}")
+            self._names[name] += 1
+            self.nodes.append(node)
+            new.append(i)
+            queue.append(i)
+        return i
+
+
+def build(walk: GraphWalk, param_names: dict, calls: list, *, show_hook_nodes: bool = False) -> nx.DiGraph:
+    """The DiGraph of the walk. `param_names` maps leaf tensors to qualified names;
+    `calls` are (module name, seq_start, seq_end) of every recorded module call."""
+    owner = _module_owner(walk, calls)
+    g = nx.DiGraph()
+    norms = _norms_to_floats(walk.grad_norm)
+    for i, node in enumerate(walk.nodes):
+        name = node_name(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            pname = param_names.get(variable, "")
+            role = "param" if pname else "leaf"
+            module = pname.rpartition(".")[0] if pname else ""
+            shape = tuple(variable.shape)
+        else:
+            pname, role, module, shape = "", "root" if i in walk.roots else "op", owner.get(i, ""), walk.shape.get(i)
+        g.add_node(walk.ids[i], name=name, role=role, module=module, param=pname, shape=shape,
+                   grad_norm=norms.get(i), order=walk.order.get(i))
+    for u, v in walk.edges:
+        g.add_edge(walk.ids[u], walk.ids[v])
+    for k, consumer in enumerate(walk.inputs):
+        nid = f"input#{k}"
+        g.add_node(nid, name="input", role="input", module=g.nodes[walk.ids[consumer]]["module"], param="",
+                   shape=None, grad_norm=None, order=None)
+        g.add_edge(walk.ids[consumer], nid)
+    if not show_hook_nodes:
+        _splice_out(g, [n for n, d in g.nodes(data=True) if d["name"].startswith(HOOK_NODE_NAMES)])
+    return g
+
+
+def _module_owner(walk: GraphWalk, calls: list) -> dict:
+    """Node index -> innermost module whose forward call created it (by autograd sequence number)."""
+    if not calls:
+        return {}
+    # Sort intervals so that an enclosing call comes before the calls it contains.
+    intervals = sorted(calls, key=lambda c: (c[1], -c[2]))
+    starts = [c[1] for c in intervals]
+    owner = {}
+    for i, node in enumerate(walk.nodes):
+        if getattr(node, "variable", None) is not None:
+            continue
+        seq = node._sequence_nr()
+        k = bisect.bisect_right(starts, seq) - 1
+        # Walk back to the innermost interval containing seq (the latest-starting that still contains it).
+        while k >= 0:
+            name, start, end = intervals[k]
+            if start <= seq < end:
+                owner[i] = name
+                break
+            k -= 1
+    return owner
+
+
+def _norms_to_floats(norms: dict) -> dict:
+    if not norms:
+        return {}
+    import torch
+
+    keys = list(norms)
+    by_device: dict = {}
+    for k in keys:
+        by_device.setdefault(norms[k].device, []).append(k)
+    out = {}
+    for ks in by_device.values():
+        for k, v in zip(ks, torch.stack([norms[k] for k in ks]).double().cpu().tolist()):
+            out[k] = v
+    return out
+
+
+def _splice_out(g: nx.DiGraph, nodes: list) -> None:
+    for n in nodes:
+        preds, succs = list(g.predecessors(n)), list(g.successors(n))
+        g.remove_node(n)
+        g.add_edges_from((p, s) for p in preds for s in succs)
