@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ class Call:
 class ModuleRecord:
     module: nn.Module
     calls: list = field(default_factory=list)
-    open_calls: list = field(default_factory=list, repr=False)  # seq_start of calls still running
+    open_calls: list = field(default_factory=list, repr=False)  # calls whose forward is running
 
 
 @dataclass
@@ -69,8 +69,7 @@ class Tracer:
     """Context manager that owns every hook of one trace; `records` is filled on exit."""
 
     def __init__(self, modules=None, capture: str = "full", budget_mb: float = DEFAULT_BUDGET_MB,
-                 layer_interventions=None, node_interventions=None, node_grads: bool = True,
-                 keep: Callable[[nn.Module], bool] | None = None, norms_rule=None):
+                 layer_interventions=None, node_interventions=None, node_grads: bool = True, norms_rule=None):
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture={capture!r} is not a capture mode; choose one of {', '.join(CAPTURE_MODES)}")
         if budget_mb is None or budget_mb < 0:
@@ -81,7 +80,6 @@ class Tracer:
         self.layer_interventions = layer_interventions or {}
         self.node_interventions = node_interventions or {}
         self.node_grads = node_grads and capture != "norms"
-        self.keep = keep
         self.norms_rule = norms_rule  # (module, call) -> None, used when capture == "norms"
         self.active = False
         self.records: Records | None = None
@@ -139,8 +137,16 @@ class Tracer:
         rec = self._modules.get(module)
         if rec is None:
             rec = self._modules[module] = ModuleRecord(module)
-        rec.open_calls.append(_next_sequence_nr())
-        return
+        rec.open_calls.append(self._open_call(module, rec, inputs))
+
+    def _open_call(self, module, rec: ModuleRecord, inputs) -> Call:
+        # `a` is taken before forward runs: an in-place module (ReLU(inplace=True)) rewrites its input.
+        call = Call(index=len(rec.calls), seq_start=_next_sequence_nr())
+        rec.calls.append(call)
+        a = _first_tensor(inputs)
+        if a is not None:
+            self._keep_input(module, call, a)
+        return call
 
     def _forward_hook(self, module, inputs, output):
         if not self.active:
@@ -148,15 +154,8 @@ class Tracer:
         rec = self._modules.get(module)
         if rec is None:  # hooks installed mid-call: the pre-hook did not see this call start
             rec = self._modules[module] = ModuleRecord(module)
-        start = rec.open_calls.pop() if rec.open_calls else _next_sequence_nr()
-        if self.keep is not None and not self.keep(module):
-            return None
-        call = Call(index=len(rec.calls), seq_start=start)
-        rec.calls.append(call)
-        a = _first_tensor(inputs)
+        call = rec.open_calls.pop() if rec.open_calls else self._open_call(module, rec, inputs)
         out = _first_tensor(output)
-        if a is not None:
-            self._keep_input(module, call, a)
         replaced = None
         for iv in self.layer_interventions.get(module, ()):
             if iv.kind.attach == "grad" and out is not None and out.requires_grad:

@@ -52,7 +52,7 @@ def trace(fn: Callable[[], object], modules=None, **options) -> Trace:
     (glob patterns on layer names), node_grads (gradient norm at every graph node, default True).
     Every hook is removed when fn returns or raises.
     """
-    if not callable(fn):
+    if isinstance(fn, nn.Module) or not callable(fn):
         raise TypeError(f"hw.trace takes a function to run, got {type(fn).__name__}; "
                         "for a block of code use `with hw.tracing() as t:`")
     t = Trace(fn=fn, modules=modules, options=options)

@@ -1,0 +1,33 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SeedMLP(nn.Module):
+    """Seed 003's two-layer MLP (no bias, ReLU between)."""
+
+    def __init__(self, d_in=4, d_hidden=3, d_out=2):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden, bias=False)
+        self.fc2 = nn.Linear(d_hidden, d_out, bias=False)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+@pytest.fixture
+def seed_mlp():
+    """Seed 003's model and data: x (5, 6, 4), y (5, 6, 2), torch.manual_seed(0)."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 6, 4).requires_grad_(True)
+    y = torch.randn(5, 6, 2)
+    model = SeedMLP()
+
+    def step():
+        model.zero_grad()
+        loss = 0.5 * ((model(x) - y) ** 2).sum()
+        loss.backward()
+        return loss
+
+    return model, x, y, step

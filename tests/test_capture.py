@@ -1,0 +1,230 @@
+"""Capture: observation changes nothing, hooks never outlive a trace, detail within budget."""
+
+import time
+
+import pytest
+import torch
+import torch.nn.modules.module as module_mod
+from torch import nn
+
+import hookwidget as hw
+
+
+def conv_net():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.Dropout(0.3),
+        nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 10),
+    )
+
+
+def run_conv(model, x, y):
+    model.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return loss
+
+
+def hook_state(model):
+    dicts = [module_mod._global_forward_hooks, module_mod._global_forward_pre_hooks,
+             module_mod._global_backward_hooks, module_mod._global_backward_pre_hooks]
+    per_module = [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
+                   len(m._backward_pre_hooks)) for m in model.modules()]
+    return [len(d) for d in dicts], per_module, torch.autograd.backward, torch.autograd.grad
+
+
+def test_observation_is_bitwise_neutral_with_batchnorm_and_dropout():
+    torch.manual_seed(1)
+    model = conv_net()
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    torch.manual_seed(7)
+    ref_loss = run_conv(model, x, y)
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    ref_rng = torch.get_rng_state()
+    ref_stats = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model.load_state_dict(state)
+    torch.manual_seed(7)
+    for capture in ("full", "summary"):
+        model.load_state_dict(state)
+        torch.manual_seed(7)
+        t = hw.trace(lambda: run_conv(model, x, y), capture=capture)
+        assert torch.equal(torch.tensor(t.loss), ref_loss.detach())
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), ref_grads))
+        assert torch.equal(torch.get_rng_state(), ref_rng)
+        assert all(torch.equal(v, ref_stats[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("where", ["forward", "backward", "keyboard"])
+def test_no_hook_outlives_a_failing_trace(where):
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True), nn.Linear(3, 1))
+    before = hook_state(model)
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise ValueError("boom in backward")
+
+    def cell():
+        h = model(torch.randn(2, 3))
+        if where == "forward":
+            raise ValueError("boom in forward")
+        if where == "keyboard":
+            raise KeyboardInterrupt
+        Boom.apply(h).sum().backward()
+
+    with pytest.raises(KeyboardInterrupt if where == "keyboard" else ValueError):
+        hw.trace(cell)
+    assert hook_state(model) == before
+
+
+def test_with_block_fills_the_trace_and_removes_hooks(seed_mlp):
+    model, x, y, step = seed_mlp
+    before = hook_state(model)
+    with hw.tracing() as t:
+        step()
+    assert hook_state(model) == before
+    assert list(t.layers) == ["SeedMLP", "fc1", "fc2"]
+    assert torch.allclose(t.weight_grad("fc2"), model.fc2.weight.grad, atol=1e-6)
+
+
+def test_hooks_only_on_given_modules(seed_mlp):
+    model, x, y, step = seed_mlp
+    other = nn.Linear(2, 2)
+    t = hw.trace(lambda: (step(), other(torch.randn(1, 2))), modules=model.fc2)
+    assert list(t.layers) == ["Linear"]
+    assert tuple(t.layers["Linear"].delta.shape) == (5, 6, 2)
+
+
+def test_module_called_twice_keeps_a_call_each_and_sums_its_gradient():
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+
+    def step():
+        shared.zero_grad()
+        shared(torch.tanh(shared(x))).pow(2).sum().backward()
+
+    t = hw.trace(step)
+    layer = t.layers["Linear"]
+    assert len(layer.calls) == 2
+    assert torch.equal(layer.a, x)
+    assert torch.allclose(t.weight_grad("Linear"), shared.weight.grad, atol=1e-6)
+    assert torch.allclose(t.bias_grad("Linear"), shared.bias.grad, atol=1e-6)
+
+
+def test_in_place_relu_after_layer_keeps_exact_factors():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 1))
+    x = torch.randn(6, 4)
+
+    def step():
+        model.zero_grad()
+        model(x).sum().backward()
+
+    t = hw.trace(step)
+    for name in ("0", "2"):
+        assert torch.allclose(t.weight_grad(name), model.get_submodule(name).weight.grad, atol=1e-6)
+    # ReLU's input a was cloned before the in-place op rewrote it: it still has negatives
+    assert (t.layers["1"].a < 0).any()
+
+
+def test_forward_only_and_no_grad_give_activations_and_say_so(seed_mlp):
+    model, x, y, step = seed_mlp
+    with torch.no_grad():
+        t = hw.trace(lambda: model(x))
+    assert tuple(t.layers["fc2"].a.shape) == (5, 6, 3)
+    assert t.layers["fc2"].delta is None
+    assert any("no gradients captured" in n for n in t.notes)
+    t2 = hw.trace(lambda: model(x))
+    assert t2.graph.number_of_nodes() > 0  # the graph backward would walk
+
+
+def test_budget_keeps_summaries_and_says_what_was_dropped(seed_mlp):
+    model, x, y, step = seed_mlp
+    t = hw.trace(step, budget_mb=0.0002)  # ~200 bytes: room for one small tensor
+    dropped = [c for layer in t.layers.values() for c in layer.calls if c.a is None]
+    assert dropped
+    c = dropped[0]
+    assert c.a_summary is not None and c.a_summary.shape and c.a_summary.nan == 0
+    assert any("memory budget" in n for n in t.notes)
+
+
+def test_summary_statistics_equal_torch(seed_mlp):
+    model, x, y, step = seed_mlp
+    full = hw.trace(step)
+    t = hw.trace(step, capture="summary")
+    s, a = t.layers["fc2"].calls[0].a_summary, full.layers["fc2"].a
+    assert s.shape == tuple(a.shape)
+    assert s.norm == pytest.approx(float(a.norm()), rel=1e-6)
+    assert (s.min, s.max) == pytest.approx((float(a.min()), float(a.max())))
+    assert s.mean == pytest.approx(float(a.mean()), abs=1e-7)
+
+
+def test_nan_and_inf_are_counted(seed_mlp):
+    model, x, y, step = seed_mlp
+    xb = x.detach().clone()
+    xb[0, 0, 0] = float("nan")
+    xb[1, 0, 0] = float("inf")
+    t = hw.trace(lambda: model(xb), capture="summary")
+    s = t.layers["fc1"].calls[0].a_summary
+    assert (s.nan, s.inf) == (1, 1)
+
+
+def test_graph_ids_are_stable_and_attributed(seed_mlp):
+    model, x, y, step = seed_mlp
+    g1, g2 = hw.trace(step).graph, hw.trace(step).graph
+    assert list(g1.nodes) == list(g2.nodes) and list(g1.edges) == list(g2.edges)
+    modules = {d["module"] for _, d in g1.nodes(data=True) if d["role"] == "op"}
+    assert {"fc1", "fc2"} <= modules
+    assert all(d["grad_norm"] is not None for _, d in g1.nodes(data=True) if d["role"] in ("op", "param"))
+
+
+def test_node_grad_norms_equal_autograd(seed_mlp):
+    model, x, y, step = seed_mlp
+    t = hw.trace(step)
+    pnode = next(d for _, d in t.graph.nodes(data=True) if d["param"] == "fc1.weight")
+    assert pnode["grad_norm"] == pytest.approx(float(model.fc1.weight.grad.norm()), rel=1e-6)
+
+
+def test_40k_node_chain_builds_iteratively_and_fast():
+    x = torch.randn(2, requires_grad=True)
+    h = x
+    for _ in range(40_000):
+        h = h * 1.0
+    start = time.perf_counter()
+    t = hw.trace(lambda: h.sum().backward(), node_grads=False)
+    elapsed = time.perf_counter() - start
+    assert t.graph.number_of_nodes() >= 40_002
+    assert elapsed < 5.0  # generous: CI machines vary; benchmarks/ measures the real figure
+
+
+def test_user_hooks_are_listed(seed_mlp):
+    model, x, y, step = seed_mlp
+
+    def my_probe(m, i, o):
+        return None
+
+    h = model.fc1.register_forward_hook(my_probe)
+    try:
+        t = hw.trace(step)
+    finally:
+        h.remove()
+    assert any("my_probe" in s for s in t.user_hooks["fc1"])
+
+
+def test_bad_options_get_one_clear_line(seed_mlp):
+    model, x, y, step = seed_mlp
+    with pytest.raises(ValueError, match="capture='everything' is not a capture mode; choose one of"):
+        hw.trace(step, capture="everything")
+    with pytest.raises(TypeError, match="unknown option"):
+        hw.trace(step, budget=3)
+    with pytest.raises(TypeError, match="hw.trace takes a function"):
+        hw.trace(model)
+    with pytest.raises(KeyError, match="no layer 'fc9'"):
+        hw.trace(step).weight_grad("fc9")
