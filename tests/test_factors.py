@@ -1,0 +1,150 @@
+"""(a, δ) factors: W.grad, per-sample gradients and norms, against autograd and torch.func."""
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import hookwidget as hw
+
+
+class Mixed(nn.Module):
+    """Every supported layer type, with (B, T, ...) shaped data."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8, padding_idx=0)
+        self.conv1 = nn.Conv1d(8, 6, 3, padding=1, dilation=1)
+        self.norm = nn.LayerNorm(6)
+        self.fc = nn.Linear(6, 5)
+        self.conv2 = nn.Conv2d(1, 3, (2, 3), stride=(1, 2), padding=1, dilation=(1, 1))
+        self.head = nn.Linear(3 * 6 * 3, 2, bias=False)
+
+    def forward(self, idx):
+        h = self.emb(idx)  # (B, T, 8)
+        h = self.conv1(h.transpose(1, 2)).transpose(1, 2)  # (B, T, 6)
+        h = torch.tanh(self.fc(self.norm(h)))  # (B, T, 5)
+        h = self.conv2(h.unsqueeze(1))  # (B, 3, H, W)
+        return self.head(h.flatten(1))
+
+
+def loss_of(model, idx, y):
+    return ((model(idx) - y) ** 2).sum()
+
+
+@pytest.fixture
+def mixed():
+    torch.manual_seed(0)
+    model = Mixed()
+    idx = torch.randint(0, 11, (4, 5))
+    idx[0, :2] = 0  # padding positions
+    idx[1, 3] = idx[1, 1]  # an index used twice in one sample
+    y = torch.randn(4, 2)
+
+    def step():
+        model.zero_grad()
+        loss_of(model, idx, y).backward()
+
+    return model, idx, y, step
+
+
+def per_sample_reference(model, idx, y):
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, i, t):
+        return ((functional_call(model, p, (i.unsqueeze(0),)) - t.unsqueeze(0)) ** 2).sum()
+
+    return vmap(grad(one), in_dims=(None, 0, 0))(params, idx, y)
+
+
+LAYERS = ["emb", "conv1", "norm", "fc", "conv2", "head"]
+
+
+def test_weight_and_bias_grads_rebuild_autograd(mixed):
+    model, idx, y, step = mixed
+    t = hw.trace(step)
+    for name in LAYERS:
+        m = model.get_submodule(name)
+        assert torch.allclose(t.weight_grad(name), m.weight.grad, atol=1e-5), name
+        if getattr(m, "bias", None) is not None:
+            assert torch.allclose(t.bias_grad(name), m.bias.grad, atol=1e-5), name
+
+
+def test_per_sample_grads_equal_torch_func(mixed):
+    model, idx, y, step = mixed
+    t = hw.trace(step)
+    ref = per_sample_reference(model, idx, y)
+    for name in LAYERS:
+        assert torch.allclose(t.per_sample_grads(name), ref[f"{name}.weight"], atol=1e-5), name
+    assert torch.allclose(t.per_sample_grads("fc", "bias"), ref["fc.bias"], atol=1e-5)
+
+
+@pytest.mark.parametrize("capture", ["full", "norms"])
+def test_per_sample_norms_equal_torch_func(mixed, capture):
+    model, idx, y, step = mixed
+    t = hw.trace(step, capture=capture)
+    ref = per_sample_reference(model, idx, y)
+    ref_norm = torch.stack([g.flatten(1).pow(2).sum(1) for g in ref.values()]).sum(0).sqrt()
+    assert torch.allclose(t.per_sample_grad_norms(), ref_norm, rtol=1e-4)
+    if capture == "full":
+        fc = torch.cat([ref["fc.weight"].flatten(1), ref["fc.bias"].flatten(1)], 1).norm(dim=1)
+        assert torch.allclose(t.per_sample_grad_norms("fc"), fc, rtol=1e-4)
+
+
+def test_ghost_and_materialised_norms_agree():
+    # T*T < d_in*d_out takes the Gram route, T*T >= d_in*d_out materialises: both exact.
+    torch.manual_seed(0)
+    for T, d in ((3, 16), (40, 2)):
+        layer = nn.Linear(d, d)
+        x = torch.randn(5, T, d)
+        t = hw.trace(lambda: layer(x).pow(2).sum().backward())
+        ref = t.per_sample_grads("Linear").flatten(1).pow(2).sum(1)
+        ref = (ref + t.per_sample_grads("Linear", "bias").pow(2).sum(1)).sqrt()
+        assert torch.allclose(t.per_sample_grad_norms("Linear"), ref, rtol=1e-5)
+
+
+def test_mean_reduced_loss_is_undone_by_loss_reduction_mean(mixed):
+    model, idx, y, step = mixed
+
+    def mean_step():
+        model.zero_grad()
+        ((model(idx) - y) ** 2).sum(1).mean().backward()
+
+    t = hw.trace(mean_step)
+    ref = per_sample_reference(model, idx, y)["fc.weight"]  # each sample's own (sum) loss
+    assert torch.allclose(t.per_sample_grads("fc") * 4, ref, atol=1e-5)
+    assert torch.allclose(t.per_sample_grads("fc", loss_reduction="mean"), ref, atol=1e-5)
+    assert torch.allclose(t.per_sample_grads("fc").sum(0), model.fc.weight.grad, atol=1e-6)
+
+
+def test_tied_weights_count_once():
+    torch.manual_seed(0)
+    emb = nn.Embedding(7, 4)
+    head = nn.Linear(4, 7, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    idx = torch.randint(0, 7, (3, 5))
+
+    def loss(p, i):
+        h = functional_call(model["emb"], {"weight": p}, (i.unsqueeze(0),))
+        return functional_call(model["head"], {"weight": p}, (h,)).pow(2).sum()
+
+    def step():
+        emb.zero_grad()
+        head(emb(idx)).pow(2).sum().backward()
+
+    for capture in ("full", "norms"):
+        t = hw.trace(step, capture=capture)
+        ref = vmap(grad(loss), in_dims=(None, 0))(emb.weight.detach(), idx).flatten(1).norm(dim=1)
+        assert torch.allclose(t.per_sample_grad_norms(), ref, rtol=1e-4), capture
+
+
+def test_unsupported_layers_are_listed_not_skipped():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+    t = hw.trace(lambda: model(x).sum().backward())
+    assert any("1 (no factor rule for BatchNorm1d)" in n for n in t.notes)
+    assert not t.supports("1")
+    with pytest.raises(ValueError, match="no factor rule for BatchNorm1d; supported types:"):
+        t.weight_grad("1")
