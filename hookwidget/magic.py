@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 
+from IPython.core.error import UsageError as IPythonUsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from torch import nn
@@ -11,8 +12,8 @@ from torch import nn
 from .trace import Trace
 
 
-class UsageError(ValueError):
-    """A bad %%hooktrace line; the message says how to fix it."""
+class UsageError(IPythonUsageError, ValueError):
+    """A bad %%hooktrace line; IPython shows its one-line message without a traceback."""
 
 
 @magics_class
