@@ -1,0 +1,327 @@
+"""What the front-end shows of a Trace: small JSON summaries up front, tensor detail on request.
+
+Summaries (graph, module tree, norms, shapes, health, the hooks on) are plain JSON. Tensors are
+never JSON lists: `detail()` returns a meta dict plus a list of binary buffers, each described in
+the meta as `{buffer, dtype, shape, true_shape, ...}` and downsampled here to at most MAX_SIDE
+cells per side. Shared by the live widget (custom messages) and the standalone page (inlined).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+MAX_SIDE = 200  # cells per side of a heatmap sent to the front-end
+PER_SAMPLE_LIMIT = 50_000_000  # floats: above this, the per-sample δ⊗a heatmap is skipped
+
+
+def summary(trace) -> dict:
+    """Everything the explorer draws before any click: JSON-safe, no tensor values."""
+    h = health(trace)
+    return {
+        "graph": graph_summary(trace.graph),
+        "modules": module_tree(trace, h.get("layers", {})),
+        "params": {n: _tensor_norm(g) for n, g in trace.param_grads.items()},
+        "loss": _num(trace.loss),
+        "notes": [str(n) for n in trace.notes],
+        "hooks": hooks(trace),
+        "kinds": kinds(),
+        "health": h,
+    }
+
+
+def graph_summary(g) -> dict:
+    """Columnar node attributes plus edges as flat pairs of node indices (u → v: gradient flow)."""
+    ids = list(g.nodes)
+    index = {n: i for i, n in enumerate(ids)}
+    cols = {k: [] for k in ("name", "role", "module", "param", "shape", "grad_norm")}
+    for n in ids:
+        d = g.nodes[n]
+        cols["name"].append(str(d.get("name", n)))
+        cols["role"].append(str(d.get("role", "op")))
+        cols["module"].append(str(d.get("module") or ""))
+        cols["param"].append(str(d.get("param") or ""))
+        shape = d.get("shape")
+        cols["shape"].append(None if shape is None else [int(s) for s in shape])
+        cols["grad_norm"].append(_num(d.get("grad_norm")))
+    edges = [i for u, v in g.edges for i in (index[u], index[v])]
+    return {"id": ids, **cols, "edges": edges}
+
+
+def module_tree(trace, flags: dict | None = None) -> list[dict]:
+    """One row per called module, in call order: name, class, parent, parameter and call counts, shapes."""
+    layers = trace.layers
+    parent = _parents(layers)
+    flags = health(trace).get("layers", {}) if flags is None else flags
+    rows = []
+    for name, layer in layers.items():
+        m, c = layer.module, layer.calls[0] if layer.calls else None
+        own = [n for n, _ in m.named_parameters(recurse=False)]
+        grads = [trace.param_grads.get(f"{name}.{p}" if name else p) for p in own]
+        rows.append({
+            "name": name,
+            "cls": type(m).__name__,
+            "parent": parent.get(name),
+            "params": int(sum(p.numel() for p in m.parameters())),
+            "own_params": [f"{name}.{p}" for p in own],
+            "calls": len(layer.calls),
+            "a": _tensor_info(c.a if c else None, c.a_summary if c else None),
+            "delta": _tensor_info(c.delta if c else None, c.delta_summary if c else None),
+            "output_shape": _shape(c.output_shape) if c else None,
+            "grad_norm": _norms([g for g in grads if g is not None]),
+            "supports": bool(own) and _supports(trace, name),
+            "flags": flags.get(name, []),
+        })
+    return rows
+
+
+def hooks(trace) -> list[dict]:
+    """The interventions on the trace; a Python callable is shown by its name, never sent."""
+    out = []
+    for iv in getattr(trace, "interventions", []):
+        params = {k: (_num(v) if isinstance(v, (int, float)) else getattr(v, "__qualname__", type(v).__name__))
+                  for k, v in iv.params.items()}
+        out.append({"target": iv.target, "kind": iv.kind.name, "params": params})
+    return out
+
+
+def kinds() -> list[dict]:
+    """The registered intervention kinds, so the controls list exactly what the kernel accepts."""
+    from .interventions import KINDS
+
+    return [{"name": k.name, "doc": k.doc, "attach": getattr(k, "attach", "grad"), "python_only": k.python_only,
+             "params": [{"name": p, "type": getattr(t, "__name__", str(t)), "default": _num(d)}
+                        for p, (t, d) in k.params.items()]}
+            for k in KINDS.values()]
+
+
+def health(trace) -> dict:
+    """Health flags per layer and the first node whose gradient is not finite; {} without health()."""
+    fn = getattr(trace, "health", None)
+    if fn is None:
+        return {}
+    try:
+        h = fn()
+    except Exception as e:  # health is advisory: never let it hide the explorer
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"layers": {n: f for n, f in h.flagged.items()}, "first_nonfinite_node": h.first_nonfinite_node,
+            "nonfinite_nodes": list(h.nonfinite_nodes)[:100]}
+
+
+def diff(before, after) -> dict:
+    """Loss and per-parameter grad norms before/after a rerun, and which nodes and modules changed."""
+    d = after.diff(before)
+    g0, g1 = before.graph, after.graph
+    changed_nodes = [n for n, attrs in g1.nodes(data=True)
+                     if n not in g0 or not _same(g0.nodes[n].get("grad_norm"), attrs.get("grad_norm"))]
+    params = [{"name": p.name, "before": _num(p.before), "after": _num(p.after),
+               "rel_change": _num(p.rel_change), "cosine": _num(p.cosine)} for p in d.params]
+    changed_params = {p["name"] for p in params if p["rel_change"] != 0.0}
+    owner = {n: r["name"] for r in module_tree(after, {}) for n in r["own_params"]}
+    return {
+        "loss_before": _num(d.loss_before), "loss_after": _num(d.loss_after), "params": params,
+        "layers": {n: [_num(b), _num(a)] for n, (b, a) in d.layers.items()},
+        "changed_nodes": changed_nodes,
+        "changed_modules": sorted({owner[p] for p in changed_params if p in owner}
+                                  | {g1.nodes[n].get("module") or "" for n in changed_nodes} - {""}),
+    }
+
+
+# -- detail --------------------------------------------------------------------------------------
+def detail(trace, target: str) -> tuple[dict, list[bytes]]:
+    """Meta + buffers for one layer name or graph node id. Raises KeyError for an unknown target."""
+    out = _Buffers()
+    if target in trace.layers:
+        meta = _layer_detail(trace, target, out)
+    elif target in trace.graph:
+        meta = _node_detail(trace, target, out)
+    else:
+        raise KeyError(f"unknown target {target!r}: give a layer name or a graph node id")
+    meta["tensors"] = out.meta
+    return meta, out.buffers
+
+
+def _layer_detail(trace, name: str, out: _Buffers) -> dict:
+    layer = trace.layers[name]
+    c = layer.calls[0] if layer.calls else None
+    meta = {"kind": "layer", "target": name, "cls": type(layer.module).__name__, "calls": len(layer.calls),
+            "shapes": {}, "notes": [], "flags": health(trace).get("layers", {}).get(name, [])}
+    if c is not None:
+        meta["shapes"] = {"a": _tensor_info(c.a, c.a_summary), "delta": _tensor_info(c.delta, c.delta_summary),
+                          "output": _shape(c.output_shape)}
+        out.add("a", c.a, "rows")
+        out.add("delta", c.delta, "rows")
+    w = getattr(layer.module, "weight", None)
+    if isinstance(w, torch.Tensor):
+        meta["shapes"]["weight"] = _shape(w.shape)
+        pname = f"{name}.weight" if name else "weight"
+        autograd = trace.param_grads.get(pname)
+        out.add("grad_autograd", autograd, "param")
+        rebuilt = _try(lambda: trace.weight_grad(name), meta)
+        out.add("grad_rebuilt", rebuilt, "param")
+        if autograd is not None and rebuilt is not None and autograd.shape == rebuilt.shape:
+            meta["max_abs_diff"] = _num(float((autograd.double() - rebuilt.double()).abs().max()))
+        if rebuilt is not None and c is not None and c.a is not None:
+            batch = c.a.shape[0]
+            if batch * w.numel() <= PER_SAMPLE_LIMIT:
+                psg = _try(lambda: trace.per_sample_grads(name), meta)
+                out.add("per_sample_grad0", None if psg is None else psg[0], "param")
+            else:
+                meta["notes"].append(f"per-sample δ⊗a not shown: {batch} × {w.numel()} floats")
+            norms = _try(lambda: trace.per_sample_grad_norms(name), meta)
+            out.add("per_sample_norms", norms, "vector")
+        storage = _try(lambda: trace.storage(name), meta)
+        if storage is not None:
+            meta["storage"] = {k: (_shape(v) if isinstance(v, tuple) else v) for k, v in storage.items()}
+    return meta
+
+
+def _node_detail(trace, node: str, out: _Buffers) -> dict:
+    g = trace.graph
+    d = g.nodes[node]
+    meta = {"kind": "node", "target": node, "name": str(d.get("name")), "role": str(d.get("role")),
+            "module": str(d.get("module") or ""), "param": str(d.get("param") or ""),
+            "shape": _shape(d.get("shape")), "grad_norm": _num(d.get("grad_norm")),
+            "next": [str(v) for v in g.successors(node)][:50], "prev": [str(u) for u in g.predecessors(node)][:50],
+            "notes": []}
+    if meta["param"]:
+        out.add("grad_autograd", trace.param_grads.get(meta["param"]), "param")
+    return meta
+
+
+class _Buffers:
+    """Collects downsampled float32 buffers and their descriptions."""
+
+    def __init__(self):
+        self.meta: dict = {}
+        self.buffers: list[bytes] = []
+
+    def add(self, key: str, t, layout: str) -> None:
+        if t is None:
+            return
+        view, info = downsample(t, layout)
+        info["buffer"] = len(self.buffers)
+        self.buffers.append(view.tobytes())
+        self.meta[key] = info
+
+
+def downsample(t: torch.Tensor, layout: str = "rows") -> tuple[np.ndarray, dict]:
+    """A 2-D float32 view of `t` with at most MAX_SIDE cells per side (block means), plus its description.
+
+    layout "rows": leading dims flattened into rows, last dim as columns (activations, δ);
+    "param": first dim as rows, the rest as columns (weights); "vector": 1-D, at most MAX_SIDE*5 bars."""
+    x = t.detach().to("cpu", torch.float32)
+    true_shape = [int(s) for s in x.shape]
+    if layout == "vector":
+        x = x.reshape(-1)
+        n = x.numel()
+        if n > MAX_SIDE * 5:
+            x = F.adaptive_avg_pool1d(x.view(1, 1, n), MAX_SIDE * 5).view(-1)
+        arr = x.numpy()
+        shape = [int(arr.shape[0])]
+    else:
+        if x.dim() == 0:
+            x = x.reshape(1, 1)
+        elif x.dim() == 1:
+            x = x.reshape(1, -1)
+        elif layout == "param":
+            x = x.reshape(x.shape[0], -1)
+        else:
+            x = x.reshape(-1, x.shape[-1])
+        rows, cols = x.shape
+        if rows > MAX_SIDE or cols > MAX_SIDE:
+            x = F.adaptive_avg_pool2d(x.view(1, 1, rows, cols), (min(rows, MAX_SIDE), min(cols, MAX_SIDE)))[0, 0]
+        arr = x.contiguous().numpy()
+        shape = [int(arr.shape[0]), int(arr.shape[1])]
+    arr = np.ascontiguousarray(arr, dtype="<f4")
+    finite = arr[np.isfinite(arr)]
+    info = {"dtype": "float32", "shape": shape, "true_shape": true_shape,
+            "min": _num(float(finite.min())) if finite.size else None,
+            "max": _num(float(finite.max())) if finite.size else None,
+            "nonfinite": int(arr.size - finite.size)}
+    return arr, info
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _num(v):
+    """JSON-safe number: NaN/±Inf become the strings "nan", "inf", "-inf" (JSON has no NaN)."""
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        return v if math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    return v
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a == b or (a != a and b != b)
+
+
+def _shape(s):
+    return None if s is None else [int(v) for v in s]
+
+
+def _tensor_norm(t):
+    return None if t is None else _num(float(torch.linalg.vector_norm(t.detach().double())))
+
+
+def _norms(ts):
+    if not ts:
+        return None
+    return _num(math.sqrt(sum(float(torch.linalg.vector_norm(t.detach().double())) ** 2 for t in ts)))
+
+
+def _tensor_info(t, s) -> dict | None:
+    """Shape, norm, range and NaN/Inf count of a kept tensor or of its summary."""
+    if t is not None:
+        f = t.detach().double()
+        return {"shape": _shape(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "kept": True,
+                "norm": _num(float(torch.linalg.vector_norm(f))) if f.numel() else 0.0,
+                "nonfinite": int((~torch.isfinite(f)).sum())}
+    if s is not None:
+        return {"shape": _shape(s.shape), "dtype": s.dtype, "kept": False, "norm": _num(s.norm),
+                "nonfinite": int(s.nan + s.inf)}
+    return None
+
+
+def _supports(trace, name: str) -> bool:
+    try:
+        return bool(trace.supports(name))
+    except Exception:
+        return False
+
+
+def _try(fn, meta: dict):
+    """Run fn; on an error keep its one-line message in meta['notes'] and return None."""
+    try:
+        return fn()
+    except Exception as e:
+        meta["notes"].append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        return None
+
+
+def _parents(layers: dict) -> dict:
+    """Layer name -> nearest enclosing called module's name (through uncalled containers like ModuleList)."""
+    by_id = {id(layer.module): name for name, layer in layers.items()}
+    parent: dict = {}
+    for name, layer in layers.items():
+        stack = list(layer.module.children())
+        seen = set()
+        while stack:
+            m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            child = by_id.get(id(m))
+            if child is not None and child != name:
+                parent.setdefault(child, name)
+            else:
+                stack.extend(m.children())
+    return parent

@@ -1,0 +1,145 @@
+"""The explorer widget: traitlets and the handlers of the front-end's messages, nothing else.
+
+Messages follow a fixed schema (DESIGN.md). Anything else is rejected with a logged one-line
+error and a `status: error` reply; nothing from the front-end is ever evaluated, and only the
+registered intervention kinds that take plain numbers can be set from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import time
+
+import anywidget
+import traitlets
+
+from . import payload
+
+log = logging.getLogger("hookwidget")
+
+# type -> the keys it must carry besides type and request_id
+SCHEMA = {
+    "detail": {"target"},
+    "add_hook": {"target", "kind", "params"},
+    "remove_hook": {"target", "kind"},
+    "rerun": set(),
+}
+MAX_TEXT = 1000  # longest accepted target / kind / request_id
+ESM = pathlib.Path(__file__).parent / "static" / "widget.js"  # built from js/ by `npm run build`
+
+
+class MessageError(ValueError):
+    """A front-end message that does not follow the schema."""
+
+
+class HookWidget(anywidget.AnyWidget):
+    """Module tree + grad_fn graph + detail panel + hook controls for one Trace; holds the newest after a rerun."""
+
+    _esm = ESM  # with ANYWIDGET_HMR=1 anywidget reloads it when `npm run dev` rebuilds
+    summary = traitlets.Dict().tag(sync=True)
+    readonly = traitlets.Bool(False).tag(sync=True)
+
+    def __init__(self, trace, **kwargs):
+        super().__init__(**kwargs)
+        self.trace = trace
+        self.summary = payload.summary(trace)
+        self.on_msg(self._on_msg)
+
+    def _on_msg(self, _widget, content, buffers) -> None:
+        rid = content.get("request_id") if isinstance(content, dict) else None
+        rid = rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) and len(str(rid)) <= 64 else None
+        try:
+            msg = validate(content)
+        except MessageError as e:
+            log.warning("hookwidget: rejected front-end message: %s", e)
+            self._status(rid, "error", f"rejected message: {e}")
+            return
+        try:
+            getattr(self, "_do_" + msg["type"])(msg)
+        except Exception as e:  # reported to the front-end, never swallowed
+            text = _one_line(e)
+            log.warning("hookwidget: %s failed: %s", msg["type"], text)
+            self._status(rid, "error", f"{msg['type']} failed: {text}")
+
+    # -- handlers ----------------------------------------------------------------------------
+    def _do_detail(self, msg: dict) -> None:
+        meta, buffers = payload.detail(self.trace, msg["target"])
+        self.send({"type": "detail", "request_id": msg["request_id"], "target": msg["target"], "meta": meta},
+                  buffers)
+
+    def _do_add_hook(self, msg: dict) -> None:
+        from .interventions import make
+
+        make(msg["target"], msg["kind"], msg["params"], from_frontend=True)  # validates; raises one line
+        self.trace.add_hook(msg["target"], msg["kind"], **msg["params"])
+        self.summary = {**self.summary, "hooks": payload.hooks(self.trace)}
+        self._status(msg["request_id"], "done", f"{msg['kind']} on {msg['target']} added; rerun to apply")
+
+    def _do_remove_hook(self, msg: dict) -> None:
+        self.trace.remove_hook(msg["target"], msg["kind"])
+        self.summary = {**self.summary, "hooks": payload.hooks(self.trace)}
+        self._status(msg["request_id"], "done", f"{msg['kind']} on {msg['target']} removed; rerun to apply")
+
+    def _do_rerun(self, msg: dict) -> None:
+        self._status(msg["request_id"], "running", "rerunning the traced code")
+        start = time.perf_counter()
+        before = self.trace
+        after = before.rerun()
+        changes = payload.diff(before, after)
+        self.trace = after
+        self.summary = payload.summary(after)
+        secs = time.perf_counter() - start
+        self.send({"type": "trace", "request_id": msg["request_id"], "diff": changes, "seconds": round(secs, 3)})
+        self._status(msg["request_id"], "done", f"rerun done in {secs:.2f} s: loss "
+                     f"{_fmt(changes['loss_before'])} → {_fmt(changes['loss_after'])}, "
+                     f"{len(changes['changed_modules'])} module(s) changed")
+
+    def _status(self, request_id, state: str, text: str) -> None:
+        self.send({"type": "status", "request_id": request_id, "state": state, "text": text})
+
+
+def validate(content) -> dict:
+    """The message if it follows the schema exactly, else MessageError naming what is wrong."""
+    if not isinstance(content, dict):
+        raise MessageError(f"expected an object, got {type(content).__name__}")
+    kind = content.get("type")
+    if not isinstance(kind, str) or kind not in SCHEMA:
+        raise MessageError(f"unknown type {str(kind)[:80]!r}; expected one of {', '.join(SCHEMA)}")
+    expected = SCHEMA[kind] | {"type", "request_id"}
+    if set(content) != expected:
+        extra, missing = set(content) - expected, expected - set(content)
+        raise MessageError(f"{kind}: " + "; ".join(
+            part for part in (f"unknown key(s) {', '.join(sorted(map(str, extra)))[:200]}" if extra else "",
+                              f"missing key(s) {', '.join(sorted(missing))}" if missing else "") if part))
+    rid = content["request_id"]
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or len(str(rid)) > 64:
+        raise MessageError(f"{kind}: request_id must be a string or integer of at most 64 characters")
+    for key in ("target", "kind"):
+        if key in content and (not isinstance(content[key], str) or not 0 < len(content[key]) <= MAX_TEXT):
+            raise MessageError(f"{kind}: {key} must be a non-empty string of at most {MAX_TEXT} characters")
+    if "kind" in content:
+        from .interventions import KINDS
+
+        spec = KINDS.get(content["kind"])
+        if spec is None:
+            raise MessageError(f"unknown intervention kind {content['kind'][:80]!r}; choose one of: "
+                               + ", ".join(k for k, s in KINDS.items() if not s.python_only))
+        if spec.python_only and kind == "add_hook":
+            raise MessageError(f"{spec.name!r} takes a Python function: set it from Python with t.add_hook(...)")
+    if "params" in content:
+        params = content["params"]
+        if not isinstance(params, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                for k, v in params.items()):
+            raise MessageError(f"{kind}: params must map parameter names to numbers")
+    return content
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:500]
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else (f"{v:.6g}" if isinstance(v, float) else str(v))

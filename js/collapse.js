@@ -1,0 +1,140 @@
+// Collapsing the grad_fn graph to modules: which boxes and edges are visible for a set of
+// expanded modules. Pure functions (no DOM), so they are unit-tested directly.
+//
+// The hierarchy is the module tree (parent links from the kernel). A module with more than
+// CHUNK children gets synthetic chunk groups ("blocks [0…49]"), recursively, so that expanding
+// the root of a 10,000-layer chain never asks the layout for 10,000 boxes at once.
+
+export const CHUNK = 50;
+export const DEFAULT_LIMIT = 300;
+
+/** Module hierarchy with chunk groups: {groups: Map(key -> {key, name, label, cls, parent, depth, leaf, chunk}), order}. */
+export function buildHierarchy(modules) {
+  const groups = new Map();
+  const children = new Map([[null, []]]);
+  for (const m of modules) {
+    groups.set(m.name, { key: m.name, name: m.name, label: m.name || "(root)", cls: m.cls, parent: m.parent ?? null, chunk: false });
+    children.set(m.name, []);
+  }
+  for (const m of modules) {
+    const p = m.parent !== null && m.parent !== undefined && groups.has(m.parent) ? m.parent : null;
+    groups.get(m.name).parent = p;
+    children.get(p).push(m.name);
+  }
+  for (const [parent, kids] of [...children.entries()]) chunkChildren(groups, parent, kids);
+  for (const g of groups.values()) {
+    let d = 0;
+    for (let p = g.parent; p !== null; p = groups.get(p).parent) d++;
+    g.depth = d;
+  }
+  for (const g of groups.values()) g.leaf = true;
+  for (const g of groups.values()) if (g.parent !== null) groups.get(g.parent).leaf = false;
+  return groups;
+}
+
+function chunkChildren(groups, parent, kids) {
+  let level = kids;
+  while (level.length > CHUNK) {
+    const next = [];
+    for (let i = 0; i < level.length; i += CHUNK) {
+      const part = level.slice(i, i + CHUNK);
+      const first = groups.get(part[0]), last = groups.get(part[part.length - 1]);
+      const key = `\u0000chunk:${parent ?? ""}:${first.key}:${part.length}`;
+      const label = `${first.label} … ${last.label}`;
+      groups.set(key, { key, name: null, label, cls: `${part.length} groups`, parent, chunk: true });
+      for (const k of part) groups.get(k).parent = key;
+      next.push(key);
+    }
+    level = next;
+  }
+}
+
+/** Ancestor chain of a group, outermost first (including the group itself). */
+export function chain(groups, key) {
+  const out = [];
+  for (let k = key; k !== null && k !== undefined; k = groups.get(k).parent) out.unshift(k);
+  return out;
+}
+
+/** The visible key of graph node i: the outermost collapsed group on its module's chain, or the node itself. */
+export function keyOf(groups, graph, expanded, i, cache = new Map()) {
+  const mod = graph.module[i];
+  if (!mod || !groups.has(mod)) return `n:${i}`;
+  let k = cache.get(mod);
+  if (k === undefined) {
+    k = null;
+    for (const g of chain(groups, mod)) if (!expanded.has(g)) { k = `m:${g}`; break; }
+    cache.set(mod, k);
+  }
+  return k ?? `n:${i}`;
+}
+
+/** Visible items and edges: {items: Map(key -> item), edges: [[ku, kv]], clusters: [group keys expanded and shown]} */
+export function visibleGraph(graph, groups, expanded) {
+  const n = graph.id.length;
+  const cache = new Map();
+  const keys = new Array(n);
+  const items = new Map();
+  for (let i = 0; i < n; i++) {
+    const k = (keys[i] = keyOf(groups, graph, expanded, i, cache));
+    let item = items.get(k);
+    if (!item) {
+      if (k.startsWith("m:")) {
+        const g = groups.get(k.slice(2));
+        item = { key: k, kind: "module", group: g.key, module: g.name, label: g.label, cls: g.cls, chunk: g.chunk, nodes: [], roles: new Set() };
+      } else {
+        item = { key: k, kind: "node", index: i, id: graph.id[i], label: graph.name[i], role: graph.role[i], module: graph.module[i], nodes: [], roles: new Set() };
+      }
+      items.set(k, item);
+    }
+    item.nodes.push(i);
+    item.roles.add(graph.role[i]);
+  }
+  const seen = new Set();
+  const edges = [];
+  const E = graph.edges;
+  for (let j = 0; j < E.length; j += 2) {
+    const ku = keys[E[j]], kv = keys[E[j + 1]];
+    if (ku === kv) continue;
+    const e = ku + "\u0001" + kv;
+    if (seen.has(e)) continue;
+    seen.add(e);
+    edges.push([ku, kv]);
+  }
+  const clusters = new Set();
+  for (const item of items.values()) {
+    const start = item.kind === "module" ? groups.get(item.group).parent : graph.module[item.index] && groups.has(graph.module[item.index]) ? graph.module[item.index] : null;
+    for (let p = start; p !== null && p !== undefined; p = groups.get(p).parent) clusters.add(p);
+  }
+  return { items, edges, clusters: [...clusters], keys };
+}
+
+/** Expanded set for the first view: non-leaf groups down to the deepest level that keeps at most `limit` boxes. */
+export function initialExpanded(graph, groups, limit = DEFAULT_LIMIT) {
+  const maxDepth = Math.max(0, ...[...groups.values()].map((g) => g.depth));
+  let best = new Set();
+  for (let d = 1; d <= maxDepth; d++) {
+    const exp = new Set([...groups.values()].filter((g) => g.depth < d && !g.leaf).map((g) => g.key));
+    if (countVisible(graph, groups, exp) > limit) break;
+    best = exp;
+  }
+  return best;
+}
+
+export function countVisible(graph, groups, expanded) {
+  const cache = new Map();
+  const keys = new Set();
+  for (let i = 0; i < graph.id.length; i++) keys.add(keyOf(groups, graph, expanded, i, cache));
+  return keys.size;
+}
+
+/** Node indices whose name, module or id contains `query` (case-insensitive). */
+export function search(graph, modules, query) {
+  const q = query.trim().toLowerCase();
+  if (!q) return { nodes: [], modules: [] };
+  const nodes = [];
+  for (let i = 0; i < graph.id.length; i++) {
+    if (graph.id[i].toLowerCase().includes(q) || graph.param[i].toLowerCase().includes(q)) nodes.push(i);
+  }
+  return { nodes, modules: modules.filter((m) => m.name.toLowerCase().includes(q) || m.cls.toLowerCase().includes(q)).map((m) => m.name) };
+}

@@ -1,0 +1,52 @@
+// Hook controls for the selected layer or node: every registered intervention kind with its parameters.
+// A toggle (data-hook="<kind>") asks the kernel to add or remove the hook and rerun.
+import { h } from "./dom.js";
+
+export function createControls({ onToggle }) {
+  const body = h("div", { class: "hw-controls-body" });
+  const el = h("div", { class: "hw-controls", "data-testid": "controls" }, h("div", { class: "hw-panel-title", text: "hooks" }), body);
+  let busy = false;
+  let current = null;
+
+  function render(sel, summary, readonly) {
+    current = { sel, summary, readonly };
+    if (!sel) { body.replaceChildren(h("div", { class: "hw-dim", text: "select a module or node to attach a hook" })); return; }
+    const target = sel.target;
+    const active = new Map(summary.hooks.filter((x) => x.target === target).map((x) => [x.kind, x]));
+    const rows = [h("div", { class: "hw-dim" }, "on ", h("b", { text: target || "(root)" }))];
+    if (readonly) rows.push(h("div", { class: "hw-note", "data-testid": "readonly-note", text: "read-only page: hook toggles need a running kernel (open the notebook and use t.widget())" }));
+    for (const kind of summary.kinds) {
+      const layerOnly = kind.attach === "out" && sel.kind !== "module";
+      const on = active.has(kind.name);
+      const inputs = kind.params.map((p) => {
+        const value = on ? active.get(kind.name).params[p.name] : p.default ?? defaultFor(kind.name, p.name);
+        return h("label", { class: "hw-param" }, p.name, " ",
+          h("input", { type: kind.python_only ? "text" : "number", step: "any", name: p.name, "data-param": p.name, value: value ?? "",
+            disabled: readonly || kind.python_only || on || busy }));
+      });
+      const box = h("input", { type: "checkbox", "data-hook": kind.name, disabled: readonly || kind.python_only || layerOnly || busy, title: kind.doc });
+      box.checked = on;
+      box.addEventListener("change", () => {
+        const params = {};
+        for (const inp of inputs.map((l) => l.querySelector("input"))) {
+          const v = Number(inp.value);
+          if (inp.value === "" || !Number.isFinite(v)) { box.checked = !box.checked; inp.classList.add("invalid"); return; }
+          params[inp.getAttribute("data-param")] = v;
+        }
+        onToggle(target, kind.name, box.checked, params);
+      });
+      const why = kind.python_only ? "set from Python: t.add_hook(target, \"" + kind.name + "\", fn=...)" : layerOnly ? "needs a layer, not a graph node" : kind.doc;
+      rows.push(h("div", { class: "hw-hook" + (on ? " on" : "") }, h("label", { class: "hw-hook-name" }, box, " ", kind.name), ...inputs, h("span", { class: "hw-dim", text: why })));
+    }
+    body.replaceChildren(...rows);
+  }
+
+  return {
+    el, render,
+    setBusy(b) { busy = b; if (current) render(current.sel, current.summary, current.readonly); },
+  };
+}
+
+function defaultFor(kind, param) {
+  return { grad_scale: { factor: 0.5 }, out_scale: { factor: 0.5 }, grad_clamp: { min: -0.01, max: 0.01 }, grad_clip_norm: { max_norm: 1 } }[kind]?.[param];
+}

@@ -1,0 +1,95 @@
+// Theme-aware styles: JupyterLab / VS Code CSS variables when present, light/dark fallbacks otherwise.
+export const CSS = `
+.hw-root {
+  --hw-bg: var(--jp-layout-color0, var(--vscode-editor-background, #ffffff));
+  --hw-bg2: var(--jp-layout-color2, var(--vscode-sideBar-background, #f3f4f6));
+  --hw-fg: var(--jp-ui-font-color0, var(--vscode-editor-foreground, #111827));
+  --hw-dim: var(--jp-ui-font-color2, var(--vscode-descriptionForeground, #6b7280));
+  --hw-border: var(--jp-border-color1, var(--vscode-panel-border, #d1d5db));
+  --hw-input: #9ca3af; --hw-param: #0d9488; --hw-leaf: #5eead4; --hw-op: #8b5cf6; --hw-root-c: #6d28d9;
+  --hw-box: color-mix(in srgb, var(--hw-op) 12%, var(--hw-bg));
+  --hw-changed: #f97316; --hw-selected: #2563eb; --hw-match: #eab308; --hw-error: #dc2626;
+  font: 12px/1.4 var(--jp-ui-font-family, system-ui, sans-serif);
+  color: var(--hw-fg); background: var(--hw-bg);
+  display: grid; grid-template-columns: 220px minmax(300px, 1fr) 380px; grid-template-rows: 560px auto;
+  gap: 6px; border: 1px solid var(--hw-border); border-radius: 6px; padding: 6px; box-sizing: border-box;
+}
+@media (prefers-color-scheme: dark) {
+  .hw-standalone { --hw-bg: #111827; --hw-bg2: #1f2937; --hw-fg: #e5e7eb; --hw-dim: #9ca3af; --hw-border: #374151; }
+  body.hw-page { background: #111827; }
+}
+.hw-root * { box-sizing: border-box; }
+.hw-tree, .hw-side { overflow: auto; min-height: 0; }
+.hw-side { display: flex; flex-direction: column; gap: 8px; }
+.hw-panel-title { font-weight: 600; margin: 2px 0 4px; overflow-wrap: anywhere; }
+.hw-dim { color: var(--hw-dim); }
+.hw-tree-row { display: flex; gap: 6px; align-items: baseline; cursor: pointer; padding: 1px 4px; border-radius: 3px; white-space: nowrap; }
+.hw-tree-row:hover { background: var(--hw-bg2); }
+.hw-tree-row.selected { outline: 2px solid var(--hw-selected); }
+.hw-tree-row.changed .hw-tree-name { color: var(--hw-changed); font-weight: 600; }
+.hw-tree-name { overflow: hidden; text-overflow: ellipsis; }
+.hw-tree-cls, .hw-tree-num { color: var(--hw-dim); }
+.hw-flag { color: var(--hw-error); }
+.hw-graph { display: flex; flex-direction: column; min-width: 0; min-height: 0; border: 1px solid var(--hw-border); border-radius: 4px; }
+.hw-toolbar { display: flex; flex-wrap: wrap; gap: 4px; align-items: center; padding: 4px; border-bottom: 1px solid var(--hw-border); }
+.hw-toolbar button, .hw-toolbar input { font: inherit; color: var(--hw-fg); background: var(--hw-bg2); border: 1px solid var(--hw-border); border-radius: 3px; padding: 1px 6px; }
+.hw-svg { flex: 1; width: 100%; min-height: 0; cursor: grab; user-select: none; }
+.hw-graph-info { padding: 2px 4px; }
+.hw-legend { display: inline-flex; gap: 8px; flex-wrap: wrap; margin-left: 4px; }
+.hw-legend-item { display: inline-flex; gap: 3px; align-items: center; }
+.hw-swatch { width: 11px; height: 11px; border-radius: 2px; display: inline-block; }
+.hw-swatch.role-input { background: var(--hw-input); } .hw-swatch.role-param { background: var(--hw-param); }
+.hw-swatch.role-leaf { background: var(--hw-leaf); } .hw-swatch.role-op { background: var(--hw-op); }
+.hw-swatch-box { background: var(--hw-box); border: 1px solid var(--hw-op); }
+.hw-edge { fill: none; stroke: var(--hw-dim); stroke-width: 1.2; }
+.hw-arrowhead { fill: var(--hw-dim); }
+.hw-node { cursor: pointer; }
+.hw-node-rect { stroke: none; }
+.hw-node.role-op .hw-node-rect { fill: var(--hw-op); } .hw-node.role-root .hw-node-rect { fill: var(--hw-root-c); }
+.hw-node.role-param .hw-node-rect { fill: var(--hw-param); } .hw-node.role-leaf .hw-node-rect { fill: var(--hw-leaf); }
+.hw-node.role-input .hw-node-rect { fill: var(--hw-input); }
+.hw-node-label { fill: #fff; font-size: 11px; text-anchor: middle; pointer-events: none; }
+.hw-node.role-leaf .hw-node-label { fill: #134e4a; }
+.hw-box { cursor: pointer; }
+.hw-box-rect { fill: var(--hw-box); stroke: var(--hw-op); stroke-width: 1.2; }
+.hw-chunk .hw-box-rect { stroke-dasharray: 4 3; }
+.hw-box-param { fill: var(--hw-param); }
+.hw-box-label { fill: var(--hw-fg); font-weight: 600; pointer-events: none; }
+.hw-box-sub { fill: var(--hw-dim); font-size: 10px; pointer-events: none; }
+.hw-expand rect { fill: var(--hw-bg2); stroke: var(--hw-border); } .hw-expand text { fill: var(--hw-fg); text-anchor: middle; font-size: 12px; pointer-events: none; }
+.hw-expand { cursor: pointer; }
+.hw-cluster { fill: color-mix(in srgb, var(--hw-op) 4%, transparent); stroke: var(--hw-border); stroke-dasharray: 3 3; }
+.hw-cluster-tab { cursor: pointer; } .hw-cluster-tab > rect { fill: var(--hw-bg2); stroke: var(--hw-border); } .hw-cluster-tab > text { fill: var(--hw-fg); font-size: 11px; }
+.selected > rect:first-of-type, .hw-node.selected .hw-node-rect { stroke: var(--hw-selected); stroke-width: 3; }
+.changed > rect:first-of-type, .hw-node.changed .hw-node-rect { stroke: var(--hw-changed); stroke-width: 3; }
+.match > rect:first-of-type { stroke: var(--hw-match); stroke-width: 3; }
+.hw-detail, .hw-controls, .hw-diff { border: 1px solid var(--hw-border); border-radius: 4px; padding: 6px; }
+.hw-table { border-collapse: collapse; margin: 4px 0; }
+.hw-table th { text-align: left; font-weight: normal; color: var(--hw-dim); padding: 1px 8px 1px 0; }
+.hw-table td { padding: 1px 8px 1px 0; overflow-wrap: anywhere; }
+.hw-table tr.changed td { color: var(--hw-changed); }
+.hw-figs { display: flex; flex-wrap: wrap; gap: 8px; }
+.hw-fig { margin: 4px 0; } .hw-fig figcaption { margin-bottom: 2px; }
+.hw-heat { image-rendering: pixelated; border: 1px solid var(--hw-border); display: block; }
+.hw-section { font-weight: 600; margin-top: 6px; }
+.hw-maxdiff { margin: 4px 0; }
+.hw-health.ok { color: var(--hw-param); } .hw-health.bad, .hw-error { color: var(--hw-error); font-weight: 600; }
+.hw-notes { color: var(--hw-dim); padding-left: 16px; margin: 4px 0; }
+.hw-hook { display: flex; flex-wrap: wrap; gap: 6px; align-items: center; padding: 2px 0; border-bottom: 1px dotted var(--hw-border); }
+.hw-hook.on .hw-hook-name { color: var(--hw-changed); font-weight: 600; }
+.hw-hook-name { min-width: 110px; }
+.hw-param input { width: 64px; font: inherit; color: var(--hw-fg); background: var(--hw-bg2); border: 1px solid var(--hw-border); }
+.hw-param input.invalid { border-color: var(--hw-error); }
+.hw-note { color: var(--hw-dim); font-style: italic; margin: 2px 0 4px; }
+.hw-status { grid-column: 1 / -1; padding: 3px 6px; border-radius: 3px; background: var(--hw-bg2); white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.hw-status[data-state="error"] { color: var(--hw-error); }
+.hw-status[data-state="running"] { color: var(--hw-selected); }
+`;
+
+/** Put the stylesheet into `root` once (with the page's CSP nonce when there is one). */
+export function installStyles(root, nonce) {
+  const style = document.createElement("style");
+  if (nonce) style.nonce = nonce;
+  style.textContent = CSS;
+  root.prepend(style);
+}

@@ -1,0 +1,82 @@
+"""to_html: one self-contained page, strict CSP, user strings and the bundle cannot end a <script>."""
+
+import json
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import hookwidget as hw
+from hookwidget import export, payload
+
+EVIL = ['<img src=x onerror="__pwned=1">', "</script><script>__pwned=2</script>"]
+
+
+class Evil(nn.Module):
+    """A model whose ModuleDict keys are markup (the XSS test of issues 6 and 9)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleDict({EVIL[0]: nn.Linear(3, 4), EVIL[1]: nn.Linear(4, 2)})
+
+    def forward(self, x):
+        for m in self.blocks.values():
+            x = m(x)
+        return x
+
+
+def evil_trace():
+    torch.manual_seed(0)
+    model, x = Evil(), torch.randn(5, 3)
+    return hw.trace(lambda: model(x).pow(2).sum().backward())
+
+
+def _data(html):
+    m = re.search(r'<script type="application/json" id="hw-data">(.*?)</script>', html, re.S)
+    return json.loads(m.group(1))
+
+
+def test_page_is_self_contained_with_strict_csp(tmp_path, seed_mlp):
+    t = hw.trace(seed_mlp[3])
+    path = t.to_html(tmp_path / "t.html")
+    html = path.read_text()
+    csp = re.search(r'<meta http-equiv="Content-Security-Policy" content="([^"]+)"', html).group(1)
+    assert "default-src 'none'" in csp and "script-src 'nonce-" in csp and "unsafe" not in csp
+    nonce = re.search(r"'nonce-([^']+)'", csp).group(1)
+    assert f'<script nonce="{nonce}">' in html
+    assert not re.search(r"<(script|link|img|iframe)[^>]+(src|href)=", html, re.I)  # nothing fetched
+    assert html.lower().count("</script") == 2  # only the two script elements close
+    data = _data(html)
+    assert data["summary"]["graph"]["id"] == list(t.graph.nodes)
+    assert set(data["details"]) >= {"fc1", "fc2"}
+
+
+def test_user_strings_and_bundle_cannot_close_the_script(tmp_path):
+    t = evil_trace()
+    names = [n for n in t.layers if n.startswith("blocks.")]
+    assert names == [f"blocks.{EVIL[0]}", f"blocks.{EVIL[1]}"]
+    html = export.page(t)
+    assert html.lower().count("</script") == 2 and "<img" not in html
+    data = _data(html)
+    assert [m["name"] for m in data["summary"]["modules"]][1:] == names  # round-trips literally
+
+
+def test_script_escapes_keep_values():
+    text = export.json_for_script({"k": "</script><!-- \u2028 & >"})
+    assert "<" not in text and ">" not in text and json.loads(text) == {"k": "</script><!-- \u2028 & >"}
+    assert export.js_for_script('a="</SCRIPT>";b="<!--"') == 'a="<\\/SCRIPT>";b="<\\!--"'
+
+
+def test_missing_bundle_names_the_fix(monkeypatch, tmp_path, seed_mlp):
+    monkeypatch.setattr(export, "STATIC", tmp_path)
+    with pytest.raises(FileNotFoundError, match="npm run build"):
+        export.page(hw.trace(seed_mlp[3]))
+
+
+def test_detail_budget_skips_and_says_so(monkeypatch, seed_mlp):
+    monkeypatch.setattr(export, "DETAIL_BUDGET", 600)
+    d = export.details(hw.trace(seed_mlp[3]))
+    assert d["details_note"] and len(d["details"]) < 3 + 2
+    meta, _ = payload.detail(hw.trace(seed_mlp[3]), "fc2")
+    assert meta["target"] == "fc2"

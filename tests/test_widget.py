@@ -1,0 +1,126 @@
+"""HookWidget: the message protocol, driven as the front-end would, with the kernel side real."""
+
+import logging
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+import hookwidget as hw
+from hookwidget.widget import HookWidget
+
+
+@pytest.fixture
+def widget(seed_mlp):
+    model, x, y, step = seed_mlp
+    w = HookWidget(hw.trace(step))
+    w.sent = []
+    w.send = lambda content, buffers=None: w.sent.append((content, buffers or []))
+    return model, x, step, w
+
+
+def msg(w, **content):
+    w.sent.clear()
+    w._on_msg(w, content, [])
+    return w.sent
+
+
+def test_esm_points_to_the_built_bundle_and_summary_syncs():
+    from hookwidget.widget import ESM
+
+    assert ESM == pathlib.Path(hw.__file__).parent / "static" / "widget.js"
+    assert str(HookWidget._esm) == ESM.read_text()
+    assert HookWidget.summary.metadata.get("sync") and HookWidget.readonly.metadata.get("sync")
+
+
+def test_trace_displays_as_its_widget(seed_mlp):
+    t = hw.trace(seed_mlp[3])
+    w = t.widget()
+    assert isinstance(w, HookWidget) and w.trace is t
+    assert {"graph", "modules", "kinds", "hooks", "loss"} <= set(w.summary)
+
+
+def test_detail_reply_carries_buffers(widget):
+    model, x, _, w = widget
+    [(reply, buffers)] = msg(w, type="detail", target="fc1", request_id="r1")
+    assert reply["type"] == "detail" and reply["request_id"] == "r1" and reply["target"] == "fc1"
+    info = reply["meta"]["tensors"]["grad_autograd"]
+    got = np.frombuffer(buffers[info["buffer"]], dtype="float32").reshape(info["shape"])
+    np.testing.assert_array_equal(got, model.fc1.weight.grad.numpy())
+
+
+@pytest.mark.parametrize("content, why", [
+    ({"type": "exec", "code": "import os", "request_id": "r"}, "unknown type"),
+    ({"type": "detail", "target": "fc1", "request_id": "r", "extra": 1}, "unknown key"),
+    ({"type": "detail", "request_id": "r"}, "missing key"),
+    ({"type": "detail", "target": 5, "request_id": "r"}, "target must be"),
+    ({"type": "add_hook", "target": "fc1", "kind": "callable", "params": {}, "request_id": "r"}, "Python function"),
+    ({"type": "add_hook", "target": "fc1", "kind": "rm -rf", "params": {}, "request_id": "r"}, "unknown intervention"),
+    ({"type": "add_hook", "target": "fc1", "kind": "grad_scale", "params": {"factor": "__import__('os')"},
+      "request_id": "r"}, "numbers"),
+    ({"type": "add_hook", "target": "fc1", "kind": "grad_scale", "params": {"factor": True}, "request_id": "r"},
+     "numbers"),
+    ({"type": "rerun", "request_id": {"x": 1}}, "request_id"),
+    ("rerun", "expected an object"),
+])
+def test_malformed_messages_are_rejected_with_one_logged_line(widget, caplog, content, why):
+    *_, w = widget
+    before = w.trace
+    with caplog.at_level(logging.WARNING, logger="hookwidget"):
+        w.sent.clear()
+        w._on_msg(w, content, [])
+    [(reply, _)] = w.sent
+    assert reply["type"] == "status" and reply["state"] == "error" and why in reply["text"]
+    assert "\n" not in reply["text"]
+    [record] = [r for r in caplog.records if r.name == "hookwidget"]
+    assert why in record.getMessage() and "\n" not in record.getMessage()
+    assert w.trace is before and before.interventions == []
+
+
+def test_bad_params_for_a_kind_come_back_as_an_error(widget):
+    *_, w = widget
+    [(reply, _)] = msg(w, type="add_hook", target="fc1", kind="grad_clamp", params={"min": 1, "max": -1},
+                       request_id="r")
+    assert reply["state"] == "error" and "min=1.0 is above max=-1.0" in reply["text"]
+    [(reply, _)] = msg(w, type="add_hook", target="nope", kind="grad_zero", params={}, request_id="r")
+    assert reply["state"] == "error" and "unknown target" in reply["text"]
+
+
+def test_toggle_grad_zero_reruns_and_reports_the_diff(widget):
+    model, x, step, w = widget
+    first = w.trace
+    [(reply, _)] = msg(w, type="add_hook", target="fc1", kind="grad_zero", params={}, request_id="a")
+    assert reply["state"] == "done" and w.summary["hooks"] == [{"target": "fc1", "kind": "grad_zero", "params": {}}]
+    replies = [r for r, _ in msg(w, type="rerun", request_id="b")]
+    assert [r.get("state", r["type"]) for r in replies] == ["running", "trace", "done"]
+    diff = replies[1]["diff"]
+    assert w.trace is not first and diff["changed_modules"] == ["fc1"]
+    # Reference: the same step with a plain tensor hook zeroing fc1's output gradient.
+    def zero_grad_of_output(module, inputs, output):
+        output.register_hook(torch.zeros_like)
+
+    h = model.fc1.register_forward_hook(zero_grad_of_output)
+    try:
+        step()
+    finally:
+        h.remove()
+    params = {p["name"]: p for p in diff["params"]}
+    assert params["fc1.weight"]["after"] == float(model.fc1.weight.grad.norm()) == 0.0
+    assert params["fc2.weight"]["after"] == pytest.approx(float(model.fc2.weight.grad.double().norm()))
+    assert w.summary["params"]["fc1.weight"] == 0.0
+    [(reply, _)] = msg(w, type="remove_hook", target="fc1", kind="grad_zero", request_id="c")
+    assert reply["state"] == "done" and w.summary["hooks"] == []
+    replies = [r for r, _ in msg(w, type="rerun", request_id="d")]
+    assert {p["name"]: p for p in replies[1]["diff"]["params"]}["fc1.weight"]["after"] > 0
+
+
+def test_rerun_errors_are_reported_not_swallowed(seed_mlp):
+    with hw.tracing() as t:
+        seed_mlp[3]()
+    w = HookWidget(t)
+    w.sent = []
+    w.send = lambda content, buffers=None: w.sent.append(content)
+    w._on_msg(w, {"type": "rerun", "request_id": 7}, [])
+    assert w.sent[-1]["state"] == "error" and "RuntimeError: rerun needs the code" in w.sent[-1]["text"]
+    assert w.sent[-1]["request_id"] == 7
