@@ -38,9 +38,11 @@ class Call:
     output_shape: tuple | None = None
     a_summary: TensorSummary | None = None
     delta_summary: TensorSummary | None = None
+    grad_input: torch.Tensor | None = None  # backward_hooks=True: what a full backward hook sees
     seq_start: int = field(default=0, repr=False)  # autograd sequence numbers created during the call
     seq_end: int = field(default=0, repr=False)
     out_node: Any = field(default=None, repr=False)
+    recomputed: bool = field(default=False, repr=False)  # run again by backward (torch.utils.checkpoint)
     _a_version: int = field(default=-1, repr=False)
     _a_source: Any = field(default=None, repr=False)
 
@@ -50,6 +52,7 @@ class ModuleRecord:
     module: nn.Module
     calls: list = field(default_factory=list)
     open_calls: list = field(default_factory=list, repr=False)  # calls whose forward is running
+    awaiting_backward: list = field(default_factory=list, repr=False)  # backward_hooks=True only
 
 
 @dataclass
@@ -63,13 +66,15 @@ class Records:
     notes: list
     backward_calls: int
     used_autograd_grad: bool
+    no_factors: str = ""  # why (a, δ) cannot rebuild .grad in this run (e.g. double backward), or ""
 
 
 class Tracer:
     """Context manager that owns every hook of one trace; `records` is filled on exit."""
 
     def __init__(self, modules=None, capture: str = "full", budget_mb: float = DEFAULT_BUDGET_MB,
-                 layer_interventions=None, node_interventions=None, node_grads: bool = True, norms_rule=None):
+                 layer_interventions=None, node_interventions=None, node_grads: bool = True, norms_rule=None,
+                 backward_hooks: bool = False):
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture={capture!r} is not a capture mode; choose one of {', '.join(CAPTURE_MODES)}")
         if budget_mb is None or budget_mb < 0:
@@ -81,6 +86,9 @@ class Tracer:
         self.node_interventions = node_interventions or {}
         self.node_grads = node_grads and capture != "norms"
         self.norms_rule = norms_rule  # (module, call) -> None, used when capture == "norms"
+        # Full module backward hooks show grad_input too, but raise when an in-place op follows a
+        # module and add nodes to the graph: opt-in only.
+        self.backward_hooks = backward_hooks
         self.active = False
         self.records: Records | None = None
         self._lock = threading.Lock()
@@ -95,9 +103,18 @@ class Tracer:
         self._backward_calls = 0
         self._used_grad = False
         self._notes: list = []
+        self._create_graph = False
+        self._passes_summed = 0
+        self._seen: dict = {}  # what hooks cannot see, by kind -> class names (see _unseen_notes)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Tracer:
+        if _in_functorch():
+            raise RuntimeError("hookwidget cannot trace inside a torch.func transform (vmap, grad, jacrev, ...): "
+                               "hooks would see wrapped tensors; call hw.trace outside the transform")
+        for m in self.targets or ():
+            if "_orig_mod" in m._modules:
+                self._saw("compiled", m)
         try:
             self._install()
         except BaseException:
@@ -109,7 +126,11 @@ class Tracer:
     def __exit__(self, *exc) -> None:
         self.active = False
         self._stack.close()
-        self.records = self._finish()
+        try:
+            self.records = self._finish()
+        except Exception:
+            if exc[0] is None:
+                raise  # otherwise the cell's own exception propagates, not hookwidget's
 
     def _install(self) -> None:
         s = self._stack
@@ -118,6 +139,9 @@ class Tracer:
 
             s.enter_context(_Removing(module_mod.register_module_forward_pre_hook(self._pre_hook)))
             s.enter_context(_Removing(module_mod.register_module_forward_hook(self._forward_hook)))
+            if self.backward_hooks:  # the global flag it sets outlives the hook: put it back
+                s.enter_context(_Restoring(module_mod, "_global_is_full_backward_hook"))
+                s.enter_context(_Removing(module_mod.register_module_full_backward_hook(self._backward_hook)))
         else:
             seen = set()
             for root in self.targets:
@@ -127,17 +151,33 @@ class Tracer:
                     seen.add(id(m))
                     s.enter_context(_Removing(m.register_forward_pre_hook(self._pre_hook)))
                     s.enter_context(_Removing(m.register_forward_hook(self._forward_hook)))
+                    if self.backward_hooks:
+                        s.enter_context(_Removing(m.register_full_backward_hook(self._backward_hook)))
         s.enter_context(_Patched(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
         s.enter_context(_Patched(torch.autograd, "grad", self._wrap_backward(torch.autograd.grad, grad=True)))
 
     # -- forward -------------------------------------------------------------------------------
     def _pre_hook(self, module, inputs):
-        if not self.active:
+        if torch.compiler.is_compiling() or not self.active or self._unseen(module):
             return
         rec = self._modules.get(module)
         if rec is None:
             rec = self._modules[module] = ModuleRecord(module)
         rec.open_calls.append(self._open_call(module, rec, inputs))
+        if torch._C._current_autograd_node() is not None:  # forward rerun by backward: checkpoint
+            rec.calls[-1].recomputed = True
+
+    def _unseen(self, module) -> bool:
+        """Calls whose tensors hooks must not touch: inside torch.func transforms and compiled models."""
+        if _in_functorch():
+            self._saw("func", module)
+            return True
+        if "_orig_mod" in module._modules:
+            self._saw("compiled", module)
+        return False
+
+    def _saw(self, what: str, module) -> None:
+        self._seen.setdefault(what, {}).setdefault(type(module).__name__, None)
 
     def _open_call(self, module, rec: ModuleRecord, inputs) -> Call:
         # `a` is taken before forward runs: an in-place module (ReLU(inplace=True)) rewrites its input.
@@ -146,16 +186,22 @@ class Tracer:
         a = _first_tensor(inputs)
         if a is not None:
             self._keep_input(module, call, a)
+        elif not inputs:
+            self._saw("kwargs", module)
         return call
 
     def _forward_hook(self, module, inputs, output):
-        if not self.active:
+        if torch.compiler.is_compiling() or not self.active or _in_functorch():
             return None
         rec = self._modules.get(module)
         if rec is None:  # hooks installed mid-call: the pre-hook did not see this call start
             rec = self._modules[module] = ModuleRecord(module)
         call = rec.open_calls.pop() if rec.open_calls else self._open_call(module, rec, inputs)
+        if self.backward_hooks:
+            rec.awaiting_backward.append(call)
         out = _first_tensor(output)
+        if out is None and isinstance(output, dict) and any(isinstance(v, torch.Tensor) for v in output.values()):
+            self._saw("dict", module)
         replaced = None
         for iv in self.layer_interventions.get(module, ()):
             if iv.kind.attach == "grad" and out is not None and out.requires_grad:
@@ -173,6 +219,15 @@ class Tracer:
                 self._stack.enter_context(_Removing(handle))
         return replaced
 
+    def _backward_hook(self, module, grad_input, grad_output):
+        rec = self._modules.get(module)
+        if not self.active or rec is None or not rec.awaiting_backward:
+            return None
+        g = _first_tensor(grad_input)
+        with self._lock:
+            rec.awaiting_backward.pop().grad_input = None if g is None else g.detach()
+        return None
+
     def _keep_input(self, module, call: Call, a: torch.Tensor) -> None:
         if self.capture == "norms":
             if self.norms_rule is not None and self.norms_rule.wants(module):
@@ -181,7 +236,7 @@ class Tracer:
         if self.capture == "full" and self._fits(a):
             # Layers whose backward needs their input: autograd's version check guards it,
             # so no copy is needed; `_a_version` catches forward-only cells that mutate it.
-            if _weight_needs_input(module):
+            if _weight_needs_input(module) and not a.is_inference():
                 call.a = a.detach()
                 call._a_source, call._a_version = a, a._version
             else:
@@ -197,6 +252,9 @@ class Tracer:
                 if self.capture == "norms":
                     call.delta = grad.detach()
                     self.norms_rule.on_delta(module, self._modules[module].calls, self._modules)
+                elif call.delta is not None:  # another backward through the same graph: sum, as .grad does
+                    call.delta = call.delta + grad.detach()
+                    self._passes_summed += 1
                 elif self.capture == "full" and self._fits(grad):
                     call.delta = grad.detach()
                 else:
@@ -216,8 +274,12 @@ class Tracer:
 
     # -- backward ------------------------------------------------------------------------------
     def _wrap_backward(self, original, grad: bool = False):
+        create_graph_at = 3 if grad else 2  # positional index of create_graph after `tensors`
+
         def wrapper(tensors, *args, **kwargs):
-            if self.active:
+            if self.active and not _in_functorch():
+                self._create_graph |= bool(kwargs.get("create_graph", len(args) > create_graph_at
+                                                      and args[create_graph_at]))
                 self._on_backward(tensors, grad)
             return original(tensors, *args, **kwargs)
 
@@ -271,6 +333,7 @@ class Tracer:
     def _finish(self) -> Records:
         if not self._walk.nodes:  # forward only: show the graph that backward would have walked
             self._walk.extend(_outermost_outputs(self._modules.values()))
+        self._drop_recomputed_calls()
         for rec in self._modules.values():
             for call in rec.calls:
                 if call._a_source is not None and call._a_source._version != call._a_version:
@@ -288,11 +351,62 @@ class Tracer:
             self._notes.append("no gradients captured: the code ran no backward (activations only)")
         if self._used_grad:
             self._notes.append("torch.autograd.grad was used: parameters reached only by it keep .grad None")
+        self._notes += self._unseen_notes()
+        no_factors = ""
+        if self._create_graph:
+            no_factors = ("create_graph=True (double backward): .grad then holds terms that (a, δ) do not, and δ "
+                          "sums every backward pass; weight_grad and per-sample gradients are refused")
+            self._notes.append(no_factors)
+        elif self._passes_summed:
+            self._notes.append(f"backward ran through the same graph more than once (retain_graph=True): δ and "
+                               "weight_grad are summed over those passes, as .grad is")
         return Records(self._modules, self._walk, self._roots, self._leaf_grads_before, self._notes,
-                       self._backward_calls, self._used_grad)
+                       self._backward_calls, self._used_grad, no_factors)
+
+    def _drop_recomputed_calls(self) -> None:
+        """torch.utils.checkpoint reruns forward during backward. Of a layer's calls, the ones that
+        got a gradient are the real ones (the first call without reentrant checkpoint, the rerun with)."""
+        names = []
+        for rec in self._modules.values():
+            if any(c.recomputed for c in rec.calls):
+                kept = [c for c in rec.calls if c.delta is not None or c.delta_summary is not None]
+                if kept and len(kept) < len(rec.calls):
+                    names.append(type(rec.module).__name__)
+                    rec.calls[:] = kept
+                    for i, c in enumerate(kept):
+                        c.index = i
+        if names:
+            self._notes.append("torch.utils.checkpoint reran forward during backward for: " + ", ".join(names)
+                               + "; only their calls that received a gradient are kept")
+
+    def _unseen_notes(self) -> list:
+        scripted = sorted({type(r.module).__name__ for r in self._modules.values()
+                           if isinstance(r.module, torch.jit.ScriptModule)})
+        seen = {k: ", ".join(v) for k, v in self._seen.items()}
+        text = {
+            "compiled": f"torch.compile: hooks added after compilation are not honoured, so the layers inside "
+                        f"{seen.get('compiled')} are not shown; trace the uncompiled model (model._orig_mod), "
+                        "or call torch.compile after tracing",
+            "func": f"torch.func transforms (vmap, grad, ...) ran {seen.get('func')}: calls inside a transform "
+                    "are not captured (hooks see wrapped tensors); trace a plain forward and backward instead",
+            "kwargs": f"{seen.get('kwargs')} got their tensors as keyword arguments only: their input activation "
+                      "is not captured; pass the input positionally",
+            "dict": f"{seen.get('dict')} returned a dict: δ is not captured for dict outputs (layers inside are); "
+                    "return a tensor or a tuple to see it",
+        }
+        notes = [text[k] for k in text if k in seen]
+        if scripted:
+            notes.append(f"ScriptModule ({', '.join(scripted)}): hooks do not fire inside TorchScript, so its "
+                         "layers are not shown; trace the module before torch.jit.script")
+        return notes
 
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
+
+
+def _in_functorch() -> bool:
+    """Whether a torch.func transform (vmap, grad, ...) is running."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def _outermost_outputs(records) -> list:
@@ -349,6 +463,19 @@ class _Removing:
 
     def __exit__(self, *exc):
         self.handle.remove()
+
+
+class _Restoring:
+    """Context manager that puts a module attribute back as it was on entry."""
+
+    def __init__(self, owner, name: str):
+        self.owner, self.name = owner, name
+
+    def __enter__(self):
+        self.original = getattr(self.owner, self.name)
+
+    def __exit__(self, *exc):
+        setattr(self.owner, self.name, self.original)
 
 
 class _Patched:

@@ -18,7 +18,7 @@ from . import graph as graph_mod
 from .capture import Tracer
 from .interventions import Intervention, make
 
-_OPTIONS = {"capture", "budget_mb", "include", "exclude", "node_grads", "show_hook_nodes"}
+_OPTIONS = {"capture", "budget_mb", "include", "exclude", "node_grads", "show_hook_nodes", "backward_hooks"}
 
 
 @dataclass
@@ -49,7 +49,9 @@ def trace(fn: Callable[[], object], modules=None, **options) -> Trace:
 
     Options: capture ("full": keep a and δ; "summary": statistics only; "norms": per-sample
     gradient norms only), budget_mb (memory for kept tensors, default 512), include / exclude
-    (glob patterns on layer names), node_grads (gradient norm at every graph node, default True).
+    (glob patterns on layer names), node_grads (gradient norm at every graph node, default True),
+    backward_hooks (also run full module backward hooks, to see grad_input; they raise when an
+    in-place op follows a module, so off by default).
     Every hook is removed when fn returns or raises.
     """
     if isinstance(fn, nn.Module) or not callable(fn):
@@ -86,6 +88,7 @@ class Trace:
         self.user_hooks: dict[str, list[str]] = {}
         self._leaf_grads_before: dict = {}
         self._rng_before = None
+        self._no_factors = ""
 
     # -- running -------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -106,17 +109,24 @@ class Trace:
         tracer = Tracer(self._modules, layer_interventions=layer_ivs, node_interventions=node_ivs,
                         norms_rule=_norms_rule(opts.get("capture")), **opts)
         self._rng_before = _rng_state()
+        failed = True
         try:
             with tracer:
                 yield self
+            failed = False
         finally:
             if tracer.records is not None:
-                self._attach(tracer, include, exclude)
+                try:
+                    self._attach(tracer, include, exclude)
+                except Exception:
+                    if not failed:
+                        raise  # otherwise the cell's own exception propagates, not hookwidget's
 
     def _attach(self, tracer: Tracer, include, exclude) -> None:
         rec = tracer.records
         names, self.params = _qualified_names(list(rec.modules), tracer.targets, self._names)
         self.notes = list(rec.notes)
+        self._no_factors = rec.no_factors
         keep = _name_filter(include, exclude)
         for module, mrec in rec.modules.items():
             name = names.get(module)
@@ -164,6 +174,8 @@ class Trace:
         if reason:
             raise ValueError(f"layer {name!r}: {reason}; supported types: "
                              + ", ".join(sorted(t.__name__ for t in fx.RULES)))
+        if self._no_factors:
+            raise ValueError(f"layer {name!r}: {self._no_factors}")
         missing = [c.index for c in layer.calls if c.a is None or c.delta is None]
         if missing:
             why = "; ".join(self.notes) or "no backward reached it"

@@ -228,3 +228,15 @@ def test_bad_options_get_one_clear_line(seed_mlp):
         hw.trace(model)
     with pytest.raises(KeyError, match="no layer 'fc9'"):
         hw.trace(step).weight_grad("fc9")
+
+
+def test_opt_in_backward_hooks_show_grad_input_and_leave_nothing_behind(seed_mlp):
+    model, x, y, step = seed_mlp
+    before = hook_state(model), module_mod._global_is_full_backward_hook
+    t = hw.trace(step, backward_hooks=True)
+    assert (hook_state(model), module_mod._global_is_full_backward_hook) == before
+    # seed 003: fc2's backward hook sees grad_input[0] = δ₂ W₂ (the gradient that continues leftward)
+    fc2 = t.layers["fc2"]
+    assert torch.allclose(fc2.calls[0].grad_input, fc2.delta @ model.fc2.weight, atol=1e-6)
+    assert not any(d["name"].startswith("BackwardHookFunction") for _, d in t.graph.nodes(data=True))
+    assert torch.allclose(t.weight_grad("fc1"), model.fc1.weight.grad, atol=1e-6)
