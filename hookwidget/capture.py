@@ -358,7 +358,7 @@ class Tracer:
                           "sums every backward pass; weight_grad and per-sample gradients are refused")
             self._notes.append(no_factors)
         elif self._passes_summed:
-            self._notes.append(f"backward ran through the same graph more than once (retain_graph=True): δ and "
+            self._notes.append("backward ran through the same graph more than once (retain_graph=True): δ and "
                                "weight_grad are summed over those passes, as .grad is")
         return Records(self._modules, self._walk, self._roots, self._leaf_grads_before, self._notes,
                        self._backward_calls, self._used_grad, no_factors)

@@ -132,8 +132,18 @@ def factors(module: nn.Module, calls: list) -> list[Factor]:
             D = torch.cat([p.D for p in parts], 1)
             X = None if f.X is None else torch.cat([p.X for p in parts], 1)
             f = Factor(f.param, f.kind, D, X, f.shape, f.rows)
-        merged.append(f)
+        merged.append(_in_param_dtype(f, getattr(module, f.param).dtype))
     return [f for f in merged if getattr(module, f.param).requires_grad]
+
+
+def _in_param_dtype(f: Factor, dtype: torch.dtype) -> Factor:
+    """Under autocast a and δ differ in dtype (float32 input, bfloat16 output gradient);
+    .grad has the parameter's dtype, so the factors are brought to it."""
+    if f.D.dtype != dtype and f.D.is_floating_point() and dtype.is_floating_point:
+        f.D = f.D.to(dtype)
+    if f.X is not None and f.X.is_floating_point() and f.X.dtype != dtype and dtype.is_floating_point:
+        f.X = f.X.to(dtype)
+    return f
 
 
 def summed_grad(f: Factor) -> torch.Tensor:
