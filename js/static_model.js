@@ -15,9 +15,24 @@ export function createStaticModel(data) {
       if (msg.type === "detail") {
         const d = data.details?.[msg.target];
         if (d) return emit("msg:custom", { type: "detail", request_id: msg.request_id, target: msg.target, meta: d.meta }, d.buffers.map(base64ToBytes));
+        const meta = nodeMeta(data.summary.graph, msg.target);
+        if (meta) return emit("msg:custom", { type: "detail", request_id: msg.request_id, target: msg.target, meta }, []);
         return emit("msg:custom", { type: "status", request_id: msg.request_id, state: "error", text: `no detail for ${msg.target} in this page (${data.details_note || "not exported"})` });
       }
       emit("msg:custom", { type: "status", request_id: msg.request_id, state: "error", text: "read-only page: this needs a running kernel" });
     },
   };
+}
+
+/** A graph node's detail from the summary alone (what the kernel's payload.detail sends, minus tensors). */
+export function nodeMeta(graph, target) {
+  const i = graph.id.indexOf(target);
+  if (i < 0) return null;
+  const next = [], prev = [];
+  for (let j = 0; j < graph.edges.length; j += 2) {
+    if (graph.edges[j] === i && next.length < 50) next.push(graph.id[graph.edges[j + 1]]);
+    if (graph.edges[j + 1] === i && prev.length < 50) prev.push(graph.id[graph.edges[j]]);
+  }
+  return { kind: "node", target, name: graph.name[i], role: graph.role[i], module: graph.module[i], param: graph.param[i],
+    shape: graph.shape[i], grad_norm: graph.grad_norm[i], next, prev, notes: [], tensors: {} };
 }
