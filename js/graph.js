@@ -202,7 +202,7 @@ export function createGraphView({ onSelect, onStatus }) {
   function fit() {
     const w = svg.clientWidth || 800, hgt = svg.clientHeight || 500;
     const b = state.bounds || { width: 100, height: 100 };
-    const k = Math.min(2, Math.max(0.02, Math.min(w / b.width, hgt / b.height) * 0.95));
+    const k = Math.min(1.25, Math.max(0.02, Math.min(w / b.width, hgt / b.height) * 0.95));
     state.view = { k, x: (w - b.width * k) / 2, y: Math.max(4, (hgt - b.height * k) / 2) };
     applyView();
   }

@@ -25,7 +25,7 @@ export function render({ model, el, nonce }) {
   const graph = createGraphView({ onSelect: select, onStatus: (state, text) => status.set(state, text) });
   const tree = createTreeView({ onSelect: select });
   const root = h("div", { class: "hw-root" + (readonly ? " hw-readonly" : "") },
-    tree.el, graph.el, h("div", { class: "hw-side" }, detail.el, controls.el, diffView.el), status.el);
+    tree.el, graph.el, h("div", { class: "hw-side" }, detail.el, controls.el), diffView.el, status.el);
   installStyles(root, nonce);
   el.replaceChildren(root);
 

@@ -63,7 +63,8 @@ export const CSS = `
 .selected > rect:first-of-type, .hw-node.selected .hw-node-rect { stroke: var(--hw-selected); stroke-width: 3; }
 .changed > rect:first-of-type, .hw-node.changed .hw-node-rect { stroke: var(--hw-changed); stroke-width: 3; }
 .match > rect:first-of-type { stroke: var(--hw-match); stroke-width: 3; }
-.hw-detail, .hw-controls, .hw-diff { border: 1px solid var(--hw-border); border-radius: 4px; padding: 6px; }
+.hw-detail, .hw-controls, .hw-diff:not(:empty) { border: 1px solid var(--hw-border); border-radius: 4px; padding: 6px; }
+.hw-diff { grid-column: 1 / -1; max-height: 220px; overflow: auto; }
 .hw-table { border-collapse: collapse; margin: 4px 0; }
 .hw-table th { text-align: left; font-weight: normal; color: var(--hw-dim); padding: 1px 8px 1px 0; }
 .hw-table td { padding: 1px 8px 1px 0; overflow-wrap: anywhere; }

@@ -3,9 +3,9 @@ user strings stay text under a strict CSP."""
 
 import pytest
 import torch
+from test_export import EVIL, Evil
 
 import hookwidget as hw
-from test_export import EVIL, Evil
 
 pytestmark = pytest.mark.browser
 

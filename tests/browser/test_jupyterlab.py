@@ -1,0 +1,150 @@
+"""The live widget in a real JupyterLab: %%hooktrace, click a layer, toggle grad_zero, see the kernel's answer."""
+
+import json
+import os
+import pathlib
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+SETUP = """\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 3, bias=False)
+        self.fc2 = nn.Linear(3, 2, bias=False)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+class Evil(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleDict({'<img src=x onerror="__pwned=1">': nn.Linear(3, 4),
+                                     "</script><script>__pwned=2</script>": nn.Linear(4, 2)})
+
+    def forward(self, x):
+        for m in self.blocks.values():
+            x = m(x)
+        return x
+
+torch.manual_seed(0)
+x, y = torch.randn(5, 6, 4), torch.randn(5, 6, 2)
+model, evil, xe = MLP(), Evil(), torch.randn(5, 3)
+%load_ext hookwidget"""
+
+TRACE = """\
+%%hooktrace model -o t
+model.zero_grad()
+loss = 0.5 * ((model(x) - y) ** 2).sum()
+loss.backward()"""
+
+EVIL_TRACE = """\
+%%hooktrace evil -o te
+evil(xe).pow(2).sum().backward()"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on 127.0.0.1 with the notebook; killed in the finalizer."""
+    root = tmp_path_factory.mktemp("lab")
+    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
+             for src in (SETUP, TRACE, EVIL_TRACE)]
+    nb = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                      "language": "python"}}, "nbformat": 4, "nbformat_minor": 5}
+    (root / "explore.ipynb").write_text(json.dumps(nb))
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".runtime"), "JUPYTER_CONFIG_DIR": str(root / ".config"),
+           "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
+    jupyter = pathlib.Path(sys.executable).parent / "jupyter"
+    proc = subprocess.Popen(
+        [str(jupyter), "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1", f"--ServerApp.token={token}",
+         f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
+         f"--LabApp.workspaces_dir={root / '.ws'}", "--ServerApp.port_retries=0",
+         "--LabApp.extension_manager=readonly", *(["--allow-root"] if os.geteuid() == 0 else [])],
+        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except Exception:
+                if proc.poll() is not None or time.time() > deadline:
+                    pytest.fail("JupyterLab did not start: " + (root / "server.log").read_text()[-2000:])
+                time.sleep(0.3)
+        yield {"url": f"{base}/lab/tree/explore.ipynb?token={token}", "root": root}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_toggle_grad_zero_in_jupyterlab(browser, lab, img_dir):
+    ctx = browser.new_context(viewport={"width": 1500, "height": 1000})
+    page = ctx.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.set_default_timeout(60_000)
+        page.goto(lab["url"])
+        page.wait_for_function("window.jupyterapp && document.querySelector('.jp-Notebook .jp-Cell')")
+        # Wait for the kernel, then run every cell.
+        page.wait_for_function("""() => {
+            const w = window.jupyterapp.shell.currentWidget;
+            return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
+                && w.sessionContext.session.kernel.status === 'idle';
+        }""")
+        page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        live = page.locator(".hw-root").nth(0)
+        live.locator('[data-module="fc1"]').wait_for(timeout=90_000)
+        live.locator('[data-module="fc1"]').click()
+        live.locator('[data-testid="detail"] [data-testid="maxdiff"]').wait_for()
+        assert live.locator('[data-testid="shape-a"]').inner_text().startswith("(5, 6, 4)")
+        before = float(live.locator('[data-testid="detail"] [data-testid="grad-norm"]').inner_text())
+        assert before > 0
+        live.screenshot(path=str(img_dir / "toggle_before.png"))
+        live.locator('[data-hook="grad_zero"]').click()
+        status = live.locator('[data-testid="status"]')
+        done = "el => el.getAttribute('data-state') === 'done' && el.textContent.includes('rerun done')"
+        page.wait_for_function(done, arg=status.element_handle(), timeout=60_000)
+        assert "loss" in status.inner_text()
+        after = live.locator('[data-testid="diff"] [data-param="fc1.weight"] [data-testid="after"]')
+        assert after.inner_text() == "0"
+        assert live.locator('[data-testid="diff"] [data-param="fc2.weight"]').get_attribute("class") == ""
+        live.locator('[data-testid="detail"] [data-testid="maxdiff"]').wait_for()
+        assert live.locator('[data-module="fc1"]').get_attribute("class").split().count("changed") == 1
+        assert live.locator('[data-hook="grad_zero"]').is_checked()
+        live.locator('[data-testid="diff"]').scroll_into_view_if_needed()
+        live.screenshot(path=str(img_dir / "toggle_after.png"))
+        # The second widget: markup in module names stays text in the live widget too.
+        evil = page.locator(".hw-root").nth(1)
+        evil.locator(".hw-tree-row").nth(1).wait_for()
+        names = evil.locator(".hw-tree-name").all_inner_texts()
+        assert 'blocks.<img src=x onerror="__pwned=1">' in names
+        assert "blocks.</script><script>__pwned=2</script>" in names
+        assert evil.locator("img").count() == 0
+        assert page.evaluate("typeof window.__pwned") == "undefined"
+    finally:
+        ctx.close()
