@@ -205,7 +205,7 @@ class Tracer:
         replaced = None
         for iv in self.layer_interventions.get(module, ()):
             if iv.kind.attach == "grad" and out is not None and out.requires_grad:
-                self._stack.enter_context(_Removing(out.register_hook(self._guarded(iv.on_grad))))
+                _hook_output(self._stack, out, self._guarded(iv.on_grad))
             elif iv.kind.attach == "out":
                 new = iv.on_output(module, inputs, output if replaced is None else replaced)
                 if new is not None:
@@ -215,8 +215,7 @@ class Tracer:
             call.output_shape = tuple(out.shape)
             call.out_node = out.grad_fn
             if out.requires_grad:
-                handle = out.register_hook(self._delta_hook(module, call))
-                self._stack.enter_context(_Removing(handle))
+                _hook_output(self._stack, out, self._delta_hook(module, call))
         return replaced
 
     def _backward_hook(self, module, grad_input, grad_output):
@@ -402,6 +401,34 @@ class Tracer:
 
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
+
+
+def _hook_output(stack: ExitStack, out: torch.Tensor, fn) -> None:
+    """A tensor hook fn(grad) -> new grad or None on a module's output, that fires even when a later
+    in-place op rewrites the output. A hook on a plain tensor survives that; one on a view does not
+    (a 3-D Linear's output is a view of a 2-D matmul result, and ReLU(inplace=True) replaces the
+    view's grad_fn). Then a hook on the view's base, which stays in the graph, stands in for it."""
+    fired = [False]
+
+    def on_out(grad):
+        fired[0] = True
+        return fn(grad)
+
+    stack.enter_context(_Removing(out.register_hook(on_out)))
+    base = out._base
+    if (base is None or not base.requires_grad or base.numel() != out.numel() or not out.is_contiguous()
+            or not base.is_contiguous() or base.data_ptr() != out.data_ptr()):
+        return
+    shape = out.shape
+
+    def on_base(grad):
+        if fired[0]:  # the view's own hook ran in this backward pass
+            fired[0] = False
+            return None
+        new = fn(grad.reshape(shape))
+        return None if new is None else new.reshape(grad.shape)
+
+    stack.enter_context(_Removing(base.register_hook(on_base)))
 
 
 def _in_functorch() -> bool:

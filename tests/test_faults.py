@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
-from helpers_faults import Registries, assert_same, observe, run_cell
 from torch import nn
 
 import hookwidget as hw
 from hookwidget import capture, graph
+
+sys.path.insert(0, str(Path(__file__).parent))  # helpers_faults, whether or not tests/ is a package
+from helpers_faults import Registries, assert_same, observe, run_cell  # noqa: E402
 
 
 # -- models ------------------------------------------------------------------------------------
@@ -267,6 +271,9 @@ OBSERVE = [
     ("no_grad", mlp, under_no_grad, {}, "refuse"),
     ("inference_mode", mlp, under_inference_mode, {}, "refuse"),
     ("inplace_relu", seq_build(lambda: nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))),
+     step, {}, "exact"),
+    ("inplace_relu_after_3d_linear", seq_build(lambda: nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True),
+                                                                      nn.Linear(8, 3)), (5, 4, 6), (5, 4, 3)),
      step, {}, "exact"),
     ("inplace_add", seq_build(InPlaceAdd), step, {}, "exact"),
     ("module_reused_twice", seq_build(Reused), step, {}, "exact"),
@@ -589,6 +596,18 @@ def test_a_raising_out_callable_names_itself_and_a_later_rerun_works():
     assert regs.take() == before
     assert all(torch.equal(p.grad, ref[n]) for n, p in model.named_parameters())
     assert torch.equal(torch.tensor(t2.loss), torch.tensor(t.loss))
+
+
+def test_a_gradient_intervention_fires_when_an_in_place_op_rewrites_a_view_output():
+    """A 3-D Linear's output is a view; ReLU(inplace=True) then replaces its grad_fn."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))
+    x, y = torch.randn(5, 4, 6), torch.randn(5, 4, 3)
+    t = hw.trace(lambda: step(model, x, y))
+    ref = model[0].weight.grad.clone()
+    t.add_hook("0", "grad_scale", factor=2.0)
+    t.rerun()
+    assert torch.allclose(model[0].weight.grad, 2 * ref)
 
 
 def test_keyboard_interrupt_inside_an_intervention_is_not_wrapped():

@@ -1,0 +1,124 @@
+"""Property tests (issue 9): on random small models, observing changes nothing bitwise, weight_grad
+equals autograd's .grad, per-sample gradient norms equal torch.func's, and no hook is left behind.
+
+Models are drawn as a stack of blocks: plain Linear, residual, two branches summed, one Linear
+reused twice; activations include in-place ReLU; inputs are (B, d) or (B, T, d); LayerNorm
+sometimes. The references are a plain run and torch.func, never hookwidget.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))  # helpers_faults, whether or not tests/ is a package
+from helpers_faults import observe  # noqa: E402
+
+ACTS = {"relu": nn.ReLU, "relu_inplace": lambda: nn.ReLU(inplace=True), "tanh": nn.Tanh, "gelu": nn.GELU,
+        "none": nn.Identity}
+KINDS = ("linear", "residual", "branch", "reuse")
+
+
+class Block(nn.Module):
+    def __init__(self, kind, d_in, d_out, act, bias, norm):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(d_in, d_out, bias=bias)
+        if kind == "branch":
+            self.side = nn.Linear(d_in, d_out, bias=not bias)
+        self.act = ACTS[act]()
+        self.norm = nn.LayerNorm(d_out) if norm else None
+
+    def forward(self, h):
+        if self.kind == "linear":
+            out = self.act(self.lin(h))
+        elif self.kind == "residual":
+            out = h + self.act(self.lin(h))
+        elif self.kind == "branch":
+            out = self.act(self.lin(h) + self.side(h))
+        else:  # reuse: the same Linear twice
+            out = self.act(self.lin(self.act(self.lin(h))))
+        return self.norm(out) if self.norm is not None else out
+
+
+class RandomNet(nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(*b) for b in spec["blocks"])
+        self.head = nn.Linear(spec["width"], spec["d_out"])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@st.composite
+def specs(draw):
+    d_in = width = draw(st.integers(1, 6))
+    blocks = []
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(KINDS))
+        out = draw(st.integers(1, 6)) if kind in ("linear", "branch") else width
+        blocks.append((kind, width, out, draw(st.sampled_from(sorted(ACTS))), draw(st.booleans()),
+                       draw(st.booleans()) and out > 1))
+        width = out
+    return {"blocks": blocks, "d_in": d_in, "width": width, "d_out": draw(st.integers(1, 3)),
+            "batch": draw(st.integers(1, 4)), "tokens": draw(st.sampled_from([None, 1, 3])),
+            "seed": draw(st.integers(0, 2**16)), "capture": draw(st.sampled_from(["full", "norms"]))}
+
+
+def builder(spec):
+    def build():
+        torch.manual_seed(spec["seed"])
+        lead = (spec["batch"],) if spec["tokens"] is None else (spec["batch"], spec["tokens"])
+        return {"model": RandomNet(spec), "x": torch.randn(*lead, spec["d_in"]),
+                "y": torch.randn(*lead, spec["d_out"])}
+
+    return build
+
+
+def step(model, x, y):
+    model.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(x), y, reduction="sum")
+    loss.backward()
+    return loss.detach()
+
+
+def reference_norms(model, x, y) -> torch.Tensor:
+    """Per-sample gradient norms over every parameter, by torch.func (sum-reduced loss)."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xb, yb):
+        return F.mse_loss(torch.func.functional_call(model, p, (xb[None],)), yb[None], reduction="sum")
+
+    grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    return torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads.values()))
+
+
+def close(got, ref, what):
+    scale = max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{what}: {m}")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs())
+def test_random_models(spec):
+    # observe(): plain vs traced bitwise (loss, every .grad, buffers, RNG) and hook registries unchanged.
+    out = observe(builder(spec), step, seed=spec["seed"], capture=spec["capture"])
+    t, model, x, y = out.trace, out.objects["model"], out.objects["x"], out.objects["y"]
+    norms = t.per_sample_grad_norms()
+    if spec["capture"] == "full":
+        for name, layer in t.layers.items():
+            if isinstance(layer.module, (nn.Linear, nn.LayerNorm)):
+                close(t.weight_grad(name), layer.module.weight.grad, f"{name}.weight")
+                if layer.module.bias is not None:
+                    close(t.bias_grad(name), layer.module.bias.grad, f"{name}.bias")
+        assert set(t.layers) >= {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.LayerNorm))}
+    close(norms, reference_norms(model, x, y), "per-sample norms")
