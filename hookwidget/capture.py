@@ -397,6 +397,9 @@ class Tracer:
         if scripted:
             notes.append(f"ScriptModule ({', '.join(scripted)}): hooks do not fire inside TorchScript, so its "
                          "layers are not shown; trace the module before torch.jit.script")
+        if any(isinstance(r.module, nn.parallel.DistributedDataParallel) for r in self._modules.values()):
+            notes.append("DistributedDataParallel: .grad is averaged over ranks after backward; a, δ, weight_grad "
+                         "and per-sample gradients are this rank's own (its samples, before the all-reduce)")
         return notes
 
 

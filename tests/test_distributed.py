@@ -1,0 +1,102 @@
+"""DistributedDataParallel (gloo, 2 CPU processes): capture on each rank changes nothing bitwise,
+weight_grad is the rank's own gradient (autograd's, without DDP) and the Trace says so, no hang."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+WORLD = 2
+TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Dropout(0.2), nn.Linear(8, 3))
+
+
+def _step(model, x, y):
+    model.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(x), y, reduction="sum")
+    loss.backward()
+    return loss.detach()
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from helpers_faults import Registries
+
+    import hookwidget as hw
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(100 + rank)
+        x, y = torch.randn(4, 6), torch.randn(4, 3)
+        result = {}
+        for traced in (False, True):
+            ddp = nn.parallel.DistributedDataParallel(_model())
+            torch.manual_seed(7 + rank)
+            if traced:
+                regs = Registries(ddp, x, y)
+                before = regs.take()
+                out = []
+                t = hw.trace(lambda: out.append(_step(ddp, x, y)))  # noqa: B023
+                result["registries_same"] = regs.take() == before
+                result["notes"] = t.notes
+                result["weight_grad"] = t.weight_grad("module.0")
+                loss = out[0]
+            else:
+                loss = _step(ddp, x, y)
+            result["traced" if traced else "plain"] = {
+                "loss": loss, "rng": torch.get_rng_state(),
+                "grads": {n: p.grad.clone() for n, p in ddp.named_parameters()}}
+        local = _model()  # the rank's own gradient, without DDP's all-reduce
+        torch.manual_seed(7 + rank)
+        _step(local, x, y)
+        result["local_grad"] = local[0].weight.grad.clone()
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_gloo_two_ranks(tmp_path):
+    ctx = mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"DDP workers did not finish within {TIMEOUT_S} s (hang)")
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for r in results:
+        plain, traced = r["plain"], r["traced"]
+        assert r["registries_same"]
+        assert torch.equal(plain["loss"], traced["loss"]) and torch.equal(plain["rng"], traced["rng"])
+        assert plain["grads"].keys() == traced["grads"].keys()
+        assert all(torch.equal(g, traced["grads"][n]) for n, g in plain["grads"].items())
+        assert torch.allclose(r["weight_grad"], r["local_grad"], atol=1e-6)
+        assert any("DistributedDataParallel" in n for n in r["notes"]), r["notes"]
+    # after all-reduce both ranks hold the same .grad, and it is not either rank's own
+    g0, g1 = (r["traced"]["grads"]["module.0.weight"] for r in results)
+    assert torch.equal(g0, g1)
+    assert not torch.allclose(g0, results[0]["local_grad"])
