@@ -17,6 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import hookwidget as hw
+
 sys.path.insert(0, str(Path(__file__).parent))  # helpers_faults, whether or not tests/ is a package
 from helpers_faults import observe  # noqa: E402
 
@@ -122,3 +124,55 @@ def test_random_models(spec):
                     close(t.bias_grad(name), layer.module.bias.grad, f"{name}.bias")
         assert set(t.layers) >= {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.LayerNorm))}
     close(norms, reference_norms(model, x, y), "per-sample norms")
+
+
+# -- the widget's message schema: whatever the front-end sends ----------------------------------
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**30, 10**30) | st.floats() | st.text(max_size=30)
+    | st.sampled_from(["__import__('os').system('echo pwned')", "<img src=x onerror=alert(1)>", "0", "fc1"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8)
+message_types = st.sampled_from(["detail", "add_hook", "remove_hook", "rerun", "eval", "__class__", ""])
+kinds = st.sampled_from(["grad_scale", "grad_clamp", "grad_zero", "grad_clip_norm", "out_scale", "out_zero",
+                         "callable", "out_callable", "exec", ""])
+near_valid = st.fixed_dictionaries(
+    {"type": message_types, "request_id": st.one_of(st.integers(-5, 10**70), st.text(max_size=70), json_values)},
+    optional={"target": st.one_of(st.sampled_from(["fc1", "fc2", "AccumulateGrad#0", "nope"]), json_values),
+              "kind": st.one_of(kinds, json_values),
+              "params": st.one_of(st.dictionaries(st.sampled_from(["factor", "min", "max", "max_norm", "fn", "x"]),
+                                                  json_values, max_size=3), json_values),
+              "extra": json_values})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(st.one_of(near_valid, json_values))
+def test_front_end_messages_are_validated_never_evaluated(content):
+    from helpers_faults import Registries
+
+    from hookwidget.interventions import KINDS
+    from hookwidget.widget import HookWidget
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.ReLU(), nn.Linear(2, 1))
+    x = torch.randn(4, 3)
+
+    def cell():
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+
+    w = HookWidget(hw.trace(cell))
+    sent = []
+    w.send = lambda msg, buffers=None: sent.append(msg)
+    regs = Registries(model, x)
+    before = regs.take()
+    w._on_msg(w, content, [])  # never raises
+    assert regs.take() == before
+    assert sent, "every message gets a reply"
+    for reply in sent:
+        assert reply["type"] in ("status", "detail", "trace")
+        if reply["type"] == "status":
+            assert reply["state"] in ("running", "done", "error") and "\n" not in reply["text"]
+    for iv in w.trace.interventions:  # only registered, front-end settable kinds, with numbers
+        assert iv.kind.name in KINDS and not iv.kind.python_only
+        assert all(isinstance(v, float) for v in iv.params.values())
