@@ -345,7 +345,8 @@ class Tracer:
             setattr(call, attr, s)
         if self._dropped:
             self._notes.append(f"memory budget {self.budget_bytes / 2**20:g} MB reached: {self._dropped} tensors "
-                               "kept as summaries only (shape, norm, min/max/mean, NaN/Inf); raise budget_mb to keep them")
+                               "kept as summaries only (shape, norm, min/max/mean, NaN/Inf); "
+                               "raise budget_mb to keep them")
         if self._backward_calls == 0:
             self._notes.append("no gradients captured: the code ran no backward (activations only)")
         if self._used_grad:

@@ -38,7 +38,8 @@ class Diff:
         if self.loss_before is not None or self.loss_after is not None:
             lines.append(f"loss: {_f(self.loss_before)} -> {_f(self.loss_after)}")
         width = max((len(p.name) for p in self.params), default=4)
-        lines.append(f"{'parameter':<{width}}  {'|grad| before':>13}  {'|grad| after':>13}  {'rel.change':>10}  {'cosine':>7}")
+        header = ("parameter", "|grad| before", "|grad| after", "rel.change", "cosine")
+        lines.append(f"{header[0]:<{width}}  {header[1]:>13}  {header[2]:>13}  {header[3]:>10}  {header[4]:>7}")
         for p in self.params:
             lines.append(f"{p.name:<{width}}  {_f(p.before):>13}  {_f(p.after):>13}  {_f(p.rel_change):>10}  "
                          f"{_f(p.cosine):>7}")
