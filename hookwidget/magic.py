@@ -55,7 +55,7 @@ class HookTraceMagics(Magics):
             options["include"] = args.include
         if args.exclude:
             options["exclude"] = args.exclude
-        t = Trace(fn=run_cell, modules=modules, options=options, names=names)
+        t = Trace(fn=run_cell, modules=modules, options=options, names=names, namespace=ns)
         try:
             t._run()
         finally:

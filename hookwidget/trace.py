@@ -73,10 +73,11 @@ def tracing(modules=None, **options) -> Iterator[Trace]:
 class Trace:
     """Records + graph + factors + interventions of one run. Displays as its widget."""
 
-    def __init__(self, fn, modules, options, interventions=None, names=None):
+    def __init__(self, fn, modules, options, interventions=None, names=None, namespace=None):
         self._fn = fn
         self._modules = modules
         self._names = names  # user-namespace names of `modules` (from the magic)
+        self._namespace = namespace  # the notebook's variables, to name leaf tensors like `x`
         self.options = dict(options)
         self.interventions: list[Intervention] = list(interventions or [])
         self.layers: dict[str, Layer] = {}
@@ -137,8 +138,11 @@ class Trace:
         self.graph = graph_mod.build(rec.walk, param_names, calls,
                                      show_hook_nodes=self.options.get("show_hook_nodes", False))
         self._leaf_grads_before = rec.leaf_grads_before
+        var_names = {id(v): k for k, v in (self._namespace or {}).items()
+                     if isinstance(v, torch.Tensor) and not k.startswith("_")}
         for leaf in rec.leaf_grads_before:
-            self.param_grads[param_names.get(leaf) or _leaf_id(self.graph, leaf, rec.walk)] = leaf.grad
+            name = param_names.get(leaf) or var_names.get(id(leaf)) or _leaf_id(self.graph, leaf, rec.walk)
+            self.param_grads[name] = leaf.grad
         self.losses = [float(v) for v in rec.roots]
         self.user_hooks = _user_hooks(self.layers)
         unsupported = sorted({f"{n} ({fx.unsupported_reason(layer.module)})" for n, layer in self.layers.items()
@@ -274,7 +278,7 @@ class Trace:
         for leaf, g in self._leaf_grads_before.items():
             leaf.grad = None if g is None else g.clone()
         _set_rng_state(self._rng_before)
-        t = Trace(self._fn, self._modules, self.options, self.interventions, self._names)
+        t = Trace(self._fn, self._modules, self.options, self.interventions, self._names, self._namespace)
         t._run()
         return t
 

@@ -77,3 +77,15 @@ def test_help_documents_every_option():
     doc = HookTraceMagics.hooktrace.__doc__
     for opt in ("-o", "--include", "--exclude", "--budget-mb", "--capture", "--no-widget", "MODEL", "Example"):
         assert opt in doc, opt
+
+
+def test_seed002_in_a_cell_names_the_leaf_and_shows_20(ip):
+    cell = "x = torch.tensor(10.0, requires_grad=True)\ny = x**2\nz = y * 3\nz.backward()\n"
+    ip.user_ns["torch"] = torch
+    ip.run_cell_magic("hooktrace", "-o T --no-widget", cell)
+    t = ip.user_ns["T"]
+    assert t.param_grads["x"].item() == 60.0
+    t.add_hook("PowBackward0#0", "grad_clamp", min=-1, max=1)
+    t2 = t.rerun()
+    assert ip.user_ns["x"].grad.item() == 20.0  # the seed says 6; 1 · 2 · 10 = 20
+    assert t2.diff(t).param("x").after == 20.0
