@@ -847,11 +847,22 @@ NB03 = [
     print(t_exp.health())
     """),
     md("""
-    The loss itself is huge, so the gradient at the output is huge too. `grad_clip_norm` on the
-    last layer clips the gradient flowing into its output to a norm of 1, as
-    `clip_grad_norm_` would, but at one point in the graph: every upstream gradient shrinks by the
-    same factor (cosine 1), and how much they still grow from layer to layer is unchanged. That says
-    the growth is in the weights, not in one bad gradient.
+    Every layer is flagged. A bias gradient is δ summed over the batch, so the bias gradients show
+    δ growing from the output back to the input; a weight gradient is δ aᵀ, and since `a` grows
+    forward as fast as δ grows backward, the weight gradients are huge at *every* layer.
+    """),
+    code("""
+    bias = [float(t_exp.param_grads[f"{i}.bias"].norm()) for i in range(depth)]
+    growth = (bias[0] / bias[-1]) ** (1 / (depth - 1))
+    print(f"|bias grad| grows by {growth:.2f}x per layer towards the input")
+    print(f"|weight grad| from the first to the last hidden layer: {float(t_exp.param_grads['0.weight'].norm()):.3g} "
+          f"... {float(t_exp.param_grads[f'{depth - 1}.weight'].norm()):.3g}")
+    """),
+    md("""
+    `grad_clip_norm` on the last layer clips the gradient flowing into its output to a norm of 1,
+    as `clip_grad_norm_` would, but at one point in the graph: every upstream gradient shrinks by
+    the same factor (cosine 1) and still grows from layer to layer as before. Clipping bounds the
+    step; the growth is in the weights' scale, and the fix is the initialisation.
     """),
     code("""
     last = str(depth)
