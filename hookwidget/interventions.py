@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import torch
 
+from .summary import norm_on_device
+
 
 class InterventionError(RuntimeError):
     """An intervention's own function raised; the message names the intervention."""
@@ -62,7 +64,7 @@ def _grad_zero(g):
 @register("grad_clip_norm", "grad", {"max_norm": (float, None)},
           "rescale the gradient so its norm is at most max_norm")
 def _grad_clip_norm(g, max_norm):
-    norm = torch.linalg.vector_norm(g.float())
+    norm = norm_on_device(g)
     return g * (max_norm / (norm + 1e-6)).clamp(max=1.0).to(g.dtype)
 
 

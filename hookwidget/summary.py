@@ -31,22 +31,27 @@ class TensorSummary:
         return self.nan == 0 and self.inf == 0
 
 
+def norm_on_device(t: torch.Tensor) -> torch.Tensor:
+    """‖t‖ as a 0-d tensor on t's device, accumulated in float64 where the device has it: a float32
+    sum of squares overflows to inf past ~1.8e19 per entry, and health would then flag a finite gradient."""
+    return torch.linalg.vector_norm(t.detach(), dtype=torch.float32 if t.device.type == "mps" else torch.float64)
+
+
 def stats_on_device(t: torch.Tensor) -> torch.Tensor:
     """The six statistics of `t` as one float tensor on t's device (no host sync)."""
     t = t.detach()
     if t.numel() == 0:
-        return torch.zeros(len(_FIELDS), device=t.device)
+        return torch.zeros(len(_FIELDS), device=t.device, dtype=torch.float64)
     f = t.float() if not t.is_floating_point() or t.dtype in (torch.float16, torch.bfloat16) else t
-    return torch.stack(
-        [
-            torch.linalg.vector_norm(f),
-            f.amin(),
-            f.amax(),
-            f.mean(),
-            torch.isnan(f).sum().to(f.dtype),
-            torch.isinf(f).sum().to(f.dtype),
-        ]
-    ).to(torch.float64 if f.dtype == torch.float64 else torch.float32)
+    acc = torch.float32 if t.device.type == "mps" else torch.float64  # the norm must not overflow
+    return torch.stack([
+        norm_on_device(f).to(acc),
+        f.amin().to(acc),
+        f.amax().to(acc),
+        f.mean(dtype=acc),
+        torch.isnan(f).sum().to(acc),
+        torch.isinf(f).sum().to(acc),
+    ])
 
 
 def to_summaries(pending: list[tuple[tuple, torch.dtype, torch.Tensor]]) -> list[TensorSummary]:

@@ -203,3 +203,23 @@ def test_health_finds_the_first_nan_and_vanishing_layers():
     assert h.first_nonfinite_node is not None
     assert h.layers["1"].nonfinite > 0 and "nonfinite" in h.layers["1"].flags
     assert math.isnan(hw.trace(nan_step).graph.nodes[h.first_nonfinite_node]["grad_norm"])
+
+
+def test_huge_but_finite_gradients_are_exploding_not_nonfinite():
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(16)])
+    for m in net:
+        nn.init.orthogonal_(m.weight, gain=4.0)
+    x = torch.randn(4, 16) * 1e3
+
+    def step():
+        net.zero_grad()
+        net(x).pow(2).sum().backward()
+
+    t = hw.trace(step)
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters())  # the reference: autograd's grads
+    h = t.health()
+    assert h.first_nonfinite_node is None  # a float32 sum of squares would overflow to inf here
+    assert h.layers["0"].exploding and not h.layers["0"].nonfinite
+    assert t.graph.nodes[next(n for n, d in t.graph.nodes(data=True) if d["param"] == "0.weight")]["grad_norm"] \
+        == pytest.approx(float(net[0].weight.grad.double().norm()), rel=1e-6)
