@@ -18,6 +18,7 @@ from . import payload
 
 STATIC = pathlib.Path(__file__).parent / "static"
 DETAIL_BUDGET = 32 * 2**20  # bytes of tensor detail inlined; layers past it are listed as not exported
+DETAIL_LIMIT = 400  # layers and parameter nodes with inlined detail (a 10,000-layer chain stays quick to export)
 
 
 def to_html(trace, path) -> pathlib.Path:
@@ -59,6 +60,9 @@ def details(trace) -> dict:
     out, used, skipped = {}, 0, []
     params = [n for n, d in trace.graph.nodes(data=True) if d.get("param")]
     for target in [*trace.layers, *params]:
+        if len(out) >= DETAIL_LIMIT:
+            skipped.append(target)
+            continue
         meta, buffers = payload.detail(trace, target)
         size = sum(len(b) for b in buffers)
         if used + size > DETAIL_BUDGET:
@@ -66,7 +70,8 @@ def details(trace) -> dict:
             continue
         used += size
         out[target] = {"meta": meta, "buffers": [base64.b64encode(b).decode("ascii") for b in buffers]}
-    note = f"{len(skipped)} targets over the {DETAIL_BUDGET >> 20} MiB detail budget" if skipped else ""
+    note = (f"{len(skipped)} targets past the detail limits ({DETAIL_LIMIT} targets, {DETAIL_BUDGET >> 20} MiB); "
+            "open the trace in a notebook for them") if skipped else ""
     return {"details": out, "details_note": note}
 
 

@@ -9,6 +9,7 @@ cells per side. Shared by the live widget (custom messages) and the standalone p
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 
 MAX_SIDE = 200  # cells per side of a heatmap sent to the front-end
 PER_SAMPLE_LIMIT = 50_000_000  # floats: above this, the per-sample δ⊗a heatmap is skipped
+HEALTH_LIMIT = 4_000_000  # layers × parameters: above this trace.health() (quadratic today) is skipped
+_health_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def summary(trace) -> dict:
@@ -99,10 +102,27 @@ def kinds() -> list[dict]:
 
 
 def health(trace) -> dict:
-    """Health flags per layer and the first node whose gradient is not finite; {} without health()."""
+    """Health flags per layer and the first node whose gradient is not finite; {} without health().
+
+    Computed once per trace (the summary and every detail use it)."""
+    try:
+        return _health_cache[trace]
+    except (KeyError, TypeError):
+        pass
+    out = _health(trace)
+    try:
+        _health_cache[trace] = out
+    except TypeError:  # not weak-referenceable: just do not cache
+        pass
+    return out
+
+
+def _health(trace) -> dict:
     fn = getattr(trace, "health", None)
     if fn is None:
         return {}
+    if len(trace.layers) * max(1, len(getattr(trace, "params", {}))) > HEALTH_LIMIT:
+        return {"error": f"health flags skipped: {len(trace.layers)} layers is too many to check here"}
     try:
         h = fn()
     except Exception as e:  # health is advisory: never let it hide the explorer

@@ -111,3 +111,13 @@ def test_diff_names_changed_modules_and_nodes(traced):
     assert "AccumulateGrad#2" in d["changed_nodes"] and "AccumulateGrad#0" not in d["changed_nodes"]
     after = {p["name"]: p for p in d["params"]}
     assert after["fc1.weight"]["after"] == 0.0 and after["fc2.weight"]["rel_change"] == 0.0
+
+
+def test_health_is_computed_once_per_trace(seed_mlp, monkeypatch):
+    t = hw.trace(seed_mlp[3])
+    calls, original = [], type(t).health
+    monkeypatch.setattr(type(t), "health", lambda self, **kw: calls.append(1) or original(self, **kw))
+    payload.summary(t)
+    payload.detail(t, "fc1")
+    payload.detail(t, "fc2")
+    assert len(calls) == 1
