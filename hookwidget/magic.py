@@ -33,11 +33,17 @@ class HookTraceMagics(Magics):
         """Run the cell with hooks on every layer; the Trace (activations, gradients, autograd
         graph, (a, δ) factors) is bound to NAME and shown as the explorer.
 
-        Example::
+        Examples::
 
-            %%hooktrace model -o t --exclude "*.dropout"
+            %%hooktrace                       # every module the cell calls; Trace in _hooktrace
             loss = loss_fn(model(x), y)
             loss.backward()
+
+            %%hooktrace model -o t            # only model's modules; Trace bound to t
+            %%hooktrace model --include "blocks.0.*" --exclude "*.dropout"
+            %%hooktrace model --budget-mb 2048   # keep more a and δ before falling back to summaries
+            %%hooktrace model --capture norms    # per-sample gradient norms only (fast, little memory)
+            %%hooktrace model --no-widget        # print a text summary instead of the explorer
 
         Then: t.layers["fc1"].a, t.weight_grad("fc1"), t.add_hook("fc1", "grad_zero"); t.rerun().
         The cell's variables stay in your namespace; errors in the cell propagate with every hook removed.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,6 +53,18 @@ def trace(fn: Callable[[], object], modules=None, **options) -> Trace:
     backward_hooks (also run full module backward hooks, to see grad_input; they raise when an
     in-place op follows a module, so off by default).
     Every hook is removed when fn returns or raises.
+
+    `fn` takes no arguments. With capture="norms", a and δ are dropped as soon as each layer's
+    norms are computed, so only per_sample_grad_norms() is available.
+
+    Example::
+
+        def step():
+            model.zero_grad()
+            loss_fn(model(x), y).backward()
+
+        t = hw.trace(step)
+        t.layers["fc1"].a, t.layers["fc1"].delta, t.weight_grad("fc1"), t.per_sample_grad_norms()
     """
     if isinstance(fn, nn.Module) or not callable(fn):
         raise TypeError(f"hw.trace takes a function to run, got {type(fn).__name__}; "
@@ -150,7 +162,15 @@ class Trace:
         if unsupported:
             self.notes.append("no (a, δ) factor rule, so no weight_grad / per-sample gradients for: "
                               + ", ".join(unsupported))
-        self._norms = tracer.norms_rule.result() if tracer.norms_rule else None
+        self._norms = None
+        left_out = [n for n in self._unbatched()]
+        if tracer.norms_rule:
+            self._norms, modules = tracer.norms_rule.result()
+            left_out = [n for n, layer in self.layers.items() if layer.module in modules]
+        if left_out:
+            self.notes.append("per-sample gradients leave out " + ", ".join(left_out) + ": their input has no batch "
+                              "dimension (e.g. an embedding called on arange(T)), so their gradient is already summed "
+                              "over the batch")
         for iv in self.interventions:
             if isinstance(iv.anchor, nn.Module) and iv.anchor not in rec.modules:
                 self.notes.append(f"intervention {iv} did not fire: its module was not called "
@@ -204,6 +224,7 @@ class Trace:
 
         They sum to .grad. With a mean-reduced loss pass loss_reduction="mean" to get each
         sample's own gradient (the contributions times B)."""
+        self._check_batched(name)
         g = fx.per_sample_grad(self._factor(name, param))
         return g * _reduction_scale(loss_reduction, g.shape[0])
 
@@ -213,7 +234,9 @@ class Trace:
         if name is None and self._norms is not None:
             sq = self._norms
         else:
-            names = [name] if name is not None else [n for n in self.layers if self._has_factors(n)]
+            if name is not None:
+                self._check_batched(name)
+            names = [name] if name is not None else [n for n in self.factor_layers if n not in self._unbatched()]
             if not names:
                 raise ValueError("no layer with (a, δ) factors in this trace: " + ("; ".join(self.notes) or
                                  "run a backward inside the trace"))
@@ -228,6 +251,29 @@ class Trace:
                 else:
                     sq = sq + sum(fx.per_sample_grad(f) for f in fs).flatten(1).pow(2).sum(1)
         return sq.sqrt() * _reduction_scale(loss_reduction, sq.shape[0])
+
+    @property
+    def factor_layers(self) -> list[str]:
+        """Layers whose parameter gradients (a, δ) rebuild: weight_grad, per-sample gradients."""
+        return [n for n in self.layers if self._has_factors(n)]
+
+    def _unbatched(self) -> dict:
+        """Layers whose input's leading dimension is not the batch size most layers agree on, e.g.
+        a positional embedding called on arange(T): their gradient is already summed over the batch."""
+        lead = {n: self.layers[n].calls[0].a.shape[0] if self.layers[n].calls[0].a.dim() else None
+                for n in self.factor_layers}
+        if not lead:
+            return {}
+        counts = Counter(v for v in lead.values() if v is not None)
+        batch = counts.most_common(1)[0][0] if counts else None
+        return {n: (b, batch) for n, b in lead.items() if b != batch}
+
+    def _check_batched(self, name: str) -> None:
+        bad = self._unbatched().get(name)
+        if bad:
+            raise ValueError(f"layer {name!r}: its input's leading dimension is {bad[0]}, not the batch size {bad[1]} "
+                             "of the other layers (e.g. an embedding called on arange(T)): its gradient is already "
+                             "summed over the batch, so per-sample gradients cannot be separated")
 
     def _has_factors(self, name: str) -> bool:
         layer = self.layers[name]
@@ -306,10 +352,15 @@ class Trace:
         return to_html(self, path)
 
     def _repr_mimebundle_(self, **kwargs):
+        """The explorer where widgets render; this trace's text summary everywhere else."""
         try:
-            return self.widget()._repr_mimebundle_(**kwargs)
+            bundle = self.widget()._repr_mimebundle_(**kwargs)
         except ImportError:
-            return {"text/plain": repr(self)}
+            bundle = None
+        if isinstance(bundle, tuple):
+            data, meta = bundle
+            return {**data, "text/plain": repr(self)}, meta
+        return {**(bundle or {}), "text/plain": repr(self)}
 
     def __repr__(self) -> str:
         lines = [f"Trace: {len(self.layers)} layers, {self.graph.number_of_nodes()} graph nodes"

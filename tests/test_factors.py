@@ -153,3 +153,34 @@ def test_unsupported_layers_are_listed_not_skipped():
     assert not t.supports("1")
     with pytest.raises(ValueError, match="no factor rule for BatchNorm1d; supported types:"):
         t.weight_grad("1")
+
+
+class WithPositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(9, 6)
+        self.pos = nn.Embedding(4, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, idx):
+        return self.out(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
+
+
+@pytest.mark.parametrize("capture", ["full", "norms"])
+def test_an_unbatched_embedding_is_left_out_and_said(capture):
+    torch.manual_seed(0)
+    model, idx = WithPositions(), torch.randint(0, 9, (5, 4))
+    t = hw.trace(lambda: model(idx).pow(2).sum().backward(), capture=capture)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p, i):
+        return functional_call(model, p, (i[None],)).pow(2).sum()
+
+    ref = vmap(grad(one), in_dims=(None, 0))(params, idx)
+    ref = torch.cat([g.flatten(1) for k, g in ref.items() if not k.startswith("pos.")], 1).norm(dim=1)
+    assert torch.allclose(t.per_sample_grad_norms(), ref, rtol=1e-4)
+    assert any("per-sample gradients leave out pos" in n for n in t.notes)
+    if capture == "full":
+        with pytest.raises(ValueError, match="'pos': its input's leading dimension is 4, not the batch size 5"):
+            t.per_sample_grads("pos")
+        assert torch.allclose(t.weight_grad("pos"), model.pos.weight.grad, atol=1e-5)  # .grad itself is fine
