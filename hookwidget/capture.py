@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import graph as graph_mod
-from .summary import TensorSummary, norm_on_device, stats_on_device, to_summaries
+from .summary import TensorSummary, grad_norms_on_device, stats_on_device, to_summaries
 
 CAPTURE_MODES = ("full", "summary", "norms")
 DEFAULT_BUDGET_MB = 512
@@ -313,7 +313,7 @@ class Tracer:
             g = grad_outputs[0] if grad_outputs else None
             if g is not None:
                 with self._lock:
-                    walk.grad_norm[i] = norm_on_device(g)
+                    walk.grad_norm[i] = grad_norms_on_device(g)
                     walk.shape.setdefault(i, tuple(g.shape))
                     walk.order.setdefault(i, len(walk.order))
             return

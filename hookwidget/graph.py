@@ -32,7 +32,7 @@ class GraphWalk:
         self.edges: list[tuple[int, int]] = []
         self.inputs: list[int] = []  # for each grad-less input slot: the node that consumed it
         self.roots: set[int] = set()
-        self.grad_norm: dict = {}  # node index -> 0-d tensor (on device until the end)
+        self.grad_norm: dict = {}  # node index -> [‖g‖₂, ‖g‖∞] (on device until the end)
         self.shape: dict = {}
         self.order: dict = {}  # node index -> position in backward execution
         self._index: dict = {}
@@ -84,13 +84,14 @@ def build(walk: GraphWalk, param_names: dict, calls: list, *, show_hook_nodes: b
         else:
             pname, role, module, shape = "", "root" if i in walk.roots else "op", owner.get(i, ""), walk.shape.get(i)
         g.add_node(walk.ids[i], name=name, role=role, module=module, param=pname, shape=shape,
-                   grad_norm=norms.get(i), order=walk.order.get(i))
+                   grad_norm=norms.get(i, (None,))[0], grad_max=norms.get(i, (None, None))[1],
+                   order=walk.order.get(i))
     for u, v in walk.edges:
         g.add_edge(walk.ids[u], walk.ids[v])
     for k, consumer in enumerate(walk.inputs):
         nid = f"input#{k}"
         g.add_node(nid, name="input", role="input", module=g.nodes[walk.ids[consumer]]["module"], param="",
-                   shape=None, grad_norm=None, order=None)
+                   shape=None, grad_norm=None, grad_max=None, order=None)
         g.add_edge(walk.ids[consumer], nid)
     if not show_hook_nodes:
         _splice_out(g, [n for n, d in g.nodes(data=True) if d["name"].startswith(HOOK_NODE_NAMES)])
@@ -131,7 +132,7 @@ def _norms_to_floats(norms: dict) -> dict:
         by_device.setdefault(norms[k].device, []).append(k)
     out = {}
     for ks in by_device.values():
-        for k, v in zip(ks, torch.stack([norms[k] for k in ks]).double().cpu().tolist()):
+        for k, v in zip(ks, torch.stack([norms[k].double() for k in ks]).cpu().tolist()):
             out[k] = v
     return out
 

@@ -45,8 +45,9 @@ class Health:
 def health(trace, vanishing: float = 1e-7, exploding: float = 1e3) -> Health:
     """Flag a layer as vanishing when ‖grad‖ < vanishing·‖W‖, exploding when ‖grad‖ > exploding·‖W‖."""
     out = Health()
+    # judged by the largest entry: the float32 norm of a huge but finite gradient overflows to inf
     bad = [(d["order"], n) for n, d in trace.graph.nodes(data=True)
-           if d.get("grad_norm") is not None and not math.isfinite(d["grad_norm"])]
+           if d.get("grad_max") is not None and not math.isfinite(d["grad_max"])]
     out.nonfinite_nodes = [n for _, n in sorted(bad, key=lambda x: (x[0] is None, x[0] or 0))]
     out.first_nonfinite_node = out.nonfinite_nodes[0] if out.nonfinite_nodes else None
     for name, layer in trace.layers.items():

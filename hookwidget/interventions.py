@@ -17,7 +17,6 @@ from typing import Any, Callable
 
 import torch
 
-from .summary import norm_on_device
 
 
 class InterventionError(RuntimeError):
@@ -64,7 +63,9 @@ def _grad_zero(g):
 @register("grad_clip_norm", "grad", {"max_norm": (float, None)},
           "rescale the gradient so its norm is at most max_norm")
 def _grad_clip_norm(g, max_norm):
-    norm = norm_on_device(g)
+    # ‖g‖ = ‖g / m‖·m with m = max |g|: a float32 sum of squares would overflow for huge gradients.
+    m = torch.linalg.vector_norm(g.float(), float("inf")).clamp_min(1e-30)
+    norm = torch.linalg.vector_norm(g.float() / m) * m
     return g * (max_norm / (norm + 1e-6)).clamp(max=1.0).to(g.dtype)
 
 

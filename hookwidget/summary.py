@@ -31,27 +31,26 @@ class TensorSummary:
         return self.nan == 0 and self.inf == 0
 
 
-def norm_on_device(t: torch.Tensor) -> torch.Tensor:
-    """‖t‖ as a 0-d tensor on t's device, accumulated in float64 where the device has it: a float32
-    sum of squares overflows to inf past ~1.8e19 per entry, and health would then flag a finite gradient."""
-    return torch.linalg.vector_norm(t.detach(), dtype=torch.float32 if t.device.type == "mps" else torch.float64)
+def grad_norms_on_device(t: torch.Tensor) -> torch.Tensor:
+    """[‖t‖₂, ‖t‖∞] on t's device. Both are fast float32 reductions; ‖t‖₂ overflows to inf past
+    ~1.8e19 per entry (as torch.linalg.vector_norm does), so finiteness is judged by ‖t‖∞."""
+    t = t.detach()
+    if t.numel() == 0:
+        return torch.zeros(2, device=t.device)
+    f = t if t.dtype in (torch.float32, torch.float64) else t.float()
+    return torch.stack([torch.linalg.vector_norm(f), torch.linalg.vector_norm(f, float("inf"))])
 
 
 def stats_on_device(t: torch.Tensor) -> torch.Tensor:
-    """The six statistics of `t` as one float tensor on t's device (no host sync)."""
+    """The statistics of `t` as one float tensor on t's device (no host sync): norm, min, max, sum,
+    NaN count, Inf count. Plain single-pass reductions: this runs in hooks, on every call."""
     t = t.detach()
     if t.numel() == 0:
-        return torch.zeros(len(_FIELDS), device=t.device, dtype=torch.float64)
-    f = t.float() if not t.is_floating_point() or t.dtype in (torch.float16, torch.bfloat16) else t
-    acc = torch.float32 if t.device.type == "mps" else torch.float64  # the norm must not overflow
-    return torch.stack([
-        norm_on_device(f).to(acc),
-        f.amin().to(acc),
-        f.amax().to(acc),
-        f.mean(dtype=acc),
-        torch.isnan(f).sum().to(acc),
-        torch.isinf(f).sum().to(acc),
-    ])
+        return torch.zeros(len(_FIELDS), device=t.device)
+    f = t if t.dtype in (torch.float32, torch.float64) else t.float()
+    lo, hi = torch.aminmax(f)
+    return torch.stack([torch.linalg.vector_norm(f), lo, hi, f.sum(), torch.isnan(f).sum().to(f.dtype),
+                        torch.isinf(f).sum().to(f.dtype)])
 
 
 def to_summaries(pending: list[tuple[tuple, torch.dtype, torch.Tensor]]) -> list[TensorSummary]:
@@ -68,8 +67,11 @@ def to_summaries(pending: list[tuple[tuple, torch.dtype, torch.Tensor]]) -> list
             values[i] = row
     out = []
     for (shape, dtype, _), row in zip(pending, values):
-        norm, mn, mx, mean, nan, inf = row
-        out.append(TensorSummary(tuple(shape), str(dtype).replace("torch.", ""), norm, mn, mx, mean,
+        norm, mn, mx, total, nan, inf = row
+        numel = 1
+        for n in shape:
+            numel *= n
+        out.append(TensorSummary(tuple(shape), str(dtype).replace("torch.", ""), norm, mn, mx, total / max(numel, 1),
                                  int(nan), int(inf)))
     return out
 
