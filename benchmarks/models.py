@@ -1,0 +1,100 @@
+"""The benchmark models, each with a sum-reduced loss so per-sample gradients are well defined."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block from plain Linear/LayerNorm layers (as nanoGPT), so every
+    parameter has a per-sample rule (nn.MultiheadAttention hides its projections from hooks)."""
+
+    def __init__(self, d: int, heads: int, ffn: int, causal: bool):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.proj = (nn.Linear(d, d) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(d, ffn), nn.Linear(ffn, d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (m(h).view(B, T, self.heads, d // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        x = x + self.proj(att.transpose(1, 2).reshape(B, T, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Encoder(nn.Module):
+    def __init__(self, d=256, heads=4, ffn=1024, layers=2):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(d, heads, ffn, causal=False) for _ in range(layers)])
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+class GPT2(nn.Module):
+    def __init__(self, vocab=50257, d=768, heads=12, layers=12, seq=128):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.Sequential(*[Block(d, heads, 4 * d, causal=True) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device).expand_as(idx)  # batched: per-sample rules apply
+        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
+
+
+def build(name: str, device: str, small: bool = False):
+    """(model, inputs, targets, loss(out, target) summed over the batch)."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+        x, y = torch.randn(32, 784, generator=g), torch.randint(0, 10, (32,), generator=g)
+        loss = _ce
+    elif name == "cnn":
+        model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+                              nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(64 * 16, 10))
+        x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
+        loss = _ce
+    elif name == "transformer":
+        model = Encoder()
+        x, y = torch.randn(16, 64, 256, generator=g), torch.randn(16, 64, 1, generator=g)
+        loss = _mse
+    elif name == "gpt2":
+        B, layers, vocab = (4, 12, 50257) if not small else (2, 2, 1000)
+        model = GPT2(vocab=vocab, layers=layers)
+        x = torch.randint(0, vocab, (B, 128), generator=g)
+        y = torch.randint(0, vocab, (B, 128), generator=g)
+        loss = _ce_seq
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from mlp, cnn, transformer, gpt2")
+    return model.to(device), x.to(device), y.to(device), loss
+
+
+def _ce(out, y):
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+def _ce_seq(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum")
+
+
+def _mse(out, y):
+    return ((out - y) ** 2).sum()
+
+
+def count_modules(model: nn.Module) -> int:
+    return sum(1 for _ in model.modules())
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
