@@ -17,8 +17,9 @@ import secrets
 from . import payload
 
 STATIC = pathlib.Path(__file__).parent / "static"
-DETAIL_BUDGET = 32 * 2**20  # bytes of tensor detail inlined; layers past it are listed as not exported
-DETAIL_LIMIT = 400  # layers and parameter nodes with inlined detail (a 10,000-layer chain stays quick to export)
+DETAIL_BUDGET = 8 * 2**20  # bytes of tensor detail inlined; layers past it are listed as not exported
+DETAIL_SIDE = 64  # heatmap cells per side on the page (the live widget sends up to payload.MAX_SIDE)
+DETAIL_LIMIT = 200  # layers and parameter nodes with inlined detail (a 10,000-layer chain stays quick to export)
 
 
 def to_html(trace, path) -> pathlib.Path:
@@ -63,7 +64,7 @@ def details(trace) -> dict:
         if len(out) >= DETAIL_LIMIT:
             skipped.append(target)
             continue
-        meta, buffers = payload.detail(trace, target)
+        meta, buffers = payload.detail(trace, target, max_side=DETAIL_SIDE)
         size = sum(len(b) for b in buffers)
         if used + size > DETAIL_BUDGET:
             skipped.append(target)

@@ -151,9 +151,11 @@ def diff(before, after) -> dict:
 
 
 # -- detail --------------------------------------------------------------------------------------
-def detail(trace, target: str) -> tuple[dict, list[bytes]]:
-    """Meta + buffers for one layer name or graph node id. Raises KeyError for an unknown target."""
-    out = _Buffers()
+def detail(trace, target: str, max_side: int = MAX_SIDE) -> tuple[dict, list[bytes]]:
+    """Meta + buffers for one layer name or graph node id. Raises KeyError for an unknown target.
+
+    Heatmaps have at most `max_side` cells per side (the standalone page inlines every layer: smaller)."""
+    out = _Buffers(max_side)
     if target in trace.layers:
         meta = _layer_detail(trace, target, out)
     elif target in trace.graph:
@@ -215,24 +217,26 @@ def _node_detail(trace, node: str, out: _Buffers) -> dict:
 class _Buffers:
     """Collects downsampled float32 buffers and their descriptions."""
 
-    def __init__(self):
+    def __init__(self, max_side: int = MAX_SIDE):
+        self.max_side = max_side
         self.meta: dict = {}
         self.buffers: list[bytes] = []
 
     def add(self, key: str, t, layout: str) -> None:
         if t is None:
             return
-        view, info = downsample(t, layout)
+        view, info = downsample(t, layout, self.max_side)
         info["buffer"] = len(self.buffers)
         self.buffers.append(view.tobytes())
         self.meta[key] = info
 
 
-def downsample(t: torch.Tensor, layout: str = "rows") -> tuple[np.ndarray, dict]:
-    """A 2-D float32 view of `t` with at most MAX_SIDE cells per side (block means), plus its description.
+def downsample(t: torch.Tensor, layout: str = "rows", max_side: int = MAX_SIDE) -> tuple[np.ndarray, dict]:
+    """A 2-D float32 view of `t` with at most max_side cells per side (block means), plus its description.
 
     layout "rows": leading dims flattened into rows, last dim as columns (activations, δ);
     "param": first dim as rows, the rest as columns (weights); "vector": 1-D, at most MAX_SIDE*5 bars."""
+    MAX = max_side  # noqa: N806
     x = t.detach().to("cpu", torch.float32)
     true_shape = [int(s) for s in x.shape]
     if layout == "vector":
@@ -252,8 +256,8 @@ def downsample(t: torch.Tensor, layout: str = "rows") -> tuple[np.ndarray, dict]
         else:
             x = x.reshape(-1, x.shape[-1])
         rows, cols = x.shape
-        if rows > MAX_SIDE or cols > MAX_SIDE:
-            x = F.adaptive_avg_pool2d(x.view(1, 1, rows, cols), (min(rows, MAX_SIDE), min(cols, MAX_SIDE)))[0, 0]
+        if rows > MAX or cols > MAX:
+            x = F.adaptive_avg_pool2d(x.view(1, 1, rows, cols), (min(rows, MAX), min(cols, MAX)))[0, 0]
         arr = x.contiguous().numpy()
         shape = [int(arr.shape[0]), int(arr.shape[1])]
     arr = np.ascontiguousarray(arr, dtype="<f4")
@@ -300,11 +304,14 @@ def _norms(ts):
 
 def _tensor_info(t, s) -> dict | None:
     """Shape, norm, range and NaN/Inf count of a kept tensor or of its summary."""
+    if s is not None:  # statistics the capture already took
+        return {"shape": _shape(s.shape), "dtype": s.dtype, "kept": t is not None, "norm": _num(s.norm),
+                "nonfinite": int(s.nan + s.inf)}
     if t is not None:
-        f = t.detach().double()
+        f = t.detach() if t.is_floating_point() else t.detach().float()
         return {"shape": _shape(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "kept": True,
-                "norm": _num(float(torch.linalg.vector_norm(f))) if f.numel() else 0.0,
-                "nonfinite": int((~torch.isfinite(f)).sum())}
+                "norm": _num(float(torch.linalg.vector_norm(f, dtype=torch.float64))) if f.numel() else 0.0,
+                "nonfinite": int(f.numel() - int(torch.isfinite(f).sum())) if f.is_floating_point() else 0}
     if s is not None:
         return {"shape": _shape(s.shape), "dtype": s.dtype, "kept": False, "norm": _num(s.norm),
                 "nonfinite": int(s.nan + s.inf)}

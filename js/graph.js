@@ -5,7 +5,7 @@ import { buildHierarchy, initialExpanded, search, visibleGraph } from "./collaps
 import { cssEscape, fmt, fmtShape, h, s } from "./dom.js";
 
 let instances = 0;
-const MAX_BOXES = 2500;
+const MAX_BOXES = 800; // dagre needs seconds past ~500 boxes in a deep chain and overflows its stack near 2,000
 
 export function createGraphView({ onSelect, onStatus }) {
   const uid = `hw${++instances}`;
@@ -69,7 +69,12 @@ export function createGraphView({ onSelect, onStatus }) {
       g.setNode(item.key, { width: w, height: hgt });
     }
     for (const [u, v] of vis.edges) g.setEdge(u, v);
-    dagre.layout(g);
+    try {
+      dagre.layout(g);
+    } catch (e) {
+      onStatus?.("error", `graph layout failed for ${vis.items.size} boxes (${e.message}): collapse some modules`);
+      return;
+    }
     state.layoutMs = performance.now() - t0;
 
     viewport.replaceChildren();
@@ -184,10 +189,25 @@ export function createGraphView({ onSelect, onStatus }) {
     if (jump && (r.modules.length || r.nodes.length)) {
       state.matchAt = (state.matchAt + 1) % state.matches.length;
       const key = state.matches[state.matchAt];
+      reveal(key);
       const sel = key.startsWith("m:") ? `[data-module="${cssEscape(key.slice(2))}"]` : `[data-node-id="${cssEscape(key)}"]`;
       const el = viewport.querySelector(sel);
       if (el) centerOn(el);
     }
+  }
+
+  /** Expand the groups hiding a search match (a module, or the module of an op node). */
+  function reveal(key) {
+    const G = state.summary.graph;
+    const mod = key.startsWith("m:") ? key.slice(2) : G.module[G.id.indexOf(key)];
+    if (!mod || !state.groups.has(mod)) return;
+    const next = new Set(state.expanded);
+    for (let p = state.groups.get(mod).parent; p !== null && p !== undefined; p = state.groups.get(p).parent) next.add(p);
+    if (!key.startsWith("m:")) next.add(mod);
+    if (next.size === state.expanded.size) return;
+    if (visibleGraph(G, state.groups, next).items.size > MAX_BOXES) return;
+    state.expanded = next;
+    draw();
   }
 
   function centerOn(el) {

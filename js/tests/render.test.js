@@ -146,3 +146,14 @@ describe("explorer", () => {
     expect(el.querySelector('[data-node-id="MmBackward0#1"]')).toBeNull();
   });
 });
+
+describe("search", () => {
+  it("Enter reveals an op hidden inside a collapsed module", () => {
+    const { el } = mount();
+    expect(el.querySelector('[data-node-id="MmBackward0#1"]')).toBeNull();
+    const input = el.querySelector('[data-testid="search"]');
+    input.value = "MmBackward0#1";
+    input.dispatchEvent(new KeyboardEvent("keydown", { key: "Enter" }));
+    expect(el.querySelector('[data-node-id="MmBackward0#1"]').classList.contains("match")).toBe(true);
+  });
+});
