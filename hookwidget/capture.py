@@ -25,6 +25,7 @@ from . import graph as graph_mod
 from .summary import TensorSummary, grad_norms_on_device, stats_on_device, to_summaries
 
 CAPTURE_MODES = ("full", "summary", "norms")
+AUTO_NODE_GRADS_MAX = 256  # graphs up to this size get a gradient norm at every node by default
 DEFAULT_BUDGET_MB = 512
 
 
@@ -73,7 +74,7 @@ class Tracer:
     """Context manager that owns every hook of one trace; `records` is filled on exit."""
 
     def __init__(self, modules=None, capture: str = "full", budget_mb: float = DEFAULT_BUDGET_MB,
-                 layer_interventions=None, node_interventions=None, node_grads: bool = True, norms_rule=None,
+                 layer_interventions=None, node_interventions=None, node_grads: bool | None = None, norms_rule=None,
                  backward_hooks: bool = False):
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture={capture!r} is not a capture mode; choose one of {', '.join(CAPTURE_MODES)}")
@@ -84,7 +85,10 @@ class Tracer:
         self.budget_bytes = int(budget_mb * 2**20)
         self.layer_interventions = layer_interventions or {}
         self.node_interventions = node_interventions or {}
-        self.node_grads = node_grads and capture != "norms"
+        # A pre-hook on every node costs a Python call and a reduction per node: on by default only
+        # for small graphs (None: decided when backward starts); module outputs and leaves get
+        # their norms from δ and .grad anyway (see _derive_node_norms).
+        self.node_grads = False if capture == "norms" else node_grads
         self.norms_rule = norms_rule  # (module, call) -> None, used when capture == "norms"
         # Full module backward hooks show grad_input too, but raise when an in-place op follows a
         # module and add nodes to the graph: opt-in only.
@@ -100,6 +104,7 @@ class Tracer:
         self._walk = graph_mod.GraphWalk()
         self._roots: list = []
         self._leaf_grads_before: dict = {}
+        self._leaf_index: dict = {}  # leaf tensor -> index of its AccumulateGrad node in the walk
         self._backward_calls = 0
         self._used_grad = False
         self._notes: list = []
@@ -293,10 +298,16 @@ class Tracer:
             if r.numel() == 1:
                 self._roots.append(r.detach().clone())
         new_nodes = self._walk.extend([r.grad_fn for r in roots if r.grad_fn is not None])
+        if self.node_grads is None:
+            self.node_grads = len(self._walk.nodes) <= AUTO_NODE_GRADS_MAX
+            if not self.node_grads:
+                self._notes.append(f"the graph has {len(self._walk.nodes)} nodes: gradient norms are shown for layer "
+                                   "outputs and parameters only; trace with node_grads=True for every node")
         for i in new_nodes:
             node = self._walk.nodes[i]
             variable = getattr(node, "variable", None)
             if variable is not None and variable not in self._leaf_grads_before:
+                self._leaf_index[variable] = i
                 g = variable.grad
                 self._leaf_grads_before[variable] = None if g is None else g.detach().clone()
             for iv in self.node_interventions.get(self._walk.ids[i], ()):
@@ -329,10 +340,34 @@ class Tracer:
         return hook
 
     # -- end -----------------------------------------------------------------------------------
+    def _derive_node_norms(self) -> None:
+        """Norms of the gradient arriving at layer-output nodes (δ) and leaf nodes (.grad), where no
+        node hook recorded them. Exact only for one backward pass and a .grad that started as None."""
+        walk, index = self._walk, self._walk._index
+        if self._backward_calls != 1 or self._passes_summed:
+            return
+        pending = {}
+        for rec in self._modules.values():
+            for c in rec.calls:
+                i = index.get(c.out_node) if c.out_node is not None else None
+                if i is None or i in walk.grad_norm:
+                    continue
+                if c.delta is not None:
+                    pending[i] = grad_norms_on_device(c.delta)
+                elif c.delta_summary is not None:
+                    d = c.delta_summary
+                    walk.grad_norm[i] = torch.tensor([d.norm, max(abs(d.min), abs(d.max))], dtype=torch.float64)
+        for leaf, before in self._leaf_grads_before.items():
+            i = self._leaf_index.get(leaf)
+            if i is not None and i not in walk.grad_norm and before is None and leaf.grad is not None:
+                pending[i] = grad_norms_on_device(leaf.grad)
+        walk.grad_norm.update(pending)
+
     def _finish(self) -> Records:
         if not self._walk.nodes:  # forward only: show the graph that backward would have walked
             self._walk.extend(_outermost_outputs(self._modules.values()))
         self._drop_recomputed_calls()
+        self._derive_node_norms()
         for rec in self._modules.values():
             for call in rec.calls:
                 if call._a_source is not None and call._a_source._version != call._a_version:

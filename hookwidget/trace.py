@@ -49,7 +49,8 @@ def trace(fn: Callable[[], object], modules=None, **options) -> Trace:
 
     Options: capture ("full": keep a and δ; "summary": statistics only; "norms": per-sample
     gradient norms only), budget_mb (memory for kept tensors, default 512), include / exclude
-    (glob patterns on layer names), node_grads (gradient norm at every graph node, default True),
+    (glob patterns on layer names), node_grads (gradient norm at every graph node; default: for graphs
+    of up to 256 nodes, else for layer outputs and parameters only),
     backward_hooks (also run full module backward hooks, to see grad_input; they raise when an
     in-place op follows a module, so off by default).
     Every hook is removed when fn returns or raises.

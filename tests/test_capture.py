@@ -240,3 +240,22 @@ def test_opt_in_backward_hooks_show_grad_input_and_leave_nothing_behind(seed_mlp
     assert torch.allclose(fc2.calls[0].grad_input, fc2.delta @ model.fc2.weight, atol=1e-6)
     assert not any(d["name"].startswith("BackwardHookFunction") for _, d in t.graph.nodes(data=True))
     assert torch.allclose(t.weight_grad("fc1"), model.fc1.weight.grad, atol=1e-6)
+
+
+def test_without_node_hooks_layer_outputs_and_params_still_get_norms(seed_mlp):
+    model, x, y, step = seed_mlp
+    t = hw.trace(step, node_grads=False)
+    d2 = torch.autograd.grad(0.5 * ((model(x) - y) ** 2).sum(), [model.fc1.weight])[0]
+    pnode = next(d for _, d in t.graph.nodes(data=True) if d["param"] == "fc1.weight")
+    assert pnode["grad_norm"] == pytest.approx(float(d2.norm()), rel=1e-6)
+    out_nodes = [d for _, d in t.graph.nodes(data=True) if d["module"] == "fc2" and d["grad_norm"] is not None]
+    assert any(d["grad_norm"] == pytest.approx(float(t.layers["fc2"].delta.norm()), rel=1e-6) for d in out_nodes)
+    assert all(d["grad_norm"] is None for _, d in t.graph.nodes(data=True) if d["name"] == "TBackward0")
+
+
+def test_large_graphs_skip_per_node_hooks_and_say_so():
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(80)])
+    t = hw.trace(lambda: model(torch.randn(2, 4)).sum().backward())
+    assert any("node_grads=True" in n for n in t.notes)
+    t2 = hw.trace(lambda: model(torch.randn(2, 4)).sum().backward(), node_grads=True)
+    assert all(d["grad_norm"] is not None for _, d in t2.graph.nodes(data=True) if d["role"] == "op")
