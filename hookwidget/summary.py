@@ -6,6 +6,7 @@ once, at the end of a trace, so a hook never forces a host-device synchronisatio
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +38,9 @@ def grad_norms_on_device(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.numel() == 0:
         return torch.zeros(2, device=t.device)
-    f = t if t.dtype in (torch.float32, torch.float64) else t.float()
-    return torch.stack([torch.linalg.vector_norm(f), torch.linalg.vector_norm(f, float("inf"))])
+    f = _dense(t if t.dtype in (torch.float32, torch.float64) else t.float())
+    lo, hi = torch.aminmax(f)  # max(|min|, |max|) is ‖t‖∞ exactly (NaN propagates), at a tenth of its cost on CPU
+    return torch.stack([torch.linalg.vector_norm(f), torch.maximum(lo.abs(), hi.abs())])
 
 
 def stats_on_device(t: torch.Tensor) -> torch.Tensor:
@@ -47,10 +49,27 @@ def stats_on_device(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.numel() == 0:
         return torch.zeros(len(_FIELDS), device=t.device)
-    f = t if t.dtype in (torch.float32, torch.float64) else t.float()
+    f = _dense(t if t.dtype in (torch.float32, torch.float64) else t.float())
     lo, hi = torch.aminmax(f)
+    if f.device.type == "cpu":
+        # min and max are finite only when every entry is (aminmax propagates NaN): the NaN and Inf
+        # counts, ten times the cost of the other statistics on CPU, are then 0. (Reading a CPU
+        # tensor is no host-device sync; on GPU the counts stay on device.)
+        mn, mx = lo.item(), hi.item()
+        if math.isfinite(mn) and math.isfinite(mx):
+            return torch.tensor([torch.linalg.vector_norm(f).item(), mn, mx, f.sum().item(), 0.0, 0.0],
+                                dtype=torch.float64)
     return torch.stack([torch.linalg.vector_norm(f), lo, hi, f.sum(), torch.isnan(f).sum().to(f.dtype),
                         torch.isinf(f).sum().to(f.dtype)])
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous view of `t` when it is a permuted dense tensor (a weight gradient arrives as
+    a transposed view): whole-tensor reductions on it are the same, and aminmax ten times faster."""
+    if t.is_contiguous() or t.dim() < 2:
+        return t
+    p = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return p if p.is_contiguous() else t
 
 
 def to_summaries(pending: list[tuple[tuple, torch.dtype, torch.Tensor]]) -> list[TensorSummary]:
