@@ -27,6 +27,9 @@ SCHEMA = {
 }
 MAX_TEXT = 1000  # longest accepted target / kind / request_id
 ESM = pathlib.Path(__file__).parent / "static" / "widget.js"  # built from js/ by `npm run build`
+# Shown instead of the explorer when the bundle was never built (a source checkout without npm).
+NOT_BUILT = ('export default { render({ el }) { el.textContent = "hookwidget: the front-end is not built '
+             '(hookwidget/static/widget.js is missing): run `npm run build` or `pip install -e .`"; } };')
 
 
 class MessageError(ValueError):
@@ -36,7 +39,7 @@ class MessageError(ValueError):
 class HookWidget(anywidget.AnyWidget):
     """Module tree + grad_fn graph + detail panel + hook controls for one Trace; holds the newest after a rerun."""
 
-    _esm = ESM  # with ANYWIDGET_HMR=1 anywidget reloads it when `npm run dev` rebuilds
+    _esm = ESM if ESM.exists() else NOT_BUILT  # ANYWIDGET_HMR=1 reloads it when `npm run dev` rebuilds
     summary = traitlets.Dict().tag(sync=True)
     readonly = traitlets.Bool(False).tag(sync=True)
 

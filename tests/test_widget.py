@@ -124,3 +124,19 @@ def test_rerun_errors_are_reported_not_swallowed(seed_mlp):
     w._on_msg(w, {"type": "rerun", "request_id": 7}, [])
     assert w.sent[-1]["state"] == "error" and "RuntimeError: rerun needs the code" in w.sent[-1]["text"]
     assert w.sent[-1]["request_id"] == 7
+
+
+def test_a_missing_bundle_shows_how_to_build_it(tmp_path):
+    import subprocess
+    import sys
+
+    # A fresh interpreter where static/widget.js does not exist: the widget explains instead of failing.
+    code = ("import pathlib, hookwidget.widget as w; "
+            "print(w.HookWidget._esm if isinstance(w.HookWidget._esm, str) else 'file')")
+    env_path = tmp_path / "pkg"
+    import shutil
+
+    shutil.copytree(pathlib.Path(hw.__file__).parent, env_path / "hookwidget",
+                    ignore=shutil.ignore_patterns("static", "__pycache__"))
+    out = subprocess.run([sys.executable, "-c", code], cwd=env_path, capture_output=True, text=True, check=True)
+    assert "npm run build" in out.stdout
