@@ -68,6 +68,7 @@ class Records:
     backward_calls: int
     used_autograd_grad: bool
     no_factors: str = ""  # why (a, δ) cannot rebuild .grad in this run (e.g. double backward), or ""
+    leaf_index: dict = field(default_factory=dict)  # leaf tensor -> its AccumulateGrad node's index in walk
 
 
 class Tracer:
@@ -396,7 +397,7 @@ class Tracer:
             self._notes.append("backward ran through the same graph more than once (retain_graph=True): δ and "
                                "weight_grad are summed over those passes, as .grad is")
         return Records(self._modules, self._walk, self._roots, self._leaf_grads_before, self._notes,
-                       self._backward_calls, self._used_grad, no_factors)
+                       self._backward_calls, self._used_grad, no_factors, self._leaf_index)
 
     def _drop_recomputed_calls(self) -> None:
         """torch.utils.checkpoint reruns forward during backward. Of a layer's calls, the ones that

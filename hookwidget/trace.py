@@ -94,7 +94,8 @@ class Trace:
         self.options = dict(options)
         self.interventions: list[Intervention] = list(interventions or [])
         self.layers: dict[str, Layer] = {}
-        self.graph: nx.DiGraph = nx.DiGraph()
+        self._graph: nx.DiGraph | None = nx.DiGraph()
+        self._graph_inputs = None  # what graph.build needs; the graph is built on first access
         self.param_grads: dict[str, torch.Tensor | None] = {}
         self.params: dict[str, torch.Tensor] = {}
         self.losses: list[float] = []
@@ -148,13 +149,13 @@ class Trace:
                 self.layers[name] = Layer(name, module, mrec.calls)
         param_names = {p: n for n, p in self.params.items()}
         calls = [(name, c.seq_start, c.seq_end) for name, layer in self.layers.items() for c in layer.calls]
-        self.graph = graph_mod.build(rec.walk, param_names, calls,
-                                     show_hook_nodes=self.options.get("show_hook_nodes", False))
+        self._graph, self._graph_inputs = None, (rec.walk, param_names, calls)
         self._leaf_grads_before = rec.leaf_grads_before
         var_names = {id(v): k for k, v in (self._namespace or {}).items()
                      if isinstance(v, torch.Tensor) and not k.startswith("_")}
         for leaf in rec.leaf_grads_before:
-            name = param_names.get(leaf) or var_names.get(id(leaf)) or _leaf_id(self.graph, leaf, rec.walk)
+            node_id = rec.walk.ids[rec.leaf_index[leaf]] if leaf in rec.leaf_index else f"leaf{tuple(leaf.shape)}"
+            name = param_names.get(leaf) or var_names.get(id(leaf)) or node_id
             self.param_grads[name] = leaf.grad
         self.losses = [float(v) for v in rec.roots]
         self.user_hooks = _user_hooks(self.layers)
@@ -178,6 +179,16 @@ class Trace:
                                   "(was the model created anew inside the cell?)")
 
     # -- what the run showed -------------------------------------------------------------------
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The autograd graph of grad_fn nodes (built on first access: tracing itself stays cheap)."""
+        if self._graph is None:
+            walk, param_names, calls = self._graph_inputs
+            self._graph = graph_mod.build(walk, param_names, calls,
+                                          show_hook_nodes=self.options.get("show_hook_nodes", False))
+            self._graph_inputs = None
+        return self._graph
+
     @property
     def loss(self) -> float | None:
         """The value of the last scalar that backward started from, if any."""
@@ -415,13 +426,6 @@ def _name_filter(include, exclude):
         return not any(fnmatch.fnmatchcase(name, p) for p in exc)
 
     return keep
-
-
-def _leaf_id(graph: nx.DiGraph, leaf, walk) -> str:
-    for i, node in enumerate(walk.nodes):
-        if getattr(node, "variable", None) is leaf:
-            return walk.ids[i]
-    return f"leaf{tuple(leaf.shape)}"
 
 
 def _has_own_params(m: nn.Module) -> bool:
