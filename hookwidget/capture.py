@@ -354,15 +354,19 @@ class Tracer:
                 if i is None or i in walk.grad_norm:
                     continue
                 if c.delta is not None:
-                    pending[i] = grad_norms_on_device(c.delta)
+                    pending[i] = c.delta
                 elif c.delta_summary is not None:
                     d = c.delta_summary
                     walk.grad_norm[i] = torch.tensor([d.norm, max(abs(d.min), abs(d.max))], dtype=torch.float64)
         for leaf, before in self._leaf_grads_before.items():
             i = self._leaf_index.get(leaf)
             if i is not None and i not in walk.grad_norm and before is None and leaf.grad is not None:
-                pending[i] = grad_norms_on_device(leaf.grad)
-        walk.grad_norm.update(pending)
+                pending[i] = leaf.grad.detach()
+        # a few fused multi-tensor reductions instead of two kernels per tensor
+        tensors = [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in pending.values()]
+        l2 = torch._foreach_norm(tensors) if tensors else []
+        linf = torch._foreach_norm(tensors, float("inf")) if tensors else []
+        walk.grad_norm.update({i: (a, b) for i, a, b in zip(pending, l2, linf)})
 
     def _finish(self) -> Records:
         if not self._walk.nodes:  # forward only: show the graph that backward would have walked

@@ -32,7 +32,7 @@ class GraphWalk:
         self.edges: list[tuple[int, int]] = []
         self.inputs: list[int] = []  # for each grad-less input slot: the node that consumed it
         self.roots: set[int] = set()
-        self.grad_norm: dict = {}  # node index -> [‖g‖₂, ‖g‖∞] (on device until the end)
+        self.grad_norm: dict = {}  # node index -> [‖g‖₂, ‖g‖∞] or a pair of 0-d tensors (on device until built)
         self.shape: dict = {}
         self.order: dict = {}  # node index -> position in backward execution
         self._index: dict = {}
@@ -129,10 +129,12 @@ def _norms_to_floats(norms: dict) -> dict:
     keys = list(norms)
     by_device: dict = {}
     for k in keys:
-        by_device.setdefault(norms[k].device, []).append(k)
+        v = norms[k]
+        by_device.setdefault((v[0] if isinstance(v, tuple) else v).device, []).append(k)
     out = {}
     for ks in by_device.values():
-        for k, v in zip(ks, torch.stack([norms[k].double() for k in ks]).cpu().tolist()):
+        rows = [torch.stack(norms[k]) if isinstance(norms[k], tuple) else norms[k] for k in ks]
+        for k, v in zip(ks, torch.stack([r.double() for r in rows]).cpu().tolist()):
             out[k] = v
     return out
 
