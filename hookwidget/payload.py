@@ -292,14 +292,20 @@ def _shape(s):
     return None if s is None else [int(v) for v in s]
 
 
+def _norm(t: torch.Tensor) -> float:
+    """2-norm for display, without a float64 copy of the tensor (an embedding's grad is 38M floats)."""
+    t = t.detach()
+    return float(torch.linalg.vector_norm(t if t.is_floating_point() else t.float()))
+
+
 def _tensor_norm(t):
-    return None if t is None else _num(float(torch.linalg.vector_norm(t.detach().double())))
+    return None if t is None else _num(_norm(t))
 
 
 def _norms(ts):
     if not ts:
         return None
-    return _num(math.sqrt(sum(float(torch.linalg.vector_norm(t.detach().double())) ** 2 for t in ts)))
+    return _num(math.sqrt(sum(_norm(t) ** 2 for t in ts)))
 
 
 def _tensor_info(t, s) -> dict | None:
@@ -308,10 +314,11 @@ def _tensor_info(t, s) -> dict | None:
         return {"shape": _shape(s.shape), "dtype": s.dtype, "kept": t is not None, "norm": _num(s.norm),
                 "nonfinite": int(s.nan + s.inf)}
     if t is not None:
-        f = t.detach() if t.is_floating_point() else t.detach().float()
+        norm = _norm(t) if t.numel() else 0.0
+        # A finite norm means finite entries; count NaN/Inf only when it is not (or it overflowed).
+        bad = 0 if math.isfinite(norm) or not t.is_floating_point() else int((~torch.isfinite(t.detach())).sum())
         return {"shape": _shape(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "kept": True,
-                "norm": _num(float(torch.linalg.vector_norm(f, dtype=torch.float64))) if f.numel() else 0.0,
-                "nonfinite": int(f.numel() - int(torch.isfinite(f).sum())) if f.is_floating_point() else 0}
+                "norm": _num(norm), "nonfinite": bad}
     if s is not None:
         return {"shape": _shape(s.shape), "dtype": s.dtype, "kept": False, "norm": _num(s.norm),
                 "nonfinite": int(s.nan + s.inf)}

@@ -121,3 +121,10 @@ def test_health_is_computed_once_per_trace(seed_mlp, monkeypatch):
     payload.detail(t, "fc1")
     payload.detail(t, "fc2")
     assert len(calls) == 1
+
+
+def test_tensor_info_counts_nan_and_inf():
+    info = payload._tensor_info(torch.tensor([1.0, float("nan"), float("inf"), 2.0]), None)
+    assert info["nonfinite"] == 2 and info["norm"] == "nan"
+    info = payload._tensor_info(torch.tensor([3.0, 4.0]), None)
+    assert info["nonfinite"] == 0 and info["norm"] == 5.0
