@@ -362,11 +362,7 @@ class Tracer:
             i = self._leaf_index.get(leaf)
             if i is not None and i not in walk.grad_norm and before is None and leaf.grad is not None:
                 pending[i] = leaf.grad.detach()
-        # a few fused multi-tensor reductions instead of two kernels per tensor
-        tensors = [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in pending.values()]
-        l2 = torch._foreach_norm(tensors) if tensors else []
-        linf = torch._foreach_norm(tensors, float("inf")) if tensors else []
-        walk.grad_norm.update({i: (a, b) for i, a, b in zip(pending, l2, linf)})
+        walk.pending_norms.update(pending)  # reduced when the graph is built (graph.build)
 
     def _finish(self) -> Records:
         if not self._walk.nodes:  # forward only: show the graph that backward would have walked

@@ -35,6 +35,7 @@ class GraphWalk:
         self.grad_norm: dict = {}  # node index -> [‖g‖₂, ‖g‖∞] or a pair of 0-d tensors (on device until built)
         self.shape: dict = {}
         self.order: dict = {}  # node index -> position in backward execution
+        self.pending_norms: dict = {}  # node index -> the tensor whose norms are that node's (reduced in build)
         self._index: dict = {}
         self._names: Counter = Counter()
 
@@ -72,7 +73,7 @@ def build(walk: GraphWalk, param_names: dict, calls: list, *, show_hook_nodes: b
     `calls` are (module name, seq_start, seq_end) of every recorded module call."""
     owner = _module_owner(walk, calls)
     g = nx.DiGraph()
-    norms = _norms_to_floats(walk.grad_norm)
+    norms = _norms_to_floats({**walk.grad_norm, **_fused_norms(walk.pending_norms)})
     for i, node in enumerate(walk.nodes):
         name = node_name(node)
         variable = getattr(node, "variable", None)
@@ -119,6 +120,16 @@ def _module_owner(walk: GraphWalk, calls: list) -> dict:
                 break
             k -= 1
     return owner
+
+
+def _fused_norms(tensors: dict) -> dict:
+    """[‖t‖₂, ‖t‖∞] of many tensors with a few multi-tensor reductions, not two kernels each."""
+    import torch
+
+    ts = [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in tensors.values()]
+    if not ts:
+        return {}
+    return {i: (a, b) for i, a, b in zip(tensors, torch._foreach_norm(ts), torch._foreach_norm(ts, float("inf")))}
 
 
 def _norms_to_floats(norms: dict) -> dict:

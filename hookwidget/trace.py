@@ -429,7 +429,7 @@ def _name_filter(include, exclude):
 
 
 def _has_own_params(m: nn.Module) -> bool:
-    return any(p.requires_grad for p in m.parameters(recurse=False))
+    return any(p is not None and p.requires_grad for p in m._parameters.values())
 
 
 def _user_hooks(layers: dict) -> dict:
