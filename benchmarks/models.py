@@ -50,6 +50,9 @@ class GPT2(nn.Module):
         return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
 
 
+MODELS = ("mlp", "cnn", "transformer", "gpt2", "hooks")
+
+
 def build(name: str, device: str, small: bool = False):
     """(model, inputs, targets, loss(out, target) summed over the batch)."""
     g = torch.Generator().manual_seed(0)
@@ -73,8 +76,12 @@ def build(name: str, device: str, small: bool = False):
         x = torch.randint(0, vocab, (B, 128), generator=g)
         y = torch.randint(0, vocab, (B, 128), generator=g)
         loss = _ce_seq
+    elif name == "hooks":  # many tiny layers: the per-module cost of hooks, not arithmetic
+        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(100)])
+        x, y = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+        loss = _mse
     else:
-        raise ValueError(f"unknown model {name!r}; choose from mlp, cnn, transformer, gpt2")
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     return model.to(device), x.to(device), y.to(device), loss
 
 
@@ -91,6 +98,7 @@ def _mse(out, y):
 
 
 def count_modules(model: nn.Module) -> int:
+    """Modules whose hooks fire in a step (every module is called once in these models)."""
     return sum(1 for _ in model.modules())
 
 

@@ -1,38 +1,60 @@
-"""One step of each variant: plain forward+backward, hookwidget's capture modes, and the
-per-sample-norm tools it is compared with. Each `make_*` returns a step() that returns the
-(B,) per-sample gradient norms where the variant computes them, else None."""
+"""One training step of each variant: plain forward+backward, hookwidget's three capture modes,
+and the per-sample-norm tools it is compared with.
+
+`VARIANTS[name](model, x, y, loss)` returns a `Step`: calling it runs one step and returns the (B,)
+per-sample gradient norms where the variant computes them (else None); `reset()` frees what a step
+leaves behind (.grad, grad_sample, ...) so memory is measured from the same state for every variant.
+"""
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
+from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import hookwidget as hw
 
 
 class Unavailable(Exception):
-    """The variant cannot run on this model here; the message says why."""
+    """The variant cannot run on this model here; the message says why (it becomes a table note)."""
+
+
+class Step:
+    partial = False  # the norms leave out some parameters (BackPACK's unsupported layers)
+
+    def __init__(self, run, params, note: str = "", extra_reset=None):
+        self.run, self.params, self.note, self.extra_reset = run, list(params), note, extra_reset
+
+    def __call__(self):
+        return self.run()
+
+    def reset(self) -> None:
+        for p in self.params:
+            p.grad = None
+        if self.extra_reset:
+            self.extra_reset()
 
 
 def make_plain(model, x, y, loss):
-    def step():
+    def run():
         model.zero_grad(set_to_none=True)
         loss(model(x), y).backward()
 
-    return step
+    return Step(run, model.parameters())
 
 
 def make_hookwidget(capture: str):
     def make(model, x, y, loss):
         plain = make_plain(model, x, y, loss)
 
-        def step():
+        def run():
             t = hw.trace(plain, capture=capture)
             return t.per_sample_grad_norms() if capture == "norms" else None
 
-        return step
+        return Step(run, model.parameters())
 
     return make
 
@@ -46,28 +68,39 @@ def make_torch_func(model, x, y, loss):
 
     per_sample = vmap(grad(one), in_dims=(None, 0, 0))
 
-    def step():
+    def run():
         grads = per_sample(params, x, y)
         return torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
 
-    return step
+    return Step(run, [])
 
 
 def make_opacus(model, x, y, loss):
     try:
         from opacus.grad_sample.utils import wrap_model
+        from opacus.validators import ModuleValidator
     except Exception as e:  # noqa: BLE001 - reported in the table
-        raise Unavailable(f"opacus does not import: {e}") from e
-    wrapped = wrap_model(copy.deepcopy(model), grad_sample_mode="hooks", loss_reduction="sum")
+        raise Unavailable(f"opacus does not import: {type(e).__name__}: {e}") from e
+    m = copy.deepcopy(model)
+    note = ""
+    if any(isinstance(mod, nn.MultiheadAttention) for mod in m.modules()):
+        m, note = ModuleValidator.fix(m), "on a ModuleValidator.fix copy (DPMultiheadAttention)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = wrap_model(m, grad_sample_mode="hooks", loss_reduction="sum")
     params = [p for p in wrapped.parameters() if p.requires_grad]
 
-    def step():
+    def clear():
+        for p in params:
+            p.grad_sample = None
+
+    def run():
         for p in params:
             p.grad, p.grad_sample = None, None
         loss(wrapped(x), y).backward()
         return torch.stack([p.grad_sample.flatten(1).pow(2).sum(1) for p in params]).sum(0).sqrt()
 
-    return step
+    return Step(run, params, note, clear)
 
 
 def make_backpack(model, x, y, loss):
@@ -75,28 +108,35 @@ def make_backpack(model, x, y, loss):
         from backpack import backpack, extend
         from backpack.extensions import BatchGrad
     except Exception as e:  # noqa: BLE001
-        raise Unavailable(f"backpack does not import: {type(e).__name__}: {str(e).splitlines()[0][:80]}") from e
+        raise Unavailable(f"backpack does not import: {type(e).__name__}: {str(e).splitlines()[0][:100]}") from e
     m = extend(copy.deepcopy(model))
-    lossfn = extend(torch.nn.CrossEntropyLoss(reduction="sum") if y.dtype == torch.long and y.dim() == 1
-                    else torch.nn.MSELoss(reduction="sum"))
-    if y.dim() != 1 or y.dtype != torch.long:
-        if y.dtype == torch.long:
-            raise Unavailable("BackPACK's losses take (N, C) logits: sequence cross-entropy is not supported")
     params = [p for p in m.parameters() if p.requires_grad]
 
-    def step():
+    def clear():
         for p in params:
-            p.grad = None
             if hasattr(p, "grad_batch"):
                 del p.grad_batch
-        with backpack(BatchGrad()):
-            lossfn(m(x), y).backward()
-        missing = [p for p in params if not hasattr(p, "grad_batch")]
-        if missing:
-            raise Unavailable(f"BatchGrad skipped {len(missing)} of {len(params)} parameters "
-                              "(unsupported modules, e.g. LayerNorm or custom forward code)")
-        return torch.stack([p.grad_batch.flatten(1).pow(2).sum(1) for p in params]).sum(0).sqrt()
 
+    def run():
+        for p in params:
+            p.grad = None
+        clear()
+        with backpack(BatchGrad()):
+            loss(m(x), y).backward()
+        got = [p for p in params if hasattr(p, "grad_batch")]
+        if not got:
+            raise Unavailable("BatchGrad computed no per-sample gradient for this model")
+        return torch.stack([p.grad_batch.flatten(1).pow(2).sum(1) for p in got]).sum(0).sqrt()
+
+    step = Step(run, params, extra_reset=clear)
+    step()  # which parameters does it skip?
+    names = {id(p): n for n, p in m.named_parameters()}
+    missing = [names[id(p)] for p in params if not hasattr(p, "grad_batch")]
+    if missing:
+        kinds = sorted({type(m.get_submodule(n.rpartition(".")[0])).__name__ for n in missing})
+        step.note = (f"skips {len(missing)} of {len(params)} parameters ({', '.join(kinds)}): "
+                     "time and norms over the rest only")
+        step.partial = True
     return step
 
 
@@ -105,17 +145,17 @@ def make_torchlens(model, x, y, loss):
         import torchlens
         from torchlens.options import CaptureOptions
     except Exception as e:  # noqa: BLE001
-        raise Unavailable(f"torchlens does not import: {e}") from e
+        raise Unavailable(f"torchlens does not import: {type(e).__name__}: {e}") from e
 
-    def step():
+    def run():
         model.zero_grad(set_to_none=True)
-        tr = torchlens.trace(model, x, capture=CaptureOptions(layers_to_save="all", save_grads=True))
-        out = tr.output if hasattr(tr, "output") else None
-        if not isinstance(out, torch.Tensor):
-            raise Unavailable("torchlens.trace gave no output tensor to run backward from")
-        loss(out, y).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tr = torchlens.trace(model, x, capture=CaptureOptions(layers_to_save="all", save_grads=True))
+            out = tr[tr.output_layers[0]].tensor
+            tr.log_backward(loss(out, y))
 
-    return step
+    return Step(run, model.parameters())
 
 
 VARIANTS = {
@@ -128,3 +168,4 @@ VARIANTS = {
     "BackPACK norms": make_backpack,
     "TorchLens +grads": make_torchlens,
 }
+NORM_VARIANTS = ("hookwidget norms", "torch.func norms", "Opacus norms", "BackPACK norms")
