@@ -39,8 +39,16 @@ def grad_norms_on_device(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return torch.zeros(2, device=t.device)
     f = _dense(t if t.dtype in (torch.float32, torch.float64) else t.float())
-    lo, hi = torch.aminmax(f)  # max(|min|, |max|) is ‖t‖∞ exactly (NaN propagates), at a tenth of its cost on CPU
-    return torch.stack([torch.linalg.vector_norm(f), torch.maximum(lo.abs(), hi.abs())])
+    return torch.stack([torch.linalg.vector_norm(f), max_abs(f)])
+
+
+def max_abs(t: torch.Tensor) -> torch.Tensor:
+    """‖t‖∞ as a 0-d tensor on t's device: max(|min|, |max|) is it exactly (NaN propagates), at a
+    tenth of the cost of the ∞-norm kernel on CPU."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=t.dtype, device=t.device)
+    lo, hi = torch.aminmax(_dense(t))
+    return torch.maximum(lo.abs(), hi.abs())
 
 
 def stats_on_device(t: torch.Tensor) -> torch.Tensor:
