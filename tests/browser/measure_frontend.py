@@ -96,6 +96,9 @@ def wide_trace(n_ops):
 
 def sizes(t) -> dict:
     t0 = time.perf_counter()
+    payload.health(t)  # trace.health(), cached for the summary and every detail
+    health_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     s = payload.summary(t)
     summary_s = time.perf_counter() - t0
     layer = max(t.layers, key=lambda n: sum(p.numel() for p in t.layers[n].module.parameters(recurse=False)))
@@ -103,7 +106,7 @@ def sizes(t) -> dict:
     meta, buffers = payload.detail(t, layer)
     detail_s = time.perf_counter() - t0
     return {"nodes": t.graph.number_of_nodes(), "layers": len(t.layers),
-            "summary_bytes": len(json.dumps(s, separators=(",", ":"))), "summary_s": summary_s,
+            "summary_bytes": len(json.dumps(s, separators=(",", ":"))), "summary_s": summary_s, "health_s": health_s,
             "detail_layer": layer, "detail_meta_bytes": len(json.dumps(meta)),
             "detail_buffer_bytes": sum(len(b) for b in buffers), "detail_s": detail_s}
 
@@ -179,8 +182,9 @@ def write_markdown(m) -> None:
         "| | GPT-2-small shape (12 blocks, d=768, seq 128, batch 2) | 40,000-node chain (10,000 Linear) |",
         "|---|---|---|",
         f"| autograd nodes / layers | {g['nodes']:,} / {g['layers']} | {c['nodes']:,} / {c['layers']:,} |",
-        f"| summary payload (traitlet JSON) | {kb(g['summary_bytes'])} ({g['summary_s']:.2f} s to build) | "
-        f"{kb(c['summary_bytes'])} ({c['summary_s']:.2f} s) |",
+        f"| summary payload (traitlet JSON) | {kb(g['summary_bytes'])} | {kb(c['summary_bytes'])} |",
+        f"| time to build it: payload / trace.health() | {g['summary_s']:.2f} s / {g['health_s']:.2f} s | "
+        f"{c['summary_s']:.2f} s / {c['health_s']:.2f} s (skipped: 10,001 layers) |",
         f"| one layer's detail ({g['detail_layer']} / {c['detail_layer']}) | meta {kb(g['detail_meta_bytes'])} + "
         f"buffers {kb(g['detail_buffer_bytes'])} ({g['detail_s']:.2f} s) | meta {kb(c['detail_meta_bytes'])} + "
         f"buffers {kb(c['detail_buffer_bytes'])} ({c['detail_s']:.3f} s) |",
@@ -206,6 +210,11 @@ def write_markdown(m) -> None:
         "is refused with a status-line message (dagre needs seconds for a 1,000-deep chain, and under Node it",
         "overflowed the call stack on a 2,000-deep one), and a failed layout is reported there, never swallowed.",
         "Timings were taken on a shared 2-core machine while other test suites ran: treat them as upper bounds.",
+        "",
+        "The GPT-2-shaped trace opens with its 12 blocks as boxes (22 drawn); expanding one block adds its 8",
+        "layers and ~32 ops of its own (views, matmuls, softmax, residual adds). All blocks expanded would draw",
+        "488 boxes (counted with `collapse.js` on the same model structure), about a second of layout: that is",
+        "why the first view stops one level up.",
         "",
     ]
     (ROOT / "docs" / "frontend_measurements.md").write_text("\n".join(lines))
