@@ -50,37 +50,42 @@ def health(trace, vanishing: float = 1e-7, exploding: float = 1e3) -> Health:
            if d.get("grad_max") is not None and not math.isfinite(d["grad_max"])]
     out.nonfinite_nodes = [n for _, n in sorted(bad, key=lambda x: (x[0] is None, x[0] or 0))]
     out.first_nonfinite_node = out.nonfinite_nodes[0] if out.nonfinite_nodes else None
+    names = {id(p): n for n, p in trace.params.items()}
     for name, layer in trace.layers.items():
         params = [p for p in layer.module.parameters(recurse=False) if p.requires_grad]
         if not params:
             continue
-        grads = [trace.param_grads.get(_param_name(trace, p)) for p in params]
-        grads = [g for g in grads if g is not None]
-        gn = _norm(grads) if grads else None
-        wn = _norm([p.detach() for p in params])
-        nonfinite = sum(int((~torch.isfinite(g)).sum()) for g in grads)
+        grads = [g for g in (trace.param_grads.get(names.get(id(p))) for p in params) if g is not None]
+        gn, g_finite = _norm(grads) if grads else (None, True)
+        wn, _ = _norm([p.detach() for p in params])
+        nonfinite = 0 if g_finite else sum(_count_nonfinite(g) for g in grads)
         c = layer.calls[0]
         if c.delta is not None:
-            dn = float(torch.linalg.vector_norm(c.delta.double()))
-            nonfinite += int((~torch.isfinite(c.delta)).sum())
+            dn, d_finite = _norm([c.delta])
+            nonfinite += 0 if d_finite else _count_nonfinite(c.delta)
         elif c.delta_summary is not None:
             dn = c.delta_summary.norm
             nonfinite += c.delta_summary.nan + c.delta_summary.inf
         else:
             dn = None
-        finite = gn is not None and math.isfinite(gn)
+        usable = gn is not None and g_finite
         out.layers[name] = LayerHealth(name, gn, wn, dn, nonfinite,
-                                       vanishing=finite and gn < vanishing * max(wn, 1e-12),
-                                       exploding=finite and gn > exploding * max(wn, 1e-12))
+                                       vanishing=usable and gn < vanishing * max(wn, 1e-12),
+                                       exploding=usable and gn > exploding * max(wn, 1e-12))
     return out
 
 
-def _param_name(trace, p) -> str | None:
-    for n, q in trace.params.items():
-        if q is p:
-            return n
-    return None
+def _norm(ts) -> tuple[float, bool]:
+    """(‖ts‖₂ over all tensors, whether every entry is finite), from fused reductions.
+    Each tensor is scaled by its largest entry first, so a huge but finite gradient does not overflow."""
+    ts = [t.detach() if t.dtype in (torch.float32, torch.float64) else t.detach().float() for t in ts]
+    maxima = torch.stack(torch._foreach_norm(ts, float("inf"))).double()
+    finite = bool(torch.isfinite(maxima).all())
+    if not finite:
+        return float("nan"), False
+    scaled = torch.stack(torch._foreach_norm([t / m if m > 0 else t for t, m in zip(ts, maxima.tolist())])).double()
+    return float(torch.linalg.vector_norm(scaled * maxima)), True
 
 
-def _norm(ts) -> float:
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.double()) for t in ts])))
+def _count_nonfinite(t: torch.Tensor) -> int:
+    return int((~torch.isfinite(t)).sum())

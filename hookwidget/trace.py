@@ -96,6 +96,8 @@ class Trace:
         self.layers: dict[str, Layer] = {}
         self._graph: nx.DiGraph | None = nx.DiGraph()
         self._graph_inputs = None  # what graph.build needs; the graph is built on first access
+        self._factor_layers: list | None = None
+        self._unbatched_layers: dict | None = None
         self.param_grads: dict[str, torch.Tensor | None] = {}
         self.params: dict[str, torch.Tensor] = {}
         self.losses: list[float] = []
@@ -267,11 +269,18 @@ class Trace:
     @property
     def factor_layers(self) -> list[str]:
         """Layers whose parameter gradients (a, δ) rebuild: weight_grad, per-sample gradients."""
-        return [n for n in self.layers if self._has_factors(n)]
+        if self._factor_layers is None:  # fixed once the trace has ended
+            self._factor_layers = [n for n in self.layers if self._has_factors(n)]
+        return self._factor_layers
 
     def _unbatched(self) -> dict:
         """Layers whose input's leading dimension is not the batch size most layers agree on, e.g.
         a positional embedding called on arange(T): their gradient is already summed over the batch."""
+        if self._unbatched_layers is None:
+            self._unbatched_layers = self._find_unbatched()
+        return self._unbatched_layers
+
+    def _find_unbatched(self) -> dict:
         lead = {n: self.layers[n].calls[0].a.shape[0] if self.layers[n].calls[0].a.dim() else None
                 for n in self.factor_layers}
         if not lead:
