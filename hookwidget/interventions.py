@@ -18,7 +18,6 @@ from typing import Any, Callable
 import torch
 
 
-
 class InterventionError(RuntimeError):
     """An intervention's own function raised; the message names the intervention."""
 

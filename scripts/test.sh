@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs every test: the front-end's unit tests (vitest), then pytest (Python, notebooks, real browser).
+# Runs every check: ruff, the front-end's unit tests (vitest), then pytest (Python, notebooks, real browser).
 # Either runner fails when it collects no test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+.venv/bin/ruff check .
 npx vitest run
 .venv/bin/python -m pytest "$@"
