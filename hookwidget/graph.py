@@ -29,6 +29,7 @@ class GraphWalk:
     def __init__(self):
         self.nodes: list = []
         self.ids: list[str] = []
+        self.names: list[str] = []  # node_name of each node
         self.edges: list[tuple[int, int]] = []
         self.inputs: list[int] = []  # for each grad-less input slot: the node that consumed it
         self.roots: set[int] = set()
@@ -62,6 +63,7 @@ class GraphWalk:
             name = node_name(node)
             self.ids.append(f"{name}#{self._names[name]}")
             self._names[name] += 1
+            self.names.append(name)
             self.nodes.append(node)
             new.append(i)
             queue.append(i)
@@ -75,7 +77,7 @@ def build(walk: GraphWalk, param_names: dict, calls: list, *, show_hook_nodes: b
     g = nx.DiGraph()
     norms = _norms_to_floats({**walk.grad_norm, **_fused_norms(walk.pending_norms)})
     for i, node in enumerate(walk.nodes):
-        name = node_name(node)
+        name = walk.names[i]
         variable = getattr(node, "variable", None)
         if variable is not None:
             pname = param_names.get(variable, "")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from torch import nn
 
 from . import factors as fx
 
@@ -20,6 +21,8 @@ class StreamingNorms:
         self._layers: dict = {}  # leading dimension -> modules counted in it
         self._shared: dict = {}  # parameter -> list of (module, Factor)
         self._owners: Counter | None = None
+        self._readers: Counter | None = None  # input key -> Linear layers reading that input (q, k, v: 3)
+        self._grams: dict = {}  # input key -> [input, X Xᵀ, readers still to come]
 
     def wants(self, module) -> bool:
         return fx.unsupported_reason(module) is None and any(
@@ -30,14 +33,41 @@ class StreamingNorms:
             return  # wait for the last call's δ
         if self._owners is None:
             self._owners = Counter(id(p) for m in modules for p in m.parameters(recurse=False))
+        x_gram = self._shared_gram(module, calls, modules)
         for f in fx.factors(module, calls):
             p = getattr(module, f.param)
             if self._owners[id(p)] > 1:
                 self._shared.setdefault(p, []).append((module, f))
             else:
-                self._add(module, fx.per_sample_norm_sq(f))
+                self._add(module, fx.per_sample_norm_sq(f, x_gram if f.kind == "outer" else None))
         for c in calls:
             c.a = c.delta = None
+
+    def _shared_gram(self, module, calls, modules):
+        """X Xᵀ of a Linear layer's input, computed once for all layers that read the same tensor.
+        An entry holds its input, so no other tensor can take its memory (and key) while it is cached;
+        it is dropped when the last reader has used it."""
+        if not (isinstance(module, nn.Linear) and len(calls) == 1):
+            return None
+        if self._readers is None:
+            self._readers = Counter(_input_key(m, r.calls[0].a) for m, r in modules.items()
+                                    if isinstance(m, nn.Linear) and len(r.calls) == 1 and r.calls[0].a is not None)
+        key = _input_key(module, calls[0].a)
+        readers = self._readers.get(key, 0)
+        if readers < 2:
+            return None
+        a = calls[0].a
+
+        def x_gram(X: torch.Tensor) -> torch.Tensor:
+            entry = self._grams.get(key)
+            if entry is None:
+                entry = self._grams[key] = [a, torch.bmm(X, X.transpose(1, 2)), readers]
+            entry[2] -= 1
+            if entry[2] <= 0:
+                del self._grams[key]
+            return entry[1]
+
+        return x_gram
 
     def _add(self, module, sq: torch.Tensor) -> None:
         b = sq.shape[0]
@@ -55,3 +85,8 @@ class StreamingNorms:
         batch = max(self._layers, key=lambda b: len(self._layers[b]))
         left_out = [m for b, ms in self._layers.items() if b != batch for m in ms]
         return self._sq[batch], left_out
+
+
+def _input_key(module, a: torch.Tensor) -> tuple:
+    """Same key, same values: one storage, offset, shape, strides, version, and the layer's dtype."""
+    return (a.data_ptr(), a.device, a.dtype, tuple(a.shape), a.stride(), a._version, module.weight.dtype)
