@@ -21,12 +21,16 @@ class StreamingNorms:
         self._layers: dict = {}  # leading dimension -> modules counted in it
         self._shared: dict = {}  # parameter -> list of (module, Factor)
         self._owners: Counter | None = None
+        self._wants: dict = {}
         self._readers: Counter | None = None  # input key -> Linear layers reading that input (q, k, v: 3)
         self._grams: dict = {}  # input key -> [input, X Xᵀ, readers still to come]
 
     def wants(self, module) -> bool:
-        return fx.unsupported_reason(module) is None and any(
-            p.requires_grad for p in module.parameters(recurse=False))
+        w = self._wants.get(module)
+        if w is None:  # asked on every forward call: answer once per module and trace
+            w = self._wants[module] = fx.unsupported_reason(module) is None and any(
+                p.requires_grad for p in module.parameters(recurse=False))
+        return w
 
     def on_delta(self, module, calls, modules) -> None:
         if any(c.delta is None or c.a is None for c in calls):

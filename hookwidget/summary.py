@@ -67,8 +67,8 @@ def stats_on_device(t: torch.Tensor) -> torch.Tensor:
         if math.isfinite(mn) and math.isfinite(mx):
             return torch.tensor([torch.linalg.vector_norm(f).item(), mn, mx, f.sum().item(), 0.0, 0.0],
                                 dtype=torch.float64)
-    return torch.stack([torch.linalg.vector_norm(f), lo, hi, f.sum(), torch.isnan(f).sum().to(f.dtype),
-                        torch.isinf(f).sum().to(f.dtype)])
+    # stack promotes the int64 counts: eight kernels in all, each launch counting on GPU
+    return torch.stack([torch.linalg.vector_norm(f), lo, hi, f.sum(), torch.isnan(f).sum(), torch.isinf(f).sum()])
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
