@@ -232,6 +232,17 @@ def per_sample_norm_sq(f: Factor, x_gram: Callable | None = None) -> torch.Tenso
     return per_sample_grad(f).flatten(1).pow(2).sum(1)
 
 
+def per_sample_norm_sq_with_bias(w: Factor, b: Factor, x_gram: Callable | None = None) -> torch.Tensor | None:
+    """(B,) squared per-sample norms of a weight and its bias together, or None where the Gram
+    form does not apply. A bias is a weight whose input is 1, so with G_a = X Xᵀ and G_δ = D Dᵀ:
+    ‖ΣΣ δ_t a_tᵀ‖² + ‖Σ δ_t‖² = Σ_{t,t'} (a_t·a_t' + 1)(δ_t·δ_t'), one product for both."""
+    T = w.D.shape[1]
+    if not (w.kind == "outer" and b.kind == "sum" and b.D is w.D and T * T < w.D.shape[-1] * math.prod(w.shape[1:])):
+        return None
+    gx = x_gram(w.X) if x_gram is not None else torch.bmm(w.X, w.X.transpose(1, 2))
+    return ((gx + 1) * torch.bmm(w.D, w.D.transpose(1, 2))).sum((1, 2))
+
+
 def storage(module: nn.Module, tokens: int) -> dict:
     """Seed 003's storage figures: floats in W.grad vs the factors that determine it."""
     w = module.weight

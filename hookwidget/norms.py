@@ -38,12 +38,22 @@ class StreamingNorms:
         if self._owners is None:
             self._owners = Counter(id(p) for m in modules for p in m.parameters(recurse=False))
         x_gram = self._shared_gram(module, calls, modules)
+        own = []
         for f in fx.factors(module, calls):
             p = getattr(module, f.param)
             if self._owners[id(p)] > 1:
                 self._shared.setdefault(p, []).append((module, f))
             else:
-                self._add(module, fx.per_sample_norm_sq(f, x_gram if f.kind == "outer" else None))
+                own.append(f)
+        w = next((f for f in own if f.param == "weight"), None)
+        b = next((f for f in own if f.param == "bias"), None)
+        both = fx.per_sample_norm_sq_with_bias(w, b, x_gram) if w is not None and b is not None else None
+        if both is not None:  # weight and bias from one Gram product: fewer kernels per layer
+            self._add(module, both)
+            self._layers[both.shape[0]].append(module)  # counted as two parameters, as below
+            own = [f for f in own if f is not w and f is not b]
+        for f in own:
+            self._add(module, fx.per_sample_norm_sq(f, x_gram if f.kind == "outer" else None))
         for c in calls:
             c.a = c.delta = None
 
