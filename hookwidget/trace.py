@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +16,7 @@ from . import factors as fx
 from . import graph as graph_mod
 from .capture import Tracer
 from .interventions import Intervention, make
+from .naming import name_filter, qualified_names
 
 _OPTIONS = {"capture", "budget_mb", "include", "exclude", "node_grads", "show_hook_nodes", "backward_hooks"}
 
@@ -141,10 +141,10 @@ class Trace:
 
     def _attach(self, tracer: Tracer, include, exclude) -> None:
         rec = tracer.records
-        names, self.params = _qualified_names(list(rec.modules), tracer.targets, self._names)
+        names, self.params = qualified_names(list(rec.modules), tracer.targets, self._names)
         self.notes = list(rec.notes)
         self._no_factors = rec.no_factors
-        keep = _name_filter(include, exclude)
+        keep = name_filter(include, exclude)
         for module, mrec in rec.modules.items():
             name = names.get(module)
             if name is not None and mrec.calls and keep(name):
@@ -396,47 +396,6 @@ class Trace:
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _qualified_names(recorded: list, targets, target_names) -> tuple[dict, dict]:
-    """Module -> qualified name, and qualified parameter name -> parameter.
-
-    The roots are the given modules, or else the called modules no other called module
-    contains. The largest root's submodules get their plain qualified names ("fc1"); other
-    roots' get a prefix; a root itself is named by its variable name or class name."""
-    if targets is None:
-        inner = {id(c) for m in recorded for c in m.modules() if c is not m}
-        roots = [m for m in recorded if id(m) not in inner]
-        target_names = None
-    else:
-        roots = list(targets)
-    if not roots:
-        return {}, {}
-    primary = max(roots, key=lambda m: sum(1 for _ in m.modules()))
-    names, params, used = {}, {}, set()
-    for i, root in enumerate(roots):
-        label = target_names[i] if target_names else type(root).__name__
-        while label in used:
-            label += "'"
-        used.add(label)
-        prefix = "" if root is primary else label + "."
-        for qn, m in root.named_modules():
-            names.setdefault(m, prefix + qn if qn else label)
-        for qn, p in root.named_parameters():
-            params.setdefault(prefix + qn, p)
-    return names, params
-
-
-def _name_filter(include, exclude):
-    inc = [include] if isinstance(include, str) else list(include or [])
-    exc = [exclude] if isinstance(exclude, str) else list(exclude or [])
-
-    def keep(name: str) -> bool:
-        if inc and not any(fnmatch.fnmatchcase(name, p) for p in inc):
-            return False
-        return not any(fnmatch.fnmatchcase(name, p) for p in exc)
-
-    return keep
-
-
 def _has_own_params(m: nn.Module) -> bool:
     return any(p is not None and p.requires_grad for p in m._parameters.values())
 

@@ -1,0 +1,46 @@
+"""Names of what a trace saw: qualified module and parameter names, and the include/exclude filter."""
+
+from __future__ import annotations
+
+import fnmatch
+
+
+def qualified_names(recorded: list, targets, target_names) -> tuple[dict, dict]:
+    """Module -> qualified name, and qualified parameter name -> parameter.
+
+    The roots are the given modules, or else the called modules no other called module
+    contains. The largest root's submodules get their plain qualified names ("fc1"); other
+    roots' get a prefix; a root itself is named by its variable name or class name."""
+    if targets is None:
+        inner = {id(c) for m in recorded for c in m.modules() if c is not m}
+        roots = [m for m in recorded if id(m) not in inner]
+        target_names = None
+    else:
+        roots = list(targets)
+    if not roots:
+        return {}, {}
+    primary = max(roots, key=lambda m: sum(1 for _ in m.modules()))
+    names, params, used = {}, {}, set()
+    for i, root in enumerate(roots):
+        label = target_names[i] if target_names else type(root).__name__
+        while label in used:
+            label += "'"
+        used.add(label)
+        prefix = "" if root is primary else label + "."
+        for qn, m in root.named_modules():
+            names.setdefault(m, prefix + qn if qn else label)
+        for qn, p in root.named_parameters():
+            params.setdefault(prefix + qn, p)
+    return names, params
+
+
+def name_filter(include, exclude):
+    inc = [include] if isinstance(include, str) else list(include or [])
+    exc = [exclude] if isinstance(exclude, str) else list(exclude or [])
+
+    def keep(name: str) -> bool:
+        if inc and not any(fnmatch.fnmatchcase(name, p) for p in inc):
+            return False
+        return not any(fnmatch.fnmatchcase(name, p) for p in exc)
+
+    return keep
