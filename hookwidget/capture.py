@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from . import graph as graph_mod
+from .handles import Patched, Removing, Restoring
 from .summary import TensorSummary, grad_norms_on_device, stats_on_device, to_summaries
 
 CAPTURE_MODES = ("full", "summary", "norms")
@@ -143,11 +144,11 @@ class Tracer:
         if self.targets is None:
             from torch.nn.modules import module as module_mod
 
-            s.enter_context(_Removing(module_mod.register_module_forward_pre_hook(self._pre_hook)))
-            s.enter_context(_Removing(module_mod.register_module_forward_hook(self._forward_hook)))
+            s.enter_context(Removing(module_mod.register_module_forward_pre_hook(self._pre_hook)))
+            s.enter_context(Removing(module_mod.register_module_forward_hook(self._forward_hook)))
             if self.backward_hooks:  # the global flag it sets outlives the hook: put it back
-                s.enter_context(_Restoring(module_mod, "_global_is_full_backward_hook"))
-                s.enter_context(_Removing(module_mod.register_module_full_backward_hook(self._backward_hook)))
+                s.enter_context(Restoring(module_mod, "_global_is_full_backward_hook"))
+                s.enter_context(Removing(module_mod.register_module_full_backward_hook(self._backward_hook)))
         else:
             seen = set()
             for root in self.targets:
@@ -155,12 +156,12 @@ class Tracer:
                     if id(m) in seen:
                         continue
                     seen.add(id(m))
-                    s.enter_context(_Removing(m.register_forward_pre_hook(self._pre_hook)))
-                    s.enter_context(_Removing(m.register_forward_hook(self._forward_hook)))
+                    s.enter_context(Removing(m.register_forward_pre_hook(self._pre_hook)))
+                    s.enter_context(Removing(m.register_forward_hook(self._forward_hook)))
                     if self.backward_hooks:
-                        s.enter_context(_Removing(m.register_full_backward_hook(self._backward_hook)))
-        s.enter_context(_Patched(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
-        s.enter_context(_Patched(torch.autograd, "grad", self._wrap_backward(torch.autograd.grad, grad=True)))
+                        s.enter_context(Removing(m.register_full_backward_hook(self._backward_hook)))
+        s.enter_context(Patched(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
+        s.enter_context(Patched(torch.autograd, "grad", self._wrap_backward(torch.autograd.grad, grad=True)))
 
     # -- forward -------------------------------------------------------------------------------
     def _pre_hook(self, module, inputs):
@@ -312,9 +313,9 @@ class Tracer:
                 g = variable.grad
                 self._leaf_grads_before[variable] = None if g is None else g.detach().clone()
             for iv in self.node_interventions.get(self._walk.ids[i], ()):
-                self._stack.enter_context(_Removing(node.register_prehook(self._guarded(iv.on_node_grads))))
+                self._stack.enter_context(Removing(node.register_prehook(self._guarded(iv.on_node_grads))))
             if self.node_grads:
-                self._stack.enter_context(_Removing(node.register_prehook(self._node_hook(i))))
+                self._stack.enter_context(Removing(node.register_prehook(self._node_hook(i))))
 
     def _node_hook(self, i: int):
         walk = self._walk
@@ -454,7 +455,7 @@ def _hook_output(stack: ExitStack, out: torch.Tensor, fn) -> None:
         fired[0] = True
         return fn(grad)
 
-    stack.enter_context(_Removing(out.register_hook(on_out)))
+    stack.enter_context(Removing(out.register_hook(on_out)))
     base = out._base
     if (base is None or not base.requires_grad or base.numel() != out.numel() or not out.is_contiguous()
             or not base.is_contiguous() or base.data_ptr() != out.data_ptr()):
@@ -468,7 +469,7 @@ def _hook_output(stack: ExitStack, out: torch.Tensor, fn) -> None:
         new = fn(grad.reshape(shape))
         return None if new is None else new.reshape(grad.shape)
 
-    stack.enter_context(_Removing(base.register_hook(on_base)))
+    stack.enter_context(Removing(base.register_hook(on_base)))
 
 
 def _in_functorch() -> bool:
@@ -517,43 +518,3 @@ def _as_module_list(modules):
     if bad or not out:
         raise TypeError(f"modules= takes an nn.Module or a list of them; got {', '.join(bad) or 'an empty list'}")
     return out
-
-
-class _Removing:
-    """Context manager that removes a hook handle on exit."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def __enter__(self):
-        return self.handle
-
-    def __exit__(self, *exc):
-        self.handle.remove()
-
-
-class _Restoring:
-    """Context manager that puts a module attribute back as it was on entry."""
-
-    def __init__(self, owner, name: str):
-        self.owner, self.name = owner, name
-
-    def __enter__(self):
-        self.original = getattr(self.owner, self.name)
-
-    def __exit__(self, *exc):
-        setattr(self.owner, self.name, self.original)
-
-
-class _Patched:
-    """Context manager that replaces a module attribute and puts the original back on exit."""
-
-    def __init__(self, owner, name: str, value):
-        self.owner, self.name, self.value = owner, name, value
-
-    def __enter__(self):
-        self.original = getattr(self.owner, self.name)
-        setattr(self.owner, self.name, self.value)
-
-    def __exit__(self, *exc):
-        setattr(self.owner, self.name, self.original)
