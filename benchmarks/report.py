@@ -54,7 +54,7 @@ def markdown(results: dict) -> str:
     g = results["graph_build_s"]
     lines.append(f"\nGraph build (iterative walk + networkx DiGraph): {g['transformer_nodes']}-node 12-block "
                  f"GPT-2-shaped graph {g['transformer'] * 1e3:.0f} ms; {g['chain_nodes']}-node chain "
-                 f"{g['chain'] * 1e3:.0f} ms (best of 3).")
+                 f"{g['chain'] * 1e3:.0f} ms (best of 5).")
     if results.get("load_average"):
         lines.append(f"\nLoad average at start / end: {results['load_average']} / {results.get('load_average_end')}.")
     return "\n".join(lines) + "\n"
