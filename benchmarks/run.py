@@ -39,12 +39,17 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=10, help="timed repeats per variant (at least; small models "
                     "get more, up to 1 s of plain steps; GPT-2 on CPU gets max(3, repeats // 3))")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 3 repeats, a 2-block small-vocabulary GPT-2")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, a 2-block small-vocabulary GPT-2; "
+                    "on CPU 1 thread and no memory measurement unless --threads / --memory")
+    ap.add_argument("--memory", action="store_true", help="measure peak memory in a --quick run too")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     ap.add_argument("--out", default=str(RESULTS), help="folder for <device>.json and <device>.md")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here; run on a GPU machine or use --device cpu")
+    if args.quick and args.device == "cpu":
+        args.threads = args.threads or 1
+        args.no_memory = args.no_memory or not args.memory
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda":  # float32 everywhere: TF32 convolutions made Opacus' CNN norms differ by 9e-5
@@ -54,7 +59,7 @@ def main(argv=None) -> None:
     variants = _choices(args.variants, VARIANTS, "variant")
     if "plain" not in variants:
         variants.insert(0, "plain")
-    repeats = 3 if args.quick else args.repeats
+    repeats = 2 if args.quick else args.repeats
     results = {"device": _device_name(args.device), "torch": torch.__version__, "threads": torch.get_num_threads(),
                "repeats": repeats, "quick": args.quick, "load_average": _loadavg(), "models": {},
                "graph_build_s": graph_build_times(args.device)}
