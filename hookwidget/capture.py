@@ -113,6 +113,7 @@ class Tracer:
         self._create_graph = False
         self._passes_summed = 0
         self._seen: dict = {}  # what hooks cannot see, by kind -> class names (see _unseen_notes)
+        self._unhooked: list = []  # nodes whose gradient norms are derived rather than hooked
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Tracer:
@@ -305,6 +306,11 @@ class Tracer:
             if not self.node_grads:
                 self._notes.append(f"the graph has {len(self._walk.nodes)} nodes: gradient norms are shown for layer "
                                    "outputs and parameters only; trace with node_grads=True for every node")
+        if self.node_grads and self._backward_calls > 1:  # norms derived after one pass would be inexact
+            for i in self._unhooked:
+                self._stack.enter_context(Removing(self._walk.nodes[i].register_prehook(self._node_hook(i))))
+            self._unhooked = []
+        out_nodes = self._output_nodes() if self.node_grads and self._backward_calls == 1 else ()
         for i in new_nodes:
             node = self._walk.nodes[i]
             variable = getattr(node, "variable", None)
@@ -312,10 +318,23 @@ class Tracer:
                 self._leaf_index[variable] = i
                 g = variable.grad
                 self._leaf_grads_before[variable] = None if g is None else g.detach().clone()
-            for iv in self.node_interventions.get(self._walk.ids[i], ()):
+            ivs = self.node_interventions.get(self._walk.ids[i], ())
+            for iv in ivs:
                 self._stack.enter_context(Removing(node.register_prehook(self._guarded(iv.on_node_grads))))
-            if self.node_grads:
+            if not self.node_grads:
+                continue
+            if ivs:
                 self._stack.enter_context(Removing(node.register_prehook(self._node_hook(i))))
+            elif node in out_nodes:  # what arrives there is the layer's δ: norms derived at the end
+                self._unhooked.append(i)
+            elif variable is not None:  # a leaf's gradient is (mostly) the .grad it keeps anyway
+                self._stack.enter_context(Removing(node.register_prehook(self._leaf_grad_keeper(i))))
+            else:
+                self._stack.enter_context(Removing(node.register_prehook(self._node_hook(i))))
+
+    def _output_nodes(self) -> set:
+        """grad_fn of every recorded call's output, where a δ hook will see what arrives there."""
+        return {c.out_node for rec in self._modules.values() for c in rec.calls if c.out_node is not None}
 
     def _node_hook(self, i: int):
         walk = self._walk
@@ -329,6 +348,21 @@ class Tracer:
                     walk.grad_norm[i] = grad_norms_on_device(g)
                     walk.shape.setdefault(i, tuple(g.shape))
                     walk.order.setdefault(i, len(walk.order))
+            return
+
+        return hook
+
+    def _leaf_grad_keeper(self, i: int):
+        """Keeps the gradient arriving at leaf node i (a reference: the tensor .grad becomes) to be
+        reduced with the others when the graph is built: a Python call in backward, no reduction."""
+        walk = self._walk
+
+        def hook(grad_outputs):
+            g = grad_outputs[0] if self.active and grad_outputs else None
+            if g is not None:
+                walk.pending_norms[i] = g.detach()
+                walk.shape.setdefault(i, tuple(g.shape))
+                walk.order.setdefault(i, len(walk.order))
             return
 
         return hook
@@ -354,6 +388,7 @@ class Tracer:
                 i = index.get(c.out_node) if c.out_node is not None else None
                 if i is None or i in walk.grad_norm:
                     continue
+                walk.shape.setdefault(i, c.output_shape)
                 if c.delta is not None:
                     pending[i] = c.delta
                 elif c.delta_summary is not None:
@@ -361,13 +396,17 @@ class Tracer:
                     walk.grad_norm[i] = torch.tensor([d.norm, max(abs(d.min), abs(d.max))], dtype=torch.float64)
         for leaf, before in self._leaf_grads_before.items():
             i = self._leaf_index.get(leaf)
-            if i is not None and i not in walk.grad_norm and before is None and leaf.grad is not None:
+            if (i is not None and i not in walk.grad_norm and i not in walk.pending_norms and before is None
+                    and leaf.grad is not None):
                 pending[i] = leaf.grad.detach()
         walk.pending_norms.update(pending)  # reduced when the graph is built (graph.build)
 
     def _finish(self) -> Records:
         if not self._walk.nodes:  # forward only: show the graph that backward would have walked
             self._walk.extend(_outermost_outputs(self._modules.values()))
+        pending, self._pending = self._pending, []
+        for (call, attr, *_), s in zip(pending, to_summaries([p[2:] for p in pending])):
+            setattr(call, attr, s)
         self._drop_recomputed_calls()
         self._derive_node_norms()
         for rec in self._modules.values():
@@ -377,9 +416,6 @@ class Tracer:
                     self._notes.append(f"{type(rec.module).__name__}: an input was modified in place after "
                                        "the call; its activation was not kept")
                 call._a_source = None
-        pending, self._pending = self._pending, []
-        for (call, attr, *_), s in zip(pending, to_summaries([p[2:] for p in pending])):
-            setattr(call, attr, s)
         if self._dropped:
             self._notes.append(f"memory budget {self.budget_bytes / 2**20:g} MB reached: {self._dropped} tensors "
                                "kept as summaries only (shape, norm, min/max/mean, NaN/Inf); "

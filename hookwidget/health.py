@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import networkx as nx
 import torch
 
 
@@ -46,9 +47,11 @@ def health(trace, vanishing: float = 1e-7, exploding: float = 1e3) -> Health:
     """Flag a layer as vanishing when ‖grad‖ < vanishing·‖W‖, exploding when ‖grad‖ > exploding·‖W‖."""
     out = Health()
     # judged by the largest entry: the float32 norm of a huge but finite gradient overflows to inf
-    bad = [(d["order"], n) for n, d in trace.graph.nodes(data=True)
-           if d.get("grad_max") is not None and not math.isfinite(d["grad_max"])]
-    out.nonfinite_nodes = [n for _, n in sorted(bad, key=lambda x: (x[0] is None, x[0] or 0))]
+    g = trace.graph
+    bad = {n for n, d in g.nodes(data=True) if d.get("grad_max") is not None and not math.isfinite(d["grad_max"])}
+    if bad:  # edges point the way gradients flow: a node's gradient comes from the nodes before it
+        when = {n: (d["order"] is None, d["order"] or 0) for n, d in g.nodes(data=True)}
+        out.nonfinite_nodes = [n for n in nx.lexicographical_topological_sort(g, key=when.__getitem__) if n in bad]
     out.first_nonfinite_node = out.nonfinite_nodes[0] if out.nonfinite_nodes else None
     names = {id(p): n for n, p in trace.params.items()}
     for name, layer in trace.layers.items():

@@ -192,6 +192,58 @@ def test_node_grad_norms_equal_autograd(seed_mlp):
     assert pnode["grad_norm"] == pytest.approx(float(model.fc1.weight.grad.norm()), rel=1e-6)
 
 
+class _ReuseNet(nn.Module):
+    """In-place ReLU after a layer, a residual, a layer called twice: every way a node's gradient
+    can differ from a layer's δ."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act = nn.Linear(4, 8), nn.ReLU(inplace=True)
+        self.shared, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.act(self.fc1(x))
+        h = h + self.shared(h)
+        return self.head(self.shared(torch.tanh(h)))
+
+
+@pytest.mark.parametrize("capture", ["summary", "full"])
+@pytest.mark.parametrize("passes", [1, 2])
+def test_every_node_norm_equals_a_hand_written_node_hook(capture, passes):
+    from hookwidget.graph import GraphWalk
+
+    torch.manual_seed(0)
+    model, x = _ReuseNet(), torch.randn(5, 4)
+
+    def step():
+        loss = model(x).pow(2).sum()
+        for k in range(passes):
+            loss.backward(retain_graph=k < passes - 1)
+
+    # the reference: a pre-hook on every grad_fn node records what arrives there (last pass)
+    model.zero_grad(set_to_none=True)
+    loss = model(x).pow(2).sum()
+    walk, seen, handles = GraphWalk(), {}, []
+    walk.extend([loss.grad_fn])
+    for node_id, node in zip(walk.ids, walk.nodes):
+        def record(grads, node_id=node_id):
+            seen[node_id] = (float(grads[0].norm()), float(grads[0].abs().max()), tuple(grads[0].shape))
+        handles.append(node.register_prehook(record))
+    for k in range(passes):
+        loss.backward(retain_graph=k < passes - 1)
+    for h in handles:
+        h.remove()
+
+    model.zero_grad(set_to_none=True)
+    g = hw.trace(step, capture=capture, node_grads=True).graph
+    shown = {n: d for n, d in g.nodes(data=True) if d["grad_norm"] is not None}
+    assert set(shown) == set(seen)
+    for n, (norm, mx, shape) in seen.items():
+        assert shown[n]["grad_norm"] == pytest.approx(norm, rel=1e-6), n
+        assert shown[n]["grad_max"] == pytest.approx(mx, rel=1e-6), n
+        assert shown[n]["shape"] == shape, n
+
+
 def test_40k_node_chain_builds_iteratively_and_fast():
     x = torch.randn(2, requires_grad=True)
     h = x

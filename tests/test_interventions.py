@@ -202,7 +202,10 @@ def test_health_finds_the_first_nan_and_vanishing_layers():
     h = hw.trace(nan_step).health()
     assert h.first_nonfinite_node is not None
     assert h.layers["1"].nonfinite > 0 and "nonfinite" in h.layers["1"].flags
-    assert math.isnan(hw.trace(nan_step).graph.nodes[h.first_nonfinite_node]["grad_max"])
+    first = hw.trace(nan_step).graph.nodes[h.first_nonfinite_node]
+    assert math.isnan(first["grad_max"])
+    # out * nan: the NaN first arrives at the output node of layer "1", then flows on to its inputs
+    assert (first["name"], first["module"]) == ("AddmmBackward0", "1")
 
 
 def test_huge_but_finite_gradients_are_exploding_not_nonfinite():
