@@ -327,8 +327,6 @@ class Tracer:
                 self._stack.enter_context(Removing(node.register_prehook(self._node_hook(i))))
             elif node in out_nodes:  # what arrives there is the layer's δ: norms derived at the end
                 self._unhooked.append(i)
-            elif variable is not None:  # a leaf's gradient is (mostly) the .grad it keeps anyway
-                self._stack.enter_context(Removing(node.register_prehook(self._leaf_grad_keeper(i))))
             else:
                 self._stack.enter_context(Removing(node.register_prehook(self._node_hook(i))))
 
@@ -348,21 +346,6 @@ class Tracer:
                     walk.grad_norm[i] = grad_norms_on_device(g)
                     walk.shape.setdefault(i, tuple(g.shape))
                     walk.order.setdefault(i, len(walk.order))
-            return
-
-        return hook
-
-    def _leaf_grad_keeper(self, i: int):
-        """Keeps the gradient arriving at leaf node i (a reference: the tensor .grad becomes) to be
-        reduced with the others when the graph is built: a Python call in backward, no reduction."""
-        walk = self._walk
-
-        def hook(grad_outputs):
-            g = grad_outputs[0] if self.active and grad_outputs else None
-            if g is not None:
-                walk.pending_norms[i] = g.detach()
-                walk.shape.setdefault(i, tuple(g.shape))
-                walk.order.setdefault(i, len(walk.order))
             return
 
         return hook
@@ -393,11 +376,10 @@ class Tracer:
                     pending[i] = c.delta
                 elif c.delta_summary is not None:
                     d = c.delta_summary
-                    walk.grad_norm[i] = torch.tensor([d.norm, max(abs(d.min), abs(d.max))], dtype=torch.float64)
+                    walk.grad_norm[i] = (d.norm, max(abs(d.min), abs(d.max)))
         for leaf, before in self._leaf_grads_before.items():
             i = self._leaf_index.get(leaf)
-            if (i is not None and i not in walk.grad_norm and i not in walk.pending_norms and before is None
-                    and leaf.grad is not None):
+            if i is not None and i not in walk.grad_norm and before is None and leaf.grad is not None:
                 pending[i] = leaf.grad.detach()
         walk.pending_norms.update(pending)  # reduced when the graph is built (graph.build)
 

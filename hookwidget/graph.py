@@ -33,7 +33,8 @@ class GraphWalk:
         self.edges: list[tuple[int, int]] = []
         self.inputs: list[int] = []  # for each grad-less input slot: the node that consumed it
         self.roots: set[int] = set()
-        self.grad_norm: dict = {}  # node index -> [‖g‖₂, ‖g‖∞] or a pair of 0-d tensors (on device until built)
+        self.grad_norm: dict = {}  # node index -> [‖g‖₂, ‖g‖∞]: a tensor or pair of 0-d tensors (on device until
+        # built), or a pair of floats
         self.shape: dict = {}
         self.order: dict = {}  # node index -> position in backward execution
         self.pending_norms: dict = {}  # node index -> the tensor whose norms are that node's (reduced in build)
@@ -145,12 +146,13 @@ def _norms_to_floats(norms: dict) -> dict:
         return {}
     import torch
 
-    keys = list(norms)
     by_device: dict = {}
-    for k in keys:
-        v = norms[k]
-        by_device.setdefault((v[0] if isinstance(v, tuple) else v).device, []).append(k)
     out = {}
+    for k, v in norms.items():
+        if isinstance(v, tuple) and isinstance(v[0], float):  # read on the host already
+            out[k] = v
+        else:
+            by_device.setdefault((v[0] if isinstance(v, tuple) else v).device, []).append(k)
     for ks in by_device.values():
         rows = [torch.stack(norms[k]) if isinstance(norms[k], tuple) else norms[k] for k in ks]
         for k, v in zip(ks, torch.stack([r.double() for r in rows]).cpu().tolist()):

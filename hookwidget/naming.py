@@ -12,8 +12,14 @@ def qualified_names(recorded: list, targets, target_names) -> tuple[dict, dict]:
     contains. The largest root's submodules get their plain qualified names ("fc1"); other
     roots' get a prefix; a root itself is named by its variable name or class name."""
     if targets is None:
-        inner = {id(c) for m in recorded for c in m.modules() if c is not m}
-        roots = [m for m in recorded if id(m) not in inner]
+        # An outer module is usually called (recorded) before its submodules: walk only the
+        # submodules of modules not yet covered, then drop roots a later root contains.
+        roots, inner = [], set()
+        for m in recorded:
+            if id(m) not in inner:
+                roots.append(m)
+                inner.update(id(c) for c in m.modules() if c is not m)
+        roots = [m for m in roots if id(m) not in inner]
         target_names = None
     else:
         roots = list(targets)

@@ -32,13 +32,18 @@ class TensorSummary:
         return self.nan == 0 and self.inf == 0
 
 
-def grad_norms_on_device(t: torch.Tensor) -> torch.Tensor:
-    """[‖t‖₂, ‖t‖∞] on t's device. Both are fast float32 reductions; ‖t‖₂ overflows to inf past
-    ~1.8e19 per entry (as torch.linalg.vector_norm does), so finiteness is judged by ‖t‖∞."""
+def grad_norms_on_device(t: torch.Tensor) -> torch.Tensor | tuple[float, float]:
+    """[‖t‖₂, ‖t‖∞] on t's device, or as two floats for a CPU tensor (reading one is no host-device
+    sync, and saves the kernels that combine them). Both are fast float32 reductions; ‖t‖₂
+    overflows to inf past ~1.8e19 per entry (as torch.linalg.vector_norm does), so finiteness is
+    judged by ‖t‖∞."""
     t = t.detach()
     if t.numel() == 0:
-        return torch.zeros(2, device=t.device)
+        return 0.0, 0.0
     f = _dense(t if t.dtype in (torch.float32, torch.float64) else t.float())
+    if f.device.type == "cpu":
+        lo, hi = (v.item() for v in torch.aminmax(f))
+        return torch.linalg.vector_norm(f).item(), math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
     return torch.stack([torch.linalg.vector_norm(f), max_abs(f)])
 
 
@@ -53,12 +58,13 @@ def max_abs(t: torch.Tensor) -> torch.Tensor:
     return torch.maximum(lo.abs(), hi.abs())
 
 
-def stats_on_device(t: torch.Tensor) -> torch.Tensor:
-    """The statistics of `t` as one float tensor on t's device (no host sync): norm, min, max, sum,
-    NaN count, Inf count. Plain single-pass reductions: this runs in hooks, on every call."""
+def stats_on_device(t: torch.Tensor) -> torch.Tensor | tuple:
+    """The statistics of `t` as one float tensor on t's device (no host sync), or as floats for a
+    CPU tensor: norm, min, max, sum, NaN count, Inf count. Plain single-pass reductions: this runs
+    in hooks, on every call."""
     t = t.detach()
     if t.numel() == 0:
-        return torch.zeros(len(_FIELDS), device=t.device)
+        return (0.0,) * len(_FIELDS)
     f = _dense(t if t.dtype in (torch.float32, torch.float64) else t.float())
     lo, hi = torch.aminmax(f)
     if f.device.type == "cpu":
@@ -67,8 +73,7 @@ def stats_on_device(t: torch.Tensor) -> torch.Tensor:
         # tensor is no host-device sync; on GPU the counts stay on device.)
         mn, mx = lo.item(), hi.item()
         if math.isfinite(mn) and math.isfinite(mx):
-            return torch.tensor([torch.linalg.vector_norm(f).item(), mn, mx, f.sum().item(), 0.0, 0.0],
-                                dtype=torch.float64)
+            return torch.linalg.vector_norm(f).item(), mn, mx, f.sum().item(), 0.0, 0.0
     # stack promotes the int64 counts: eight kernels in all, each launch counting on GPU
     return torch.stack([torch.linalg.vector_norm(f), lo, hi, f.sum(), torch.isnan(f).sum(), torch.isinf(f).sum()])
 
@@ -82,14 +87,17 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return p if p.is_contiguous() else t
 
 
-def to_summaries(pending: list[tuple[tuple, torch.dtype, torch.Tensor]]) -> list[TensorSummary]:
+def to_summaries(pending: list[tuple[tuple, torch.dtype, torch.Tensor | tuple]]) -> list[TensorSummary]:
     """Turn (shape, dtype, stats) triples into TensorSummary, moving all statistics at once."""
     if not pending:
         return []
     by_device: dict = {}
-    for i, (_, _, s) in enumerate(pending):
-        by_device.setdefault(s.device, []).append(i)
     values: list = [None] * len(pending)
+    for i, (_, _, s) in enumerate(pending):
+        if isinstance(s, tuple):  # read on the host already
+            values[i] = s
+        else:
+            by_device.setdefault(s.device, []).append(i)
     for idx in by_device.values():
         rows = torch.stack([pending[i][2].double() for i in idx]).cpu().tolist()
         for i, row in zip(idx, rows):

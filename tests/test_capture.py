@@ -311,3 +311,16 @@ def test_large_graphs_skip_per_node_hooks_and_say_so():
     assert any("node_grads=True" in n for n in t.notes)
     t2 = hw.trace(lambda: model(torch.randn(2, 4)).sum().backward(), node_grads=True)
     assert all(d["grad_norm"] is not None for _, d in t2.graph.nodes(data=True) if d["role"] == "op")
+
+
+def test_a_submodule_called_before_its_model_keeps_its_qualified_name():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(2, 3)
+
+    def step():
+        model[0](x)  # called alone first: recorded before the Sequential that contains it
+        model(x).sum().backward()
+
+    t = hw.trace(step)
+    assert set(t.layers) == {"Sequential", "0", "1", "2"}
+    assert [c.a.shape for c in t.layers["0"].calls] == [(2, 3), (2, 3)]
