@@ -323,9 +323,7 @@ class Tracer:
                 self._stack.enter_context(Removing(node.register_prehook(self._guarded(iv.on_node_grads))))
             if not self.node_grads:
                 continue
-            if ivs:
-                self._stack.enter_context(Removing(node.register_prehook(self._node_hook(i))))
-            elif node in out_nodes:  # what arrives there is the layer's δ: norms derived at the end
+            if node in out_nodes and not ivs:  # what arrives there is the layer's δ: norms derived at the end
                 self._unhooked.append(i)
             else:
                 self._stack.enter_context(Removing(node.register_prehook(self._node_hook(i))))
