@@ -155,12 +155,14 @@ class Trace:
         self._leaf_grads_before = rec.leaf_grads_before
         var_names = {id(v): k for k, v in (self._namespace or {}).items()
                      if isinstance(v, torch.Tensor) and not k.startswith("_")}
+        leaves = {}
         for leaf in rec.leaf_grads_before:
             node_id = rec.walk.ids[rec.leaf_index[leaf]] if leaf in rec.leaf_index else f"leaf{tuple(leaf.shape)}"
             name = param_names.get(leaf) or var_names.get(id(leaf)) or node_id
             self.param_grads[name] = leaf.grad
+            leaves[name] = leaf
         self.losses = [float(v) for v in rec.roots]
-        self.user_hooks = _user_hooks(self.layers)
+        self.user_hooks = _user_hooks(self.layers, leaves)
         unsupported = sorted({f"{n} ({fx.unsupported_reason(layer.module)})" for n, layer in self.layers.items()
                               if _has_own_params(layer.module) and fx.unsupported_reason(layer.module)})
         if unsupported:
@@ -391,6 +393,7 @@ class Trace:
             a = tuple(c.a.shape) if c.a is not None else (c.a_summary.shape if c.a_summary else None)
             d = tuple(c.delta.shape) if c.delta is not None else (c.delta_summary.shape if c.delta_summary else None)
             lines.append(f"  {name or '(root)'} [{layer.type}] calls={len(layer.calls)} a={a} δ={d}")
+        lines += [f"  your hooks on {n}: {', '.join(hooks)}" for n, hooks in self.user_hooks.items()]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -400,14 +403,20 @@ def _has_own_params(m: nn.Module) -> bool:
     return any(p is not None and p.requires_grad for p in m._parameters.values())
 
 
-def _user_hooks(layers: dict) -> dict:
+def _user_hooks(layers: dict, leaves: dict) -> dict:
+    """Hooks the user's code left attached (hookwidget's own are gone by now): module hooks by layer
+    name, tensor hooks on the leaves backward reached (parameters, inputs) by their names. They
+    change what the trace shows, so the user should see them."""
+    kinds = {name: (("forward_pre", layer.module._forward_pre_hooks), ("forward", layer.module._forward_hooks),
+                    ("backward", layer.module._backward_hooks), ("backward_pre", layer.module._backward_pre_hooks))
+             for name, layer in layers.items()}
+    for name, leaf in leaves.items():
+        kinds.setdefault(name, ())
+        kinds[name] += (("tensor", leaf._backward_hooks or {}),
+                        ("post_accumulate_grad", getattr(leaf, "_post_accumulate_grad_hooks", None) or {}))
     out = {}
-    for name, layer in layers.items():
-        m = layer.module
-        found = [f"{kind}: {getattr(h, '__qualname__', type(h).__name__)}"
-                 for kind, d in (("forward_pre", m._forward_pre_hooks), ("forward", m._forward_hooks),
-                                 ("backward", m._backward_hooks), ("backward_pre", m._backward_pre_hooks))
-                 for h in d.values()]
+    for name, dicts in kinds.items():
+        found = [f"{kind}: {getattr(h, '__qualname__', type(h).__name__)}" for kind, d in dicts for h in d.values()]
         if found:
             out[name] = found
     return out

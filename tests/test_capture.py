@@ -270,6 +270,28 @@ def test_user_hooks_are_listed(seed_mlp):
     assert any("my_probe" in s for s in t.user_hooks["fc1"])
 
 
+def test_user_tensor_hooks_on_parameters_and_inputs_are_listed(seed_mlp):
+    model, x, y, step = seed_mlp
+    xr = x.detach().clone().requires_grad_()
+
+    def double(g):
+        return 2 * g
+
+    handles = [model.fc2.weight.register_hook(double), xr.register_hook(double),
+               model.fc1.weight.register_post_accumulate_grad_hook(lambda p: None)]
+    try:
+        t = hw.trace(lambda: model(xr).sum().backward())
+    finally:
+        for h in handles:
+            h.remove()
+    here = "test_user_tensor_hooks_on_parameters_and_inputs_are_listed.<locals>"
+    assert t.user_hooks["fc2.weight"] == [f"tensor: {here}.double"]
+    assert t.user_hooks["fc1.weight"] == [f"post_accumulate_grad: {here}.<lambda>"]
+    assert sum("double" in h for hooks in t.user_hooks.values() for h in hooks) == 2  # xr, under its node id
+    assert "fc1" not in t.user_hooks  # no module hook there
+    assert f"your hooks on fc2.weight: tensor: {here}.double" in repr(t)
+
+
 def test_bad_options_get_one_clear_line(seed_mlp):
     model, x, y, step = seed_mlp
     with pytest.raises(ValueError, match="capture='everything' is not a capture mode; choose one of"):
