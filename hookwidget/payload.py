@@ -55,7 +55,8 @@ def graph_summary(g) -> dict:
 
 
 def module_tree(trace, flags: dict | None = None) -> list[dict]:
-    """One row per called module, in call order: name, class, parent, parameter and call counts, shapes."""
+    """One row per called module, in call order: name, class, parent, parameter and call counts, shapes,
+    and the user's own hooks on it and its parameters."""
     layers = trace.layers
     parent = _parents(layers)
     flags = health(trace).get("layers", {}) if flags is None else flags
@@ -77,6 +78,8 @@ def module_tree(trace, flags: dict | None = None) -> list[dict]:
             "grad_norm": _norms([g for g in grads if g is not None]),
             "supports": bool(own) and _supports(trace, name),
             "flags": flags.get(name, []),
+            "user_hooks": [h for key in (name, *(f"{name}.{p}" if name else p for p in own))
+                           for h in trace.user_hooks.get(key, ())],
         })
     return rows
 

@@ -30,6 +30,7 @@ function layerDetail(meta, t, summary) {
       ["calls", String(meta.calls), null],
       row ? ["parameters", fmt(row.params), null] : null,
       row && row.grad_norm !== null ? ["‖grad‖ (own params)", fmt(row.grad_norm), "grad-norm"] : null,
+      row && row.user_hooks && row.user_hooks.length ? ["your hooks (they act in every trace)", row.user_hooks.join("; "), "user-hooks"] : null,
     ]),
     flags(meta.flags),
   ];

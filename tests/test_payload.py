@@ -42,6 +42,23 @@ def test_module_tree_names_classes_counts_and_parents(traced):
     assert rows["fc1"]["grad_norm"] == pytest.approx(float(model.fc1.weight.grad.norm()), rel=1e-6)
 
 
+def test_module_rows_carry_the_users_own_hooks(seed_mlp):
+    model, x, y, step = seed_mlp
+
+    def probe(m, i, o):
+        return None
+
+    handles = [model.fc1.register_forward_hook(probe), model.fc1.weight.register_hook(lambda g: g)]
+    try:
+        rows = {r["name"]: r for r in payload.summary(hw.trace(step))["modules"]}
+    finally:
+        for h in handles:
+            h.remove()
+    assert [h.split(":")[0] for h in rows["fc1"]["user_hooks"]] == ["forward", "tensor"]
+    assert "probe" in rows["fc1"]["user_hooks"][0]
+    assert rows["fc2"]["user_hooks"] == []
+
+
 def test_layer_detail_buffers_against_autograd(traced):
     model, x, t = traced
     meta, buffers = payload.detail(t, "fc1")

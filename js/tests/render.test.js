@@ -53,6 +53,20 @@ describe("explorer", () => {
     expect(el.querySelector('[data-testid="storage-factors"]').textContent).toBe("210");
   });
 
+  it("lists the user's own hooks on a layer as text", () => {
+    const summary = seedSummary();
+    summary.modules[1].user_hooks = ["forward: <img src=x onerror=alert(1)>", "tensor: double"];
+    const { model, el } = mount(summary);
+    el.querySelector('[data-module="fc1"]').dispatchEvent(new Event("click"));
+    model.emit("msg:custom", ...detailReply("fc1", model.sent.at(-1).request_id));
+    const cell = el.querySelector('[data-testid="user-hooks"]');
+    expect(cell.textContent).toBe("forward: <img src=x onerror=alert(1)>; tensor: double");
+    expect(cell.querySelector("img")).toBeNull();
+    el.querySelector('[data-module="fc2"]').dispatchEvent(new Event("click"));
+    model.emit("msg:custom", ...detailReply("fc2", model.sent.at(-1).request_id));
+    expect(el.querySelector('[data-testid="user-hooks"]')).toBeNull();
+  });
+
   it("a hook toggle sends add_hook then rerun, and shows the kernel's status and diff", () => {
     const { model, el } = mount();
     el.querySelector('[data-module="fc1"]').dispatchEvent(new Event("click"));
