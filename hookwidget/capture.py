@@ -375,10 +375,21 @@ class Tracer:
                 elif c.delta_summary is not None:
                     d = c.delta_summary
                     walk.grad_norm[i] = (d.norm, max(abs(d.min), abs(d.max)))
+        changed = 0
         for leaf, before in self._leaf_grads_before.items():
             i = self._leaf_index.get(leaf)
-            if i is not None and i not in walk.grad_norm and before is None and leaf.grad is not None:
+            if i is None or i in walk.grad_norm or before is not None or leaf.grad is None:
+                continue
+            # A .grad that backward created and nothing changed since is at version 0; clip_grad_norm_ or
+            # zero_grad(set_to_none=False) in the cell would make the norm shown not the one that arrived.
+            if leaf.grad._version == 0:
                 pending[i] = leaf.grad.detach()
+            else:
+                changed += 1
+        if changed:
+            self._notes.append(f"{changed} parameter .grad tensors were changed in place after backward (e.g. by "
+                               "clip_grad_norm_): their graph nodes show no gradient norm; trace with node_grads=True "
+                               "to see them")
         walk.pending_norms.update(pending)  # reduced when the graph is built (graph.build)
 
     def _finish(self) -> Records:

@@ -327,6 +327,23 @@ def test_without_node_hooks_layer_outputs_and_params_still_get_norms(seed_mlp):
     assert all(d["grad_norm"] is None for _, d in t.graph.nodes(data=True) if d["name"] == "TBackward0")
 
 
+def test_without_node_hooks_a_grad_changed_after_backward_shows_no_norm(seed_mlp):
+    model, x, y, step = seed_mlp
+
+    def clipped_step():
+        step()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # rewrites .grad in place
+
+    t = hw.trace(clipped_step, node_grads=False)
+    params = [d for _, d in t.graph.nodes(data=True) if d["role"] == "param"]
+    assert params and all(d["grad_norm"] is None for d in params)
+    assert any("clip_grad_norm_" in n for n in t.notes)
+    # the same trace without the clipping: the norms of the .grad that backward made
+    t = hw.trace(step, node_grads=False)
+    pnode = next(d for _, d in t.graph.nodes(data=True) if d["param"] == "fc1.weight")
+    assert pnode["grad_norm"] == pytest.approx(float(model.fc1.weight.grad.norm()), rel=1e-6)
+
+
 def test_large_graphs_skip_per_node_hooks_and_say_so():
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(80)])
     t = hw.trace(lambda: model(torch.randn(2, 4)).sum().backward())
