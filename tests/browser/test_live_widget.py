@@ -1,4 +1,5 @@
-"""The live widget in a real JupyterLab: %%hooktrace, click a layer, toggle grad_zero, see the kernel's answer."""
+"""The live widget in a real JupyterLab and Notebook 7: %%hooktrace, click a layer, toggle grad_zero, see the
+kernel's answer."""
 
 import json
 import os
@@ -61,10 +62,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """A JupyterLab server on 127.0.0.1 with the notebook; killed in the finalizer."""
-    root = tmp_path_factory.mktemp("lab")
+# (command, app class for its options, the notebook's URL path): both expose window.jupyterapp
+FRONT_ENDS = {"jupyterlab": ("lab", "LabApp", "lab/tree"), "notebook7": ("notebook", "JupyterNotebookApp", "notebooks")}
+
+
+@pytest.fixture(scope="module", params=list(FRONT_ENDS))
+def lab(request, tmp_path_factory):
+    """A JupyterLab or Notebook 7 server on 127.0.0.1 with the notebook; killed in the finalizer."""
+    command, app, path = FRONT_ENDS[request.param]
+    root = tmp_path_factory.mktemp(request.param)
     cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
              for src in (SETUP, TRACE, EVIL_TRACE)]
     nb = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
@@ -75,10 +81,11 @@ def lab(tmp_path_factory):
            "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
     jupyter = pathlib.Path(sys.executable).parent / "jupyter"
     proc = subprocess.Popen(
-        [str(jupyter), "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1", f"--ServerApp.token={token}",
-         f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
-         f"--LabApp.workspaces_dir={root / '.ws'}", "--ServerApp.port_retries=0",
-         "--LabApp.extension_manager=readonly", *(["--allow-root"] if os.geteuid() == 0 else [])],
+        [str(jupyter), command, "--no-browser", f"--port={port}", "--ip=127.0.0.1", f"--ServerApp.token={token}",
+         f"--ServerApp.root_dir={root}", f"--{app}.expose_app_in_browser=True",
+         f"--{app}.workspaces_dir={root / '.ws'}", "--ServerApp.port_retries=0",
+         *(["--LabApp.extension_manager=readonly"] if command == "lab" else []),
+         *(["--allow-root"] if os.geteuid() == 0 else [])],
         cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"))
     base = f"http://127.0.0.1:{port}"
     try:
@@ -89,9 +96,9 @@ def lab(tmp_path_factory):
                 break
             except Exception:
                 if proc.poll() is not None or time.time() > deadline:
-                    pytest.fail("JupyterLab did not start: " + (root / "server.log").read_text()[-2000:])
+                    pytest.fail(f"{request.param} did not start: " + (root / "server.log").read_text()[-2000:])
                 time.sleep(0.3)
-        yield {"url": f"{base}/lab/tree/explore.ipynb?token={token}", "root": root}
+        yield {"url": f"{base}/{path}/explore.ipynb?token={token}", "root": root, "name": request.param}
     finally:
         proc.terminate()
         try:
@@ -101,7 +108,7 @@ def lab(tmp_path_factory):
             proc.wait()
 
 
-def test_toggle_grad_zero_in_jupyterlab(browser, lab, img_dir):
+def test_toggle_grad_zero_live(browser, lab, img_dir):
     ctx = browser.new_context(viewport={"width": 1500, "height": 1000})
     page = ctx.new_page()
     errors = []
@@ -124,7 +131,8 @@ def test_toggle_grad_zero_in_jupyterlab(browser, lab, img_dir):
         assert live.locator('[data-testid="shape-a"]').inner_text().startswith("(5, 6, 4)")
         before = float(live.locator('[data-testid="detail"] [data-testid="grad-norm"]').inner_text())
         assert before > 0
-        live.screenshot(path=str(img_dir / "toggle_before.png"))
+        if lab["name"] == "jupyterlab":
+            live.screenshot(path=str(img_dir / "toggle_before.png"))
         live.locator('[data-hook="grad_zero"]').click()
         status = live.locator('[data-testid="status"]')
         done = "el => el.getAttribute('data-state') === 'done' && el.textContent.includes('rerun done')"
@@ -137,7 +145,8 @@ def test_toggle_grad_zero_in_jupyterlab(browser, lab, img_dir):
         assert live.locator('[data-module="fc1"]').get_attribute("class").split().count("changed") == 1
         assert live.locator('[data-hook="grad_zero"]').is_checked()
         live.locator('[data-testid="diff"]').scroll_into_view_if_needed()
-        live.screenshot(path=str(img_dir / "toggle_after.png"))
+        if lab["name"] == "jupyterlab":
+            live.screenshot(path=str(img_dir / "toggle_after.png"))
         # The second widget: markup in module names stays text in the live widget too.
         evil = page.locator(".hw-root").nth(1)
         evil.locator(".hw-tree-row").nth(1).wait_for()
