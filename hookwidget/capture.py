@@ -23,7 +23,7 @@ from torch import nn
 
 from . import graph as graph_mod
 from .handles import Patched, Removing, Restoring
-from .summary import TensorSummary, grad_norms_on_device, stats_on_device, to_summaries
+from .summary import TensorSummary, abs_max, grad_norms_on_device, stats_on_device, to_summaries
 
 CAPTURE_MODES = ("full", "summary", "norms")
 AUTO_NODE_GRADS_MAX = 256  # graphs up to this size get a gradient norm at every node by default
@@ -374,7 +374,7 @@ class Tracer:
                     pending[i] = c.delta
                 elif c.delta_summary is not None:
                     d = c.delta_summary
-                    walk.grad_norm[i] = (d.norm, max(abs(d.min), abs(d.max)))
+                    walk.grad_norm[i] = (d.norm, abs_max(d.min, d.max))
         changed = 0
         for leaf, before in self._leaf_grads_before.items():
             i = self._leaf_index.get(leaf)

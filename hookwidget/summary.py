@@ -43,8 +43,13 @@ def grad_norms_on_device(t: torch.Tensor) -> torch.Tensor | tuple[float, float]:
     f = _dense(t if t.dtype in (torch.float32, torch.float64) else t.float())
     if f.device.type == "cpu":
         lo, hi = (v.item() for v in torch.aminmax(f))
-        return torch.linalg.vector_norm(f).item(), math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
+        return torch.linalg.vector_norm(f).item(), abs_max(lo, hi)
     return torch.stack([torch.linalg.vector_norm(f), max_abs(f)])
+
+
+def abs_max(lo: float, hi: float) -> float:
+    """‖t‖∞ from t's min and max read on the host; NaN if either is (Python's max would drop it)."""
+    return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
 
 
 def max_abs(t: torch.Tensor) -> torch.Tensor:
