@@ -18,4 +18,13 @@ npm run build
 # torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" "torch==2.13.0"
+# BackPACK (benchmarks) requires torchvision, which it uses only in backpack/utils/examples.py; pip would
+# take a CUDA torchvision from PyPI that cannot import beside the CPU torch (and breaks packages that
+# try it, e.g. transformers). So BackPACK comes without dependencies, and its real ones beside the pinned torch.
+.venv/bin/pip install -q --disable-pip-version-check --no-deps "backpack-for-pytorch>=1.6,<2"
+.venv/bin/pip install -q --disable-pip-version-check "einops>=0.3,<1" "unfoldNd>=0.2,<1" "torch==2.13.0"
+if .venv/bin/pip show -q torchvision >/dev/null 2>&1; then  # pulled in by an older pyproject's bench extra
+  .venv/bin/pip uninstall -q -y torchvision
+fi
+.venv/bin/python -c "import backpack, torchlens, opacus" || { echo "install: benchmark packages do not import" >&2; exit 1; }
 echo "install: done ($(.venv/bin/python -c 'import torch, hookwidget; print("torch", torch.__version__, "hookwidget", hookwidget.__version__)'))"

@@ -1,0 +1,61 @@
+"""Convolutions, 1-d to 3-d, plain and transposed: any stride, dilation, padding (numbers, "same",
+"valid"), groups and padding_mode. The weight gradient comes from the kernel autograd runs
+(aten.convolution_backward); per sample, the batch becomes groups of one convolution."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from .base import ConvCall, Factor
+from .registry import register
+
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_METHODS = ("forward", "_conv_forward")
+
+
+def _pads_itself(m) -> bool:
+    """Whether the convolution pads its input by a separate op (so the op autograd saves is not the input)."""
+    if m.padding_mode != "zeros":
+        return True
+    if m.padding == "same":
+        return any(d * (k - 1) % 2 for d, k in zip(m.dilation, m.kernel_size))  # uneven: ATen pads first
+    return False
+
+
+def _call(m, a, delta) -> ConvCall:
+    n = m.weight.dim() - 2
+    if a.dim() == n + 1:  # unbatched input (C, *S): a batch of one
+        a, delta = a.unsqueeze(0), delta.unsqueeze(0)
+    transposed = isinstance(m, nn.modules.conv._ConvTransposeNd)
+    padding = m.padding
+    if not transposed and (isinstance(padding, str) or m.padding_mode != "zeros"):
+        if any(m._reversed_padding_repeated_twice):  # exactly what the layer does ("same": right side gets the extra)
+            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+            a = F.pad(a, m._reversed_padding_repeated_twice, mode=mode)
+        padding = (0,) * n
+    return ConvCall(a, delta, tuple(m.kernel_size), tuple(m.dilation), tuple(padding), tuple(m.stride),
+                    m.groups, transposed)
+
+
+def _factors(m, call: ConvCall) -> list:
+    B, cout = call.delta.shape[:2]
+    D = call.delta.reshape(B, cout, -1).transpose(1, 2)  # (B, L, Cout)
+    plain = not call.transposed and call.groups == 1 and len(call.kernel) <= 2  # X = unfold(a) exists: Gram norms
+    out = [Factor("weight", "outer" if plain else "conv", D, None, tuple(m.weight.shape), conv=call)]
+    if m.bias is not None:
+        out.append(Factor("bias", "sum", D, None, tuple(m.bias.shape)))
+    return out
+
+
+@register(*_CONV, keeps_input=lambda m: not _pads_itself(m), forward_methods=_METHODS)
+def conv(m, a, delta, state=None):
+    return _factors(m, _call(m, a, delta))
+
+
+@register(*_TRANSPOSED, forward_methods=_METHODS)
+def conv_transpose(m, a, delta, state=None):
+    """W.grad of y = conv_transpose(x, W) is the weight gradient of the convolution it is the adjoint of;
+    output_padding (or forward's output_size) is read from δ's shape."""
+    return _factors(m, _call(m, a, delta))

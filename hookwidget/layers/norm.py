@@ -1,0 +1,93 @@
+"""Normalisation layers: y = x̂ ⊙ w + b, so w.grad = Σ δ ⊙ x̂ and b.grad = Σ δ (diag and sum factors).
+
+x̂ is recomputed from the kept input by the layer's own normalisation kernel, without the affine part.
+LayerNorm and RMSNorm normalise the trailing normalized_shape, GroupNorm each sample's groups: per-sample
+gradients are exact. BatchNorm on running statistics (eval with track_running_stats) is exact too; on
+batch statistics (training, or no running statistics) samples share the statistics, so a sample's row is
+its *contribution*: what its own δ and x̂ add to .grad (rows still sum to .grad exactly)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Factor
+from .registry import register
+
+
+def _diag(m, xhat, delta, channel_dim: int | None = None, per_sample: str = "exact") -> list:
+    """Factors of weight (diag) and bias (sum). channel_dim: where the parameter's axis is (norms over
+    channels: GroupNorm, BatchNorm), else the parameter covers the trailing dimensions."""
+    if m.weight is None and getattr(m, "bias", None) is None:
+        return []
+    B = xhat.shape[0]
+    if channel_dim is not None:
+        C = xhat.shape[channel_dim]
+        X = xhat.reshape(B, C, -1).transpose(1, 2)
+        D = delta.reshape(B, C, -1).transpose(1, 2)
+    else:
+        n = m.weight.numel() if m.weight is not None else m.bias.numel()
+        X, D = xhat.reshape(B, -1, n), delta.reshape(B, -1, n)
+    out = []
+    if m.weight is not None:
+        out.append(Factor("weight", "diag", D, X, tuple(m.weight.shape), per_sample=per_sample))
+    if getattr(m, "bias", None) is not None:
+        out.append(Factor("bias", "sum", D, None, tuple(m.bias.shape), per_sample=per_sample))
+    return out
+
+
+@register(nn.LayerNorm)
+def layer_norm(m: nn.LayerNorm, a, delta, state=None):
+    if not m.elementwise_affine:
+        return []
+    # x̂ by the layer's own normalisation kernel (one fused pass; a separate var() took 3x the forward)
+    return _diag(m, F.layer_norm(a, m.normalized_shape, None, None, m.eps), delta)
+
+
+@register(nn.RMSNorm, params=("weight",))
+def rms_norm(m: nn.RMSNorm, a, delta, state=None):
+    if m.weight is None:
+        return []
+    return _diag(m, F.rms_norm(a, m.normalized_shape, None, m.eps), delta)
+
+
+@register(nn.GroupNorm)
+def group_norm(m: nn.GroupNorm, a, delta, state=None):
+    if not m.affine:
+        return []
+    return _diag(m, F.group_norm(a, m.num_groups, None, None, m.eps), delta, channel_dim=1)
+
+
+def _bn_state(m) -> tuple:
+    """(uses batch statistics, running mean, running var) as forward will use them."""
+    batch = m.training or m.running_mean is None
+    if batch:
+        return True, None, None
+    return False, m.running_mean.detach().clone(), m.running_var.detach().clone()
+
+
+def _bn_per_sample(m, state=None) -> str:
+    return "contribution" if (state if state is not None else _bn_state(m))[0] else "exact"
+
+
+@register(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, state=_bn_state, per_sample=_bn_per_sample)
+def batch_norm(m, a, delta, state=None):
+    """Exact per sample on running statistics; on batch statistics a row is the sample's contribution."""
+    if not m.affine:
+        return []
+    batch, mean, var = state if state is not None else _bn_state(m)
+    xhat = F.batch_norm(a, mean, var, None, None, batch, 0.0, m.eps)
+    return _diag(m, xhat, delta, channel_dim=1, per_sample="contribution" if batch else "exact")
+
+
+@register(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+def instance_norm(m, a, delta, state=None):
+    """Each sample's channels normalised by their own statistics (or running ones in eval): exact per sample."""
+    if not m.affine:
+        return []
+    if a.dim() == m._get_no_batch_dim():  # unbatched (C, *S): a batch of one
+        a, delta = a.unsqueeze(0), delta.unsqueeze(0)
+    running = m.track_running_stats and not m.training
+    xhat = F.instance_norm(a, m.running_mean if running else None, m.running_var if running else None,
+                           None, None, not running, 0.0, m.eps)
+    return _diag(m, xhat, delta, channel_dim=1)

@@ -1,0 +1,130 @@
+"""One spec per layer type: its rule, when the rule is exact, whether the layer keeps its input.
+
+Like Opacus' register_grad_sampler, but a rule is only ever applied where it is exact: a subclass
+that overrides the layer's forward (weight standardisation, its own padding, another layout) gets
+no rule, and unsupported_reason says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """rule(module, a, delta, state=None) -> list[Factor]: the token factors of one call.
+    refuse(module) -> str | None: why the rule is not exact for this instance (e.g. Embedding(sparse=True)).
+    keeps_input(module): whether autograd saves the layer's input for its weight gradient, so capture may
+    keep `a` by reference (autograd's version check guards it) instead of copying it.
+    forward_methods: methods a subclass must not override for the rule to stay exact.
+    per_sample(module, state) -> "exact" | "contribution": what a per-sample row is.
+    state(module): what the rule needs from forward time besides (a, δ) (BatchNorm: train/eval, statistics).
+    norm_sq(factors, x_gram) -> (B,) | None: a cheaper exact norm of all the layer's parameters together."""
+
+    name: str
+    rule: Callable
+    refuse: Callable = lambda m: None
+    keeps_input: Callable = lambda m: True
+    forward_methods: tuple = ("forward",)
+    params: tuple = ("weight", "bias")
+    per_sample: Callable = lambda m, state=None: "exact"
+    state: Callable | None = None
+    norm_sq: Callable | None = None
+    types: tuple = field(default=())
+
+
+SPECS: dict = {}  # type, or "module.ClassName" for layers of packages not imported here -> LayerSpec
+
+# layer types with parameters that no rule covers, and why (said after "no factor rule for <type>")
+NO_RULE = {
+    nn.MultiheadAttention: "q, k and v are projected inside its forward (one in_proj_weight), so its (a, δ) do not "
+                           "hold those gradients; write attention with nn.Linear projections to get them",
+    nn.SyncBatchNorm: "its statistics span every process, which one process's (a, δ) do not hold",
+}
+
+
+def register(*types, **spec):
+    """Decorator: `rule(module, a, delta, state=None) -> list[Factor]` becomes the rule for these types
+    (classes, or "package.module.ClassName" strings matched without importing the package)."""
+
+    def deco(fn):
+        name = "/".join(t if isinstance(t, str) else t.__name__ for t in types)
+        s = LayerSpec(name, fn, types=types, **spec)
+        for t in types:
+            SPECS[t] = s
+        return fn
+
+    return deco
+
+
+def _key(cls):
+    return cls if cls in SPECS else f"{cls.__module__}.{cls.__name__}"
+
+
+def lookup(module: nn.Module):
+    """(spec, reason): the spec whose rule is exact for this module and None, or None and why not."""
+    mro = type(module).__mro__
+    for i, cls in enumerate(mro):
+        spec = SPECS.get(_key(cls))
+        if spec is None:
+            continue
+        for sub in mro[:i]:
+            over = next((m for m in spec.forward_methods if m in vars(sub)), None)
+            if over:
+                return None, (f"{sub.__name__} overrides {cls.__name__}.{over}: no exact (a, δ) rule; the rule "
+                              f"rebuilds {cls.__name__}'s own forward, not what this subclass computes")
+        patched = next((m for m in spec.forward_methods if m in vars(module)), None)
+        if patched:
+            return None, (f"{type(module).__name__}.{patched} is replaced on this instance: no exact (a, δ) rule; "
+                          f"the rule rebuilds {cls.__name__}'s own forward")
+        for p in spec.params:
+            if p not in module._parameters and isinstance(getattr(module, p, None), torch.Tensor):
+                return None, (f"{type(module).__name__}.{p} is computed (parametrize, weight_norm or spectral_norm),"
+                              f" not a parameter: (a, δ) give the gradient of the computed {p}, not of the "
+                              "parameters it is made from")
+        reason = spec.refuse(module)
+        return (None, reason) if reason else (spec, None)
+    why = next((NO_RULE[c] for c in mro if c in NO_RULE), None)
+    return None, f"no factor rule for {type(module).__name__}" + (f": {why}" if why else "")
+
+
+def spec_for(module: nn.Module) -> LayerSpec | None:
+    return lookup(module)[0]
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why (a, δ) cannot rebuild this module's gradients exactly, or None when they can."""
+    return lookup(module)[1]
+
+
+def needs_input(module: nn.Module) -> bool:
+    """Whether the layer's backward holds its input for a trainable parameter's gradient (so capture
+    can keep `a` by reference: autograd's version check guards it)."""
+    spec = spec_for(module)
+    if spec is None or not spec.keeps_input(module):
+        return False
+    return any(isinstance(p, torch.Tensor) and p.requires_grad
+               for p in (module._parameters.get(n) for n in spec.params))
+
+
+def supported_types() -> list[str]:
+    """Names of the layer types with an exact rule, for error messages."""
+    return sorted({k.__name__ if isinstance(k, type) else k for k in SPECS})
+
+
+def per_sample_meaning(module: nn.Module, state=None) -> str | None:
+    """"exact", "contribution" (samples share statistics: a row is what that sample's δ and x̂ add to
+    .grad; rows sum to .grad), or None where there is no rule."""
+    spec = spec_for(module)
+    return None if spec is None else spec.per_sample(module, state if state is not None else forward_state(module))
+
+
+def forward_state(module: nn.Module):
+    """What the rule needs from forward time besides (a, δ), or None: capture may store it per call
+    (call.state) so that a later model.eval()/train() does not change the answer."""
+    spec = spec_for(module)
+    return None if spec is None or spec.state is None else spec.state(module)
