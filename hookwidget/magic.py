@@ -1,19 +1,47 @@
-"""`%%hooktrace`: run a cell under hooks and show what it did."""
+"""`%%hooktrace`: run a cell under hooks and show what it did.
+
+The cell should behave like a plain cell: its variables stay in the namespace, top-level `await`
+works, and an exception reads like the same exception in a plain cell (the user's line with its
+source, hookwidget's frames hidden). The trace options and their flags come from `Options`."""
 
 from __future__ import annotations
 
+import argparse
+import ast
+import asyncio
+import inspect
 import shlex
+import sys
+from dataclasses import fields
 
-from IPython.core.error import UsageError as IPythonUsageError
+from IPython.core.error import UsageError  # IPython prints one line only for this exact class
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from torch import nn
 
-from .trace import Trace
+from .options import Options
 
 
-class UsageError(IPythonUsageError, ValueError):
-    """A bad %%hooktrace line; IPython shows its one-line message without a traceback."""
+def _option_flags(func):
+    """One argparse flag per trace option (`budget_mb` -> --budget-mb), help from the field's metadata.
+    Flags default to None so that only what the line gives is passed on, and Options keeps the defaults."""
+    for f in reversed([f for f in fields(Options) if f.metadata.get("magic", True)]):
+        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
+        default = "" if f.default in (None, False) else f" (default {f.default:g})" if isinstance(
+            f.default, float) else f" (default {f.default})"
+        kw = {"dest": f.name, "default": None, "help": meta["help"] + default}
+        if "choices" in meta:
+            kw["choices"] = meta["choices"]
+        elif f.type == "bool | None":
+            kw["action"] = argparse.BooleanOptionalAction
+        elif f.type == "bool":
+            kw.update(action="store_const", const=True)
+        elif f.type == "float":
+            kw.update(type=float, metavar=meta.get("metavar"))  # float("inf") parses "inf"
+        else:
+            kw.update(action="append", metavar=meta.get("metavar"))
+        func = argument(flag, **kw)(func)
+    return func
 
 
 @magics_class
@@ -22,12 +50,8 @@ class HookTraceMagics(Magics):
     @argument("models", nargs="*", metavar="MODEL",
               help="names of nn.Modules in your namespace to hook (default: every module the cell calls)")
     @argument("-o", "--out", default="_hooktrace", metavar="NAME", help="bind the Trace to NAME (default _hooktrace)")
-    @argument("--include", action="append", metavar="GLOB", help="keep only layers whose name matches (repeatable)")
-    @argument("--exclude", action="append", metavar="GLOB", help="drop layers whose name matches (repeatable)")
-    @argument("--budget-mb", type=float, default=512, metavar="N", help="memory for kept tensors (default 512)")
-    @argument("--capture", default="full", choices=["full", "summary", "norms"],
-              help="full: keep a and δ; summary: statistics only; norms: per-sample gradient norms only")
     @argument("--no-widget", action="store_true", help="print a text summary instead of the explorer")
+    @_option_flags
     @cell_magic
     def hooktrace(self, line: str, cell: str):
         """Run the cell with hooks on every layer; the Trace (activations, gradients, autograd
@@ -42,51 +66,152 @@ class HookTraceMagics(Magics):
             %%hooktrace model -o t            # only model's modules; Trace bound to t
             %%hooktrace model --include "blocks.0.*" --exclude "*.dropout"
             %%hooktrace model --budget-mb 2048   # keep more a and δ before falling back to summaries
+            %%hooktrace model --budget-mb inf    # no memory limit
             %%hooktrace model --capture norms    # per-sample gradient norms only (fast, little memory)
             %%hooktrace model --no-widget        # print a text summary instead of the explorer
 
         Then: t.layers["fc1"].a, t.weight_grad("fc1"), t.add_hook("fc1", "grad_zero"); t.rerun().
-        The cell's variables stay in your namespace; errors in the cell propagate with every hook removed.
+        The cell's variables stay in your namespace and top-level `await` works; errors in the cell
+        propagate with every hook removed, and the Trace of what ran is still bound to NAME.
         """
-        args = self._parse(line)
+        __tracebackhide__ = True
+        args = _parse(line)
+        options = _options(args)
         ns = self.shell.user_ns
-        modules, names = self._models(args.models, ns)
-        code = compile(self.shell.transform_cell(cell), "<hooktrace>", "exec")
+        modules, names = _models(args.models, ns)
+        code = compile_cell(self.shell, cell)  # a SyntaxError shows before anything runs
+        run_cell = cell_runner(code, ns)
 
-        def run_cell():
-            exec(code, ns)
-
-        options = {"budget_mb": args.budget_mb, "capture": args.capture}
-        if args.include:
-            options["include"] = args.include
-        if args.exclude:
-            options["exclude"] = args.exclude
-        t = Trace(fn=run_cell, modules=modules, options=options, names=names, namespace=ns)
-        try:
-            t._run()
-        finally:
+        def bind(t):
             ns[args.out] = t
+
+        try:
+            t = _trace(run_cell, modules, options, names, ns, code, bind)
+        except BaseException as e:
+            e.__traceback__ = _from_cell(e.__traceback__, code)
+            raise  # the same exception, its cause and context kept
         if args.no_widget:
             print(repr(t))
-            return None
-        return t
+        else:
+            from IPython.display import display
 
-    def _parse(self, line: str):
+            display(t)
+        return None  # not the Trace: Out[n] would keep every trace alive
+
+    @cell_magic
+    def hookwatch(self, line: str, cell: str):
+        """%%hookwatch MODEL [-o NAME] [--every N] [--no-flight-recorder]: run a training loop under
+        hw.watch(MODEL); the Watch is bound to NAME (default _hookwatch). See hw.watch? for what it records."""
+        from .watch import hookwatch_magic
+
+        return hookwatch_magic(self.shell, line, cell)
+
+
+def _parse(line: str):
+    try:
+        return parse_argstring(HookTraceMagics.hooktrace, line)
+    except Exception as e:  # argparse exits; IPython wraps it
+        raise UsageError(f"%%hooktrace {line!r}: {e}; see %%hooktrace? for the options") from None
+
+
+def _options(args) -> Options:
+    given = {f.name: getattr(args, f.name) for f in fields(Options) if getattr(args, f.name, None) is not None}
+    try:
+        return Options.from_kwargs(**given)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"%%hooktrace: {e}") from None
+
+
+def _models(names, ns):
+    if not names:
+        return None, None
+    missing = [n for n in names if n not in ns]
+    if missing:
+        raise UsageError(f"%%hooktrace: no variable {', '.join(map(shlex.quote, missing))} in your namespace; "
+                         "name the nn.Module(s) to hook, e.g. %%hooktrace model")
+    bad = [n for n in names if not isinstance(ns[n], nn.Module)]
+    if bad:
+        raise UsageError(f"%%hooktrace: {', '.join(f'{n} is a {type(ns[n]).__name__}' for n in bad)}, "
+                         "not an nn.Module")
+    return [ns[n] for n in names], list(names)
+
+
+# -- running a cell's code like IPython does (reusable by other cell magics) ---------------------
+def compile_cell(shell, cell: str):
+    """The cell's code, compiled under a name IPython's traceback can show the source of, with the
+    line numbers of the notebook cell (line 1 is the magic's line) and top-level await allowed."""
+    __tracebackhide__ = True
+    source = "\n" + shell.transform_cell(cell)
+    filename = shell.compile.cache(source, _cell_number(shell))
+    flags = shell.compile.flags | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    return compile(source, filename, "exec", flags=flags, dont_inherit=True)
+
+
+def _cell_number(shell) -> int:
+    """The n of In[n] of the running cell, so the traceback names the cell the user sees. It is the
+    number IPython cached the calling cell under; execution_count may be one past it by now (ipykernel)."""
+    numbers = getattr(shell.compile, "_filename_map", {})
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename in numbers:
+            return numbers[frame.f_code.co_filename]
+        frame = frame.f_back
+    return shell.execution_count
+
+
+def cell_runner(code, ns):
+    """A plain zero-argument function that runs the cell's code in `ns` on the calling thread (the
+    tracer records only its own thread), awaiting it there if it has a top-level await."""
+
+    def run_cell():
+        __tracebackhide__ = True
+        result = eval(code, ns)
+        if code.co_flags & inspect.CO_COROUTINE:
+            _run_here(result)
+
+    return run_cell
+
+
+def _run_here(coro) -> None:
+    """Run a coroutine to the end on a fresh event loop on this thread. In ipykernel a loop is already
+    running here (asyncio.run would refuse), so it is unset for the while and put back afterwards.
+    Like asyncio.run, tasks the cell started but did not await are cancelled when it ends."""
+    __tracebackhide__ = True
+    running = asyncio.events._get_running_loop()
+    asyncio.events._set_running_loop(None)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(coro)
+    finally:
         try:
-            return parse_argstring(self.hooktrace, line)
-        except Exception as e:  # argparse exits; IPython wraps it
-            raise UsageError(f"%%hooktrace {line!r}: {e}; see %%hooktrace? for the options") from None
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+            asyncio.events._set_running_loop(running)
 
-    @staticmethod
-    def _models(names, ns):
-        if not names:
-            return None, None
-        missing = [n for n in names if n not in ns]
-        if missing:
-            raise UsageError(f"%%hooktrace: no variable {', '.join(map(shlex.quote, missing))} in your namespace; "
-                             "name the nn.Module(s) to hook, e.g. %%hooktrace model")
-        bad = [n for n in names if not isinstance(ns[n], nn.Module)]
-        if bad:
-            raise UsageError(f"%%hooktrace: {', '.join(f'{n} is a {type(ns[n]).__name__}' for n in bad)}, "
-                             "not an nn.Module")
-        return [ns[n] for n in names], list(names)
+
+def _from_cell(tb, code):
+    """The traceback from the cell's own frame on, so hookwidget's frames between the magic and the
+    cell do not show; unchanged when the error came before the cell ran."""
+    start = tb
+    while start is not None and start.tb_frame.f_code is not code:
+        start = start.tb_next
+    return start if start is not None else tb
+
+
+def _trace(run_cell, modules, options: Options, names, namespace, code, bind):
+    """Run the cell once under hooks; the Trace is bound (by `bind`) even when the cell raises."""
+    from .session import Session
+
+    __tracebackhide__ = True
+    session = Session(run_cell, modules, options, names=names, namespace=namespace, code=code)
+    try:
+        return session.run()
+    finally:
+        if session.latest is not None:
+            bind(session.latest)

@@ -1,12 +1,16 @@
 """Interventions, rerun, diff and health, against the same hooks written by hand in PyTorch."""
 
+import collections
+import dataclasses
 import math
+import re
 
 import pytest
 import torch
 from torch import nn
 
 import hookwidget as hw
+from hookwidget.interventions import make
 
 
 @pytest.fixture
@@ -42,6 +46,7 @@ def reference_grads(model, step, hook_layer=None, tensor_hook=None, forward_hook
 CASES = [
     ("grad_scale", {"factor": 3.0}, lambda g: g * 3.0, None),
     ("grad_clamp", {"min": -0.01, "max": 0.01}, lambda g: g.clamp(-0.01, 0.01), None),
+    ("grad_clamp", {"min": -math.inf, "max": 0.01}, lambda g: g.clamp(max=0.01), None),  # an open end is fine
     ("grad_zero", {}, lambda g: torch.zeros_like(g), None),
     ("grad_clip_norm", {"max_norm": 0.05}, lambda g: g * min(1.0, 0.05 / (float(g.norm()) + 1e-6)), None),
     ("out_scale", {"factor": 0.5}, None, lambda m, i, o: o * 0.5),
@@ -49,7 +54,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind, params, tensor_hook, forward_hook", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("kind, params, tensor_hook, forward_hook", CASES,
+                         ids=[f"{c[0]}{i}" for i, c in enumerate(CASES)])
 def test_each_kind_equals_the_hand_written_hook(net, kind, params, tensor_hook, forward_hook):
     model, x, y, step = net
     torch.manual_seed(3)
@@ -138,6 +144,19 @@ def test_the_same_kind_twice_replaces_it(net):
     (lambda t: t.add_hook("9", "grad_zero"), "unknown target '9': give a layer name"),
     (lambda t: t.add_hook("3", "grad_clamp", min=1, max=-1), "grad_clamp: min=1.0 is above max=-1.0"),
     (lambda t: t.remove_hook("3", "grad_zero"), "no grad_zero hook on '3' to remove"),
+    (lambda t: t.add_hook("3", "grad_scale", factor=math.nan),
+     "grad_scale: factor=nan means nothing here, it must be a finite number; e.g. grad_scale(factor=0.5)"),
+    (lambda t: t.add_hook("3", "out_scale", factor=-math.inf), "out_scale: factor=-inf means nothing here"),
+    (lambda t: t.add_hook("3", "grad_scale", factor=10 ** 400),
+     "grad_scale: factor is an integer of 401 digits, too large for a float; e.g. grad_scale(factor=0.5)"),
+    (lambda t: t.add_hook("3", "grad_clamp", min=math.nan, max=1),
+     "grad_clamp: min=nan means nothing here, it must be a finite number or -inf for no bound; "
+     "e.g. grad_clamp(min=-1.0, max=1.0)"),
+    (lambda t: t.add_hook("3", "grad_clamp", min=-1, max=-math.inf), "max=-inf means nothing here"),
+    (lambda t: t.add_hook("3", "grad_clip_norm", max_norm=math.inf),
+     "grad_clip_norm: max_norm=inf means nothing here, it must be a finite number; e.g. grad_clip_norm(max_norm=1.0)"),
+    (lambda t: t.add_hook("3", "grad_clip_norm", max_norm=0), "grad_clip_norm: max_norm must be > 0, got 0.0"),
+    (lambda t: t.add_hook("3", "grad_scale", factor=True), "grad_scale: factor must be a number, got True"),
 ])
 def test_bad_input_gets_one_line_naming_the_fix(net, call, message):
     model, x, y, step = net
@@ -226,3 +245,169 @@ def test_huge_but_finite_gradients_are_exploding_not_nonfinite():
     assert h.layers["0"].exploding and not h.layers["0"].nonfinite
     node = t.graph.nodes[next(n for n, d in t.graph.nodes(data=True) if d["param"] == "0.weight")]
     assert node["grad_max"] == float(net[0].weight.grad.abs().max())
+
+
+# -- out_* on structured outputs: the output's own type comes back, its first tensor changed -----
+Pair = collections.namedtuple("Pair", "a b")
+
+
+@dataclasses.dataclass
+class PairData:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class ModelOutputLike(collections.OrderedDict):
+    """Mimics transformers' ModelOutput: a dataclass whose non-None fields are also its dict items."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+
+@dataclasses.dataclass
+class EncoderOutput(ModelOutputLike):
+    loss: torch.Tensor | None = None  # None here: the first *tensor* is `a`
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+
+
+def _reads(kind):
+    """How the parent reads the two tensors back: by attribute, key or index, as code would."""
+    return {"namedtuple": lambda o: (o.a, o.b), "dataclass": lambda o: (o.a, o.b), "dict": lambda o: (o["a"], o["b"]),
+            "modeloutput": lambda o: (o.a, o["b"]), "tuple": lambda o: o, "list": lambda o: (o[0], o[1])}[kind]
+
+
+PACK = {"namedtuple": lambda a, b: Pair(a, b), "dataclass": lambda a, b: PairData(a, b),
+        "dict": lambda a, b: {"a": a, "b": b}, "modeloutput": lambda a, b: EncoderOutput(a=a, b=b),
+        "tuple": lambda a, b: (a, b), "list": lambda a, b: [a, b]}
+
+
+class Pack(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.lin, self.kind = nn.Linear(6, 4), kind
+
+    def forward(self, x):
+        return PACK[self.kind](self.lin(x), x.tanh())
+
+
+class Net(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.pack, self.head, self.kind = Pack(kind), nn.Linear(4, 2), kind
+
+    def forward(self, x):
+        out = self.pack(x)
+        assert type(out) is type(PACK[self.kind](x, x))  # the intervention kept the output's type
+        a, b = _reads(self.kind)(out)
+        return self.head(a).sum() + (b ** 2).sum()
+
+
+@pytest.mark.parametrize("container", list(PACK))
+@pytest.mark.parametrize("kind, params, by_hand", [
+    ("out_scale", {"factor": 0.5}, lambda a: a * 0.5),
+    ("out_zero", {}, lambda a: torch.zeros_like(a)),
+])
+def test_out_kinds_rebuild_the_outputs_own_type(container, kind, params, by_hand):
+    torch.manual_seed(0)
+    net, x = Net(container), torch.randn(5, 6, requires_grad=True)
+
+    def step():
+        net.zero_grad()
+        x.grad = None
+        loss = net(x)
+        loss.backward()
+        return loss
+
+    t = hw.trace(step)
+    t.add_hook("pack", kind, **params)
+    t2 = t.rerun()
+
+    def replace_first_by_hand(m, i, o):
+        a, b = _reads(container)(o)
+        return PACK[container](by_hand(a), b)
+
+    handle = net.pack.register_forward_hook(replace_first_by_hand)
+    loss = step()
+    handle.remove()
+    assert t2.loss == pytest.approx(float(loss), rel=1e-6)
+    assert torch.allclose(t2.param_grads["x"], x.grad)  # x's grad flows through both tensors
+    for name, p in net.named_parameters():
+        assert (t2.param_grads.get(name) is None) == (p.grad is None), name
+        if p.grad is not None:
+            assert torch.allclose(t2.param_grads[name], p.grad, atol=1e-6), name
+
+
+def test_out_scale_on_a_real_transformers_model_output():
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+    iv = make("enc", "out_scale", {"factor": 2.0})
+    h, p = torch.randn(2, 3), torch.randn(2)
+    new = iv.on_output(None, (), outputs.BaseModelOutputWithPooling(last_hidden_state=h, pooler_output=p))
+    assert type(new) is outputs.BaseModelOutputWithPooling
+    assert torch.equal(new.last_hidden_state, h * 2.0) and torch.equal(new["last_hidden_state"], h * 2.0)
+    assert new.pooler_output is p
+
+
+def test_out_kinds_on_an_output_without_tensors_name_the_intervention():
+    iv = make("m", "out_zero", {})
+    with pytest.raises(hw.InterventionError, match="out_zero\\(\\) on 'm' found no tensor in the layer's str output"):
+        iv.on_output(None, (), "text")
+
+
+# -- a user's callable that returns what autograd cannot take: one line naming it ----------------
+@pytest.mark.parametrize("fn, message", [
+    (lambda g: g[:2], "returned shape (2, 8); the gradient has shape (10, 8)"),
+    (lambda g: g.double(), "returned dtype torch.float64; the gradient has dtype torch.float32"),
+    (lambda g: g.to("meta"), "returned a tensor on meta; the gradient is on cpu"),
+    (lambda g: 1.0, "returned a float; the gradient is a tensor of shape (10, 8)"),
+])
+def test_a_callable_returning_the_wrong_gradient_gets_one_line(net, fn, message):
+    import torch.nn.modules.module as module_mod
+
+    model, x, y, step = net
+    t = hw.trace(step)
+    t.add_hook("3", "callable", fn=fn)
+    with pytest.raises(hw.InterventionError) as e:
+        t.rerun()
+    assert str(e.value).startswith("intervention callable() on '3' (fn=<lambda>) " + message)
+    assert str(e.value).endswith(": return a tensor of the same shape, dtype and device, or None")
+    assert "\n" not in str(e.value)
+    assert not module_mod._global_forward_hooks
+    tanh = next(n for n, d in t.graph.nodes(data=True) if d["name"] == "TanhBackward0")
+    t.remove_hook("3", "callable")
+    t.add_hook(tanh, "callable", fn=fn)  # the node pre-hook path checks too
+    with pytest.raises(hw.InterventionError, match=re.escape(message)):
+        t.rerun()
+
+
+def test_the_check_fires_on_the_view_shaped_gradient_when_the_hook_sits_on_the_views_base():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(inplace=True), nn.Linear(3, 2))  # 3-D Linear: a view
+    x = torch.randn(5, 6, 4)
+    t = hw.trace(lambda: model(x).sum().backward())
+    t.add_hook("0", "callable", fn=lambda g: g.reshape(30, 3)[:29])
+    with pytest.raises(hw.InterventionError, match=re.escape("returned shape (29, 3); the gradient has shape "
+                                                             "(5, 6, 3)")):
+        t.rerun()
+    t.add_hook("0", "callable", fn=lambda g: g * 2)  # the right shape works on the same path
+
+    t2 = t.rerun()
+    model.zero_grad()
+    model(x).sum().backward()  # a hook on the view itself would not fire (the in-place ReLU replaces its grad_fn);
+    assert torch.allclose(t2.param_grads["0.weight"], 2 * model[0].weight.grad, atol=1e-6)  # W.grad is linear in δ
+
+
+def test_an_out_callable_returning_a_non_tensor_for_a_tensor_output_gets_one_line(net):
+    model, x, y, step = net
+    t = hw.trace(step)
+    t.add_hook("3", "out_callable", fn=lambda m, i, o: o.tolist())
+    with pytest.raises(hw.InterventionError, match=re.escape(
+            "intervention out_callable() on '3' (fn=<lambda>) returned a list where the layer returned a tensor: "
+            "return a tensor, or None to keep the output")):
+        t.rerun()

@@ -1,0 +1,150 @@
+"""The trace options, in one place: `hw.trace(**options)`, `hw.tracing(**options)` and `%%hooktrace`
+all go through `Options`, so a bad value gets the same one-line error wherever it is given, before
+anything runs, and the magic's flags and help are derived from the fields here."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+import numbers
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+CAPTURES = ("full", "summary", "norms")
+
+
+def _option(default, help: str, **flag):
+    """A field with its help text (shown by %%hooktrace?) and how the magic spells it as a flag."""
+    return field(default=default, metadata={"help": help, **flag})
+
+
+@dataclass(frozen=True)
+class Options:
+    capture: str = _option("full", "full: keep a and δ; summary: statistics only; norms: per-sample gradient "
+                           "norms only", choices=CAPTURES)
+    budget_mb: float = _option(512.0, "megabytes for kept tensors and .grad copies (inf: no limit); past it, "
+                               "summaries are kept instead", metavar="N")
+    include: tuple | None = _option(None, "keep only layers whose name matches the glob (repeatable)", metavar="GLOB")
+    exclude: tuple | None = _option(None, "drop layers whose name matches the glob (repeatable)", metavar="GLOB")
+    node_grads: bool | None = _option(None, "record the gradient norm at every graph node (default: for graphs "
+                                      "of up to 256 nodes)")
+    show_hook_nodes: bool = _option(False, "show autograd's hook nodes (BackwardHookFunction) in the graph")
+    backward_hooks: bool = _option(False, "also run full module backward hooks, to see grad_input")
+    restore: tuple = _option((), "objects a rerun must put back that the code does not name: modules, optimizers, "
+                             "LR schedulers, GradScalers", magic=False)
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            object.__setattr__(self, f.name, _CHECKS[f.name](value))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> Options:
+        """Options from keyword arguments; TypeError for an unknown name, ValueError for a bad value."""
+        valid = [f.name for f in fields(cls)]
+        for name in kwargs:
+            if name not in valid:
+                close = difflib.get_close_matches(name, valid, n=1)
+                hint = f"did you mean {close[0]}=? " if close else ""
+                raise TypeError(f"unknown trace option {name!r}: {hint}valid options: {', '.join(valid)}")
+        return cls(**kwargs)
+
+    def as_dict(self) -> dict:
+        """The options that differ from their defaults (for a short repr)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+    def __repr__(self) -> str:
+        return "Options(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) + ")"
+
+
+# -- one check per field: returns the normalized value or raises one line -----------------------
+def _capture(value):
+    if value not in CAPTURES:
+        raise ValueError(f"capture={value!r} must be one of {', '.join(map(repr, CAPTURES))}, e.g. capture='summary'")
+    return value
+
+
+def _budget_mb(value):
+    fix = 'must be a number of megabytes >= 0, e.g. budget_mb=512 or budget_mb=float("inf") for no limit'
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"budget_mb={value!r} {fix}")
+    try:
+        mb = float(value)
+    except OverflowError:  # an int beyond float's range: use inf for no limit
+        raise ValueError(f"budget_mb is an integer of {len(str(value))} digits, too large for a float; {fix}") from None
+    if math.isnan(mb) or mb < 0:
+        raise ValueError(f"budget_mb={value!r} {fix}")
+    return mb
+
+
+def _globs(name):
+    def check(value):
+        if value is None:
+            return None
+        items = (value,) if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(g, str) for g in items):
+            raise ValueError(f"{name}={value!r} must be a glob on layer names or a list of them, "
+                             f"e.g. {name}='blocks.*' or {name}=['fc1', 'fc2']")
+        return tuple(items) or None  # an empty list filters nothing, like None
+
+    return check
+
+
+def _tristate(name):
+    def check(value):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True, False or None (automatic), e.g. {name}=True")
+        return value
+
+    return check
+
+
+def _flag(name):
+    def check(value):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True or False, e.g. {name}=True")
+        return value
+
+    return check
+
+
+def _restore(value):
+    items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    for obj in items:
+        if not _restorable(obj):
+            raise ValueError(f"restore= takes modules, optimizers, LR schedulers and GradScalers (anything with "
+                             f"state_dict and load_state_dict); got a {type(obj).__name__}: e.g. restore=[model, opt]")
+    return items
+
+
+def _restorable(obj: Any) -> bool:
+    if isinstance(obj, type):
+        return False
+    if isinstance(obj, (nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)):
+        return True
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+_CHECKS = {"capture": _capture, "budget_mb": _budget_mb, "include": _globs("include"), "exclude": _globs("exclude"),
+           "node_grads": _tristate("node_grads"), "show_hook_nodes": _flag("show_hook_nodes"),
+           "backward_hooks": _flag("backward_hooks"), "restore": _restore}
+
+
+def check_callable(fn) -> None:
+    """hw.trace runs fn() once, on this thread: a module, a non-callable, a generator function or
+    a coroutine function would run nothing (or not here), so they get one line naming the fix."""
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    if isinstance(fn, nn.Module) or not callable(fn):
+        raise TypeError(f"hw.trace takes a function to run, got {type(fn).__name__}; "
+                        "for a block of code use `with hw.tracing() as t:`")
+    if inspect.isgeneratorfunction(fn):
+        raise TypeError(f"hw.trace runs fn() once and needs a plain function; got a generator function {name}: "
+                        f"wrap it, e.g. hw.trace(lambda: list({name}()))")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        kind = "an async generator" if inspect.isasyncgenfunction(fn) else "a coroutine"
+        raise TypeError(f"hw.trace runs fn() once and needs a plain function; got {kind} function {name}: "
+                        f"trace it as a block instead, e.g. `with hw.tracing() as t: await {name}()` in a notebook")
