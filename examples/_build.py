@@ -298,8 +298,10 @@ NB01 = [
     md("""
     With hookwidget you need not edit the code: trace it, find the node in `t.graph`, attach a
     hook to it and `rerun()`. `PowBackward0#0` is the `grad_fn` of `y = x**2`; a `grad_*` hook on
-    a node changes the gradient *arriving* at it, exactly like `y.register_hook`. `rerun()` puts
-    `.grad` and the RNG back first, so the hook is the only difference.
+    a node changes the gradient *arriving* at it, exactly like `y.register_hook`. A rerun is a
+    what-if: it puts `.grad` and the RNG back first, so the hook is the only difference, and puts
+    them back again afterwards, so `x.grad` itself stays as the first run left it; the rerun's
+    gradients are in its own trace, `param_grads`.
     """),
     code("""
     x2 = torch.tensor(2.0, requires_grad=True)
@@ -316,7 +318,8 @@ NB01 = [
     print("x.grad =", x2.grad.item(), "= 3 · 2x")
     t2.add_hook("PowBackward0#0", "grad_scale", factor=2.0)
     t2_scaled = t2.rerun()
-    print("x.grad with grad_scale(factor=2) on PowBackward0#0 =", x2.grad.item())
+    print("x.grad with grad_scale(factor=2) on PowBackward0#0 =", t2_scaled.param_grads["x2"].item())
+    print("x2.grad itself, after the what-if:", x2.grad.item())
     t2_scaled
     """),
     md("""
@@ -340,9 +343,10 @@ NB01 = [
     arriving = t10.graph.nodes["PowBackward0#0"]["grad_norm"]
     clamped = t10_clamped.graph.nodes["PowBackward0#0"]["grad_norm"]
     print(f"gradient arriving at y: {arriving:g}, after the clamp: {clamped:g}, dy/dx = 2x = {2 * x10.item():g}")
-    print(f"x.grad with the clamp: hookwidget {x10.grad.item():g}, plain PyTorch {seed002(10.0, lambda g: g.clamp(-1, 1)):g},"
+    x10_grad = t10_clamped.param_grads["x10"].item()
+    print(f"x.grad with the clamp: hookwidget {x10_grad:g}, plain PyTorch {seed002(10.0, lambda g: g.clamp(-1, 1)):g},"
           f" {clamped:g} · 2 · {x10.item():g} = {clamped * 2 * x10.item():g}  (the seed says 6)")
-    assert x10.grad.item() == clamped * 2 * x10.item()
+    assert x10_grad == clamped * 2 * x10.item()
     """),
     md("""
     **The aggregated gradient.** When `y` feeds two branches, the hook receives the *sum* of both
@@ -361,7 +365,7 @@ NB01 = [
     print("no hook: x.grad =", xb.grad.item(), "; gradient arriving at y =", tb.graph.nodes["PowBackward0#0"]["grad_norm"])
     tb.add_hook("PowBackward0#0", "grad_scale", factor=0.5)
     tb_half = tb.rerun()
-    print("grad_scale(0.5): x.grad =", xb.grad.item(), "; gradient at y after the hook =",
+    print("grad_scale(0.5): x.grad =", tb_half.param_grads["xb"].item(), "; gradient at y after the hook =",
           tb_half.graph.nodes["PowBackward0#0"]["grad_norm"])
     """),
     md("""
@@ -941,6 +945,45 @@ NB03 = [
     t_ok = t_nan.rerun()
     print(t_ok.health())
     print(t_ok.diff(t_nan))
+    """),
+    md("""
+    ## A training cell: every backward pass is a step, and a rerun is a what-if
+
+    Real cells step an optimizer, accumulate gradients and loop. Each backward pass is a *step* of
+    the trace (`t.steps`: its loss, the calls it reached, the `.grad` it made). Factor queries take
+    `step=`; without it they answer for gradient accumulation, and refuse (one line) when `.grad`
+    was reset between steps. A rerun puts the weights, the optimizer's state, BatchNorm statistics,
+    `.grad` and every RNG back first, and afterwards as they were: it never trains the model again.
+    """),
+    code("""
+    torch.manual_seed(0)
+    clf = nn.Sequential(nn.Linear(width, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 10))
+    opt = torch.optim.Adam(clf.parameters(), lr=1e-2)
+
+
+    def train(steps=3):
+        for xb_, yb_ in zip(x.split(16), y.split(16)):
+            opt.zero_grad()
+            F.cross_entropy(clf(xb_), yb_).backward()
+            opt.step()
+            steps -= 1
+            if not steps:
+                break
+
+
+    t_train = hw.trace(train)
+    print([(s.index, round(s.loss, 4)) for s in t_train.steps])
+    print("step 1's W.grad rebuilt from (a, δ) equals the .grad it made:",
+          torch.allclose(t_train.weight_grad("0", step=1), t_train.steps[1].grad("0.weight"), atol=1e-6))
+    weights = clf[0].weight.detach().clone()
+    t_again = t_train.rerun()
+    print("a rerun without hooks changes nothing:", t_again.diff().changed == [], t_again.loss == t_train.loss)
+    t_train.add_hook("4", "grad_scale", factor=0.0)
+    t_frozen = t_train.rerun()
+    print("with grad_scale(0) on the head, the loss of the last step:", round(t_frozen.loss, 4),
+          "instead of", round(t_train.loss, 4))
+    print("the model's weights are as the first run left them:", torch.equal(clf[0].weight, weights))
+    t_frozen
     """),
     md("""
     ## What to try next

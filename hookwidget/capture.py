@@ -3,73 +3,48 @@
 Forward: each module call's input activation `a` and output. Backward: δ, the gradient
 with respect to the module's output, through a tensor hook registered on the output
 inside the forward hook (exact, and it survives a later in-place op, where full module
-backward hooks raise). When backward starts, the autograd graph is walked from its
-roots and a pre-hook on every node records the gradient norm arriving there.
+backward hooks raise). Each backward pass is a step: when it starts, its autograd graph
+is walked from its roots and a pre-hook on every node records the gradient norm arriving
+there; when it ends, the .grad it left is copied, so nothing done later changes the record.
 
-Every hook belongs to one ExitStack, closed in `finally`; each hook also checks an
-`active` flag, because a hook baked into a graph that outlives the trace can still fire.
+Module hooks belong to one ExitStack, tensor and node hooks to one list, both emptied in
+`finally`, and a last sweep removes anything an interrupt left half-registered. Each hook also
+checks an `active` flag, because a hook baked into a graph that outlives the trace can still fire.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_mod
+from torch.optim import optimizer as optimizer_mod
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
+from . import autograd_calls
+from . import factors as fx
 from . import graph as graph_mod
-from .handles import Patched, Removing, Restoring
-from .summary import TensorSummary, abs_max, grad_norms_on_device, stats_on_device, to_summaries
+from .handles import Removing, Restoring
+from .records import PREVIOUS, Call, ModuleRecord, Records, StepRecord
+from .summary import StatsBatch, abs_max, stats_on_device, to_summaries
 
 CAPTURE_MODES = ("full", "summary", "norms")
 AUTO_NODE_GRADS_MAX = 256  # graphs up to this size get a gradient norm at every node by default
 DEFAULT_BUDGET_MB = 512
-
-
-@dataclass
-class Call:
-    """One forward call of a module: what went in, what came out, what came back."""
-
-    index: int
-    a: torch.Tensor | None = None
-    delta: torch.Tensor | None = None
-    output_shape: tuple | None = None
-    a_summary: TensorSummary | None = None
-    delta_summary: TensorSummary | None = None
-    grad_input: torch.Tensor | None = None  # backward_hooks=True: what a full backward hook sees
-    seq_start: int = field(default=0, repr=False)  # autograd sequence numbers created during the call
-    seq_end: int = field(default=0, repr=False)
-    out_node: Any = field(default=None, repr=False)
-    recomputed: bool = field(default=False, repr=False)  # run again by backward (torch.utils.checkpoint)
-    _a_version: int = field(default=-1, repr=False)
-    _a_source: Any = field(default=None, repr=False)
-
-
-@dataclass
-class ModuleRecord:
-    module: nn.Module
-    calls: list = field(default_factory=list)
-    open_calls: list = field(default_factory=list, repr=False)  # calls whose forward is running
-    awaiting_backward: list = field(default_factory=list, repr=False)  # backward_hooks=True only
-
-
-@dataclass
-class Records:
-    """Everything a trace saw, before names and the graph are attached (see trace.py)."""
-
-    modules: dict  # nn.Module -> ModuleRecord, in first-call order
-    walk: graph_mod.GraphWalk
-    roots: list  # root tensors' values (detached), one per backward root
-    leaf_grads_before: dict  # leaf tensor -> its .grad before the first backward (clone or None)
-    notes: list
-    backward_calls: int
-    used_autograd_grad: bool
-    no_factors: str = ""  # why (a, δ) cannot rebuild .grad in this run (e.g. double backward), or ""
-    leaf_index: dict = field(default_factory=dict)  # leaf tensor -> its AccumulateGrad node's index in walk
+# Backward nodes that pass on what arrives at them with its values unchanged (reshaped, permuted)
+VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "TBackward0",
+                        "TransposeBackward0", "TransposeBackward1", "PermuteBackward0", "SqueezeBackward0",
+                        "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0", "AliasBackward0",
+                        "CloneBackward0"})
+LAZY_NODE_NUMEL = 4096  # node gradients up to this size are kept until the graph is built (it may never be)
+LAZY_NODE_TOTAL = 1 << 18  # elements kept so at most per trace; larger ones are reduced when the trace ends
+OUTER_CALLS_KEPT = 4  # forward passes whose graph a trace may hold before a backward (an eval loop holds none more)
 
 
 class Tracer:
@@ -77,43 +52,54 @@ class Tracer:
 
     def __init__(self, modules=None, capture: str = "full", budget_mb: float = DEFAULT_BUDGET_MB,
                  layer_interventions=None, node_interventions=None, node_grads: bool | None = None, norms_rule=None,
-                 backward_hooks: bool = False):
+                 backward_hooks: bool = False, state=None):
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture={capture!r} is not a capture mode; choose one of {', '.join(CAPTURE_MODES)}")
-        if budget_mb is None or budget_mb < 0:
-            raise ValueError(f"budget_mb={budget_mb!r} must be a number of megabytes >= 0, e.g. budget_mb=512")
         self.targets = _as_module_list(modules)
         self.capture = capture
-        self.budget_bytes = int(budget_mb * 2**20)
+        self.budget_bytes = budget_mb * 2**20  # float("inf"): no limit
         self.layer_interventions = layer_interventions or {}
         self.node_interventions = node_interventions or {}
         # A pre-hook on every node costs a Python call and a reduction per node: on by default only
         # for small graphs (None: decided when backward starts); module outputs and leaves get
         # their norms from δ and .grad anyway (see _derive_node_norms).
         self.node_grads = False if capture == "norms" else node_grads
-        self.norms_rule = norms_rule  # (module, call) -> None, used when capture == "norms"
+        self.norms_rule = norms_rule  # capture == "norms": per-sample norms as δ arrives (norms.py)
         # Full module backward hooks show grad_input too, but raise when an in-place op follows a
         # module and add nodes to the graph: opt-in only.
         self.backward_hooks = backward_hooks
+        self.state = state  # a RunState to tell what the code changes (state.py), or None
+        self.thread = threading.get_ident()  # the thread whose code this trace records
         self.active = False
         self.records: Records | None = None
         self._lock = threading.Lock()
         self._stack = ExitStack()
+        self._handles: list = []  # tensor hook handles on module outputs (many per step: a list, not stack entries)
+        self._node_handles: list = []  # node pre-hooks of the running step's graph, removed when it ends
         self._modules: dict = {}
         self._pending: list = []  # (call, attr, shape, dtype, stats)
+        self._stats = StatsBatch()  # statistics of small tensors, reduced in batches (summary.py)
         self._kept_bytes = 0
         self._dropped = 0
+        self._dropped_grads = 0
         self._walk = graph_mod.GraphWalk()
-        self._roots: list = []
-        self._leaf_grads_before: dict = {}
-        self._leaf_index: dict = {}  # leaf tensor -> index of its AccumulateGrad node in the walk
-        self._backward_calls = 0
+        self._steps: list[StepRecord] = []
+        self._step: StepRecord | None = None  # the backward pass running now
+        self._trimmed = 0  # steps whose .grad copies are summaries already
+        self._depth = 0  # nested backward calls inside one pass (reentrant checkpoint)
+        self._grad_state: dict = {}  # leaf -> (weakref to its .grad, version) as the last step left it
+        self._open = 0  # forward calls running now
+        self._outer: deque = deque()  # calls of the latest outermost forward passes (their out_node is kept)
         self._used_grad = False
         self._notes: list = []
         self._create_graph = False
         self._passes_summed = 0
         self._seen: dict = {}  # what hooks cannot see, by kind -> class names (see _unseen_notes)
         self._unhooked: list = []  # nodes whose gradient norms are derived rather than hooked
+        self._out_index: dict = {}  # last step's graph: node index -> the call whose output it made
+        self._live: list = []  # calls whose out_node is set (since the last step ended)
+        self._node_refs: dict = {}  # this step's graph: node index -> the gradient that arrived there
+        self._ddp = False  # a DistributedDataParallel module ran (it averages .grad after backward)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Tracer:
@@ -126,54 +112,113 @@ class Tracer:
         try:
             self._install()
         except BaseException:
-            self._stack.close()
+            self._close()
             raise
         self.active = True
         return self
 
     def __exit__(self, *exc) -> None:
         self.active = False
-        self._stack.close()
+        self._close()
         try:
             self.records = self._finish()
         except Exception:
             if exc[0] is None:
                 raise  # otherwise the cell's own exception propagates, not hookwidget's
 
+    def _close(self) -> None:
+        try:
+            for h in self._handles + self._node_handles:
+                h.remove()
+            self._handles, self._node_handles = [], []
+        finally:
+            self._stack.close()
+
     def _install(self) -> None:
         s = self._stack
+        # First on the stack, so last to run: whatever an interrupt left half-registered is swept away.
+        s.callback(self._sweep)
+        s.callback(autograd_calls.unlisten, self)
         if self.targets is None:
-            from torch.nn.modules import module as module_mod
-
             s.enter_context(Removing(module_mod.register_module_forward_pre_hook(self._pre_hook)))
             s.enter_context(Removing(module_mod.register_module_forward_hook(self._forward_hook)))
             if self.backward_hooks:  # the global flag it sets outlives the hook: put it back
                 s.enter_context(Restoring(module_mod, "_global_is_full_backward_hook"))
                 s.enter_context(Removing(module_mod.register_module_full_backward_hook(self._backward_hook)))
         else:
-            seen = set()
-            for root in self.targets:
-                for m in root.modules():
-                    if id(m) in seen:
-                        continue
+            for m in self._target_modules():
+                s.enter_context(Removing(m.register_forward_pre_hook(self._pre_hook)))
+                s.enter_context(Removing(m.register_forward_hook(self._forward_hook)))
+                if self.backward_hooks:
+                    s.enter_context(Removing(m.register_full_backward_hook(self._backward_hook)))
+        if self.state is not None:
+            s.enter_context(Removing(register_optimizer_step_pre_hook(self._optimizer_hook)))
+        autograd_calls.listen(self)
+
+    def _optimizer_hook(self, opt, args, kwargs):
+        if self.active and threading.get_ident() == self.thread:
+            self.state.on_optimizer_step(opt)
+    def _target_modules(self) -> list:
+        seen, out = set(), []
+        for root in self.targets:
+            for m in root.modules():
+                if id(m) not in seen:
                     seen.add(id(m))
-                    s.enter_context(Removing(m.register_forward_pre_hook(self._pre_hook)))
-                    s.enter_context(Removing(m.register_forward_hook(self._forward_hook)))
-                    if self.backward_hooks:
-                        s.enter_context(Removing(m.register_full_backward_hook(self._backward_hook)))
-        s.enter_context(Patched(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward)))
-        s.enter_context(Patched(torch.autograd, "grad", self._wrap_backward(torch.autograd.grad, grad=True)))
+                    out.append(m)
+        return out
+
+    def _sweep(self) -> None:
+        """Remove any hook of this tracer still registered: one an interrupt left between its
+        registration and its handle reaching the ExitStack."""
+        if self.targets is None:
+            owners = [(module_mod, "_global_")]
+        else:
+            owners = [(m, "_") for m in self._target_modules()]
+        for owner, prefix in owners:
+            dicts = [getattr(owner, prefix + n, None) for n in ("forward_pre_hooks", "forward_hooks", "backward_hooks")]
+            for d in dicts:
+                for key, fn in list((d or {}).items()):
+                    if getattr(fn, "__self__", None) is self:
+                        del d[key]
+        hooks = optimizer_mod._global_optimizer_pre_hooks
+        for key, fn in list(hooks.items()):
+            if getattr(fn, "__self__", None) is self:
+                del hooks[key]
 
     # -- forward -------------------------------------------------------------------------------
+    def _records_here(self) -> bool:
+        """Whether a module call now belongs to this trace: its own thread (or autograd's, rerunning
+        forward for a checkpoint), not compiling, not inside a torch.func transform."""
+        return (self.active and (_get_ident() == self.thread or _current_node() is not None)
+                and not _is_compiling())
+
     def _pre_hook(self, module, inputs):
-        if torch.compiler.is_compiling() or not self.active or self._unseen(module):
+        if not self.active or _get_ident() != self.thread and _current_node() is None or _is_compiling():
+            return
+        if _peek_transform() is not None:  # inside a torch.func transform: hooks would see wrapped tensors
+            self._saw("func", module)
             return
         rec = self._modules.get(module)
         if rec is None:
-            rec = self._modules[module] = ModuleRecord(module)
+            rec = self._new_record(module)
         rec.open_calls.append(self._open_call(module, rec, inputs))
-        if torch._C._current_autograd_node() is not None:  # forward rerun by backward: checkpoint
+        self._open += 1
+        if _current_node() is not None:  # forward rerun by backward: checkpoint
             rec.calls[-1].recomputed = True
+
+    def _new_record(self, module) -> ModuleRecord:
+        """A module's first call: what does not change between its calls is decided once."""
+        rec = self._modules[module] = ModuleRecord(module)
+        rec.needs_input = fx.needs_input(module)
+        rec.stateful = fx.forward_state(module) is not None
+        rec.compiled = "_orig_mod" in module._modules
+        if self.capture == "norms":
+            rec.norms = self.norms_rule is not None and self.norms_rule.wants(module)
+        if self.state is not None:
+            self.state.on_call(module)
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            self._ddp = True
+        return rec
 
     def _unseen(self, module) -> bool:
         """Calls whose tensors hooks must not touch: inside torch.func transforms and compiled models."""
@@ -189,41 +234,61 @@ class Tracer:
 
     def _open_call(self, module, rec: ModuleRecord, inputs) -> Call:
         # `a` is taken before forward runs: an in-place module (ReLU(inplace=True)) rewrites its input.
-        call = Call(index=len(rec.calls), seq_start=_next_sequence_nr())
+        if rec.compiled:
+            self._saw("compiled", module)
+        call = Call(len(rec.calls), seq_start=_next_sequence_nr())
         rec.calls.append(call)
+        outer = self._outer
+        if self._open == 0:  # an outermost call: a new forward pass
+            outer.append([])
+            if len(outer) > OUTER_CALLS_KEPT:  # no backward came for the oldest: let its graph go
+                for c in outer.popleft():
+                    c.out_node = None
+        if outer:
+            outer[-1].append(call)
         a = _first_tensor(inputs)
         if a is not None:
-            self._keep_input(module, call, a)
+            self._keep_input(rec, call, a)
         elif not inputs:
             self._saw("kwargs", module)
         return call
 
     def _forward_hook(self, module, inputs, output):
-        if torch.compiler.is_compiling() or not self.active or _in_functorch():
+        if not self.active or _get_ident() != self.thread and _current_node() is None or _is_compiling():
+            return None
+        if _peek_transform() is not None:
             return None
         rec = self._modules.get(module)
         if rec is None:  # hooks installed mid-call: the pre-hook did not see this call start
-            rec = self._modules[module] = ModuleRecord(module)
-        call = rec.open_calls.pop() if rec.open_calls else self._open_call(module, rec, inputs)
+            rec = self._new_record(module)
+        if rec.open_calls:
+            call = rec.open_calls.pop()
+            if self._open > 0:
+                self._open -= 1
+        else:
+            call = self._open_call(module, rec, inputs)
         if self.backward_hooks:
             rec.awaiting_backward.append(call)
         out = _first_tensor(output)
         if out is None and isinstance(output, dict) and any(isinstance(v, torch.Tensor) for v in output.values()):
             self._saw("dict", module)
         replaced = None
-        for iv in self.layer_interventions.get(module, ()):
-            if iv.kind.attach == "grad" and out is not None and out.requires_grad:
-                _hook_output(self._stack, out, self._guarded(iv.on_grad))
-            elif iv.kind.attach == "out":
-                new = iv.on_output(module, inputs, output if replaced is None else replaced)
-                if new is not None:
-                    replaced = new
+        if self.layer_interventions:
+            for iv in self.layer_interventions.get(module, ()):
+                if iv.kind.attach == "grad" and out is not None and out.requires_grad:
+                    _hook_output(self._handles, out, self._guarded(iv.on_grad))
+                elif iv.kind.attach == "out":
+                    new = iv.on_output(module, inputs, output if replaced is None else replaced)
+                    if new is not None:
+                        replaced = new
         call.seq_end = _next_sequence_nr()
         if out is not None:
             call.output_shape = tuple(out.shape)
-            call.out_node = out.grad_fn
+            node = call.out_node = out.grad_fn
+            if node is not None:
+                self._live.append(call)
             if out.requires_grad:
-                _hook_output(self._stack, out, self._delta_hook(module, call))
+                _hook_output(self._handles, out, self._delta_hook(module, call))
         return replaced
 
     def _backward_hook(self, module, grad_input, grad_output):
@@ -235,30 +300,37 @@ class Tracer:
             rec.awaiting_backward.pop().grad_input = None if g is None else g.detach()
         return None
 
-    def _keep_input(self, module, call: Call, a: torch.Tensor) -> None:
-        if self.capture == "norms":
-            if self.norms_rule is not None and self.norms_rule.wants(module):
+    def _keep_input(self, rec: ModuleRecord, call: Call, a: torch.Tensor) -> None:
+        capture = self.capture
+        if rec.stateful:  # e.g. BatchNorm's train/eval mode at this call, for its factor rule later
+            call.state = fx.forward_state(rec.module)
+        if capture == "full":
+            if self._fits(a):
+                # Layers whose backward needs their input: autograd's version check guards it,
+                # so no copy is needed; `_a_version` catches forward-only cells that mutate it.
+                if rec.needs_input and not a.is_inference():
+                    call.a = a.detach()  # shares a's version counter: no reference to a (and its graph) is held
+                    call._a_version = a._version
+                else:
+                    call.a = a.detach().clone()
+                return
+        elif capture == "norms":
+            if rec.norms:
                 call.a = a.detach()
+                self.norms_rule.on_input(rec.module, call)
             return
-        if self.capture == "full" and self._fits(a):
-            # Layers whose backward needs their input: autograd's version check guards it,
-            # so no copy is needed; `_a_version` catches forward-only cells that mutate it.
-            if _weight_needs_input(module) and not a.is_inference():
-                call.a = a.detach()
-                call._a_source, call._a_version = a, a._version
-            else:
-                call.a = a.detach().clone()
-            return
-        self._pending.append((call, "a_summary", tuple(a.shape), a.dtype, stats_on_device(a)))
+        self._pending.append((call, "a_summary", tuple(a.shape), a.dtype, self._stats.stats(a, copy=True)))
 
     def _delta_hook(self, module, call: Call):
         def hook(grad):
             if not self.active:
                 return
             with self._lock:
+                if call.step is None and self._step is not None:
+                    call.step = self._step.index
                 if self.capture == "norms":
                     call.delta = grad.detach()
-                    self.norms_rule.on_delta(module, self._modules[module].calls, self._modules)
+                    self.norms_rule.on_delta(module, self._modules)
                 elif call.delta is not None:  # another backward through the same graph: sum, as .grad does
                     call.delta = call.delta + grad.detach()
                     self._passes_summed += 1
@@ -279,72 +351,199 @@ class Tracer:
         self._kept_bytes += size
         return True
 
-    # -- backward ------------------------------------------------------------------------------
-    def _wrap_backward(self, original, grad: bool = False):
-        create_graph_at = 3 if grad else 2  # positional index of create_graph after `tensors`
-
-        def wrapper(tensors, *args, **kwargs):
-            if self.active and not _in_functorch():
-                self._create_graph |= bool(kwargs.get("create_graph", len(args) > create_graph_at
-                                                      and args[create_graph_at]))
-                self._on_backward(tensors, grad)
-            return original(tensors, *args, **kwargs)
-
-        wrapper.__wrapped__ = original
-        return wrapper
-
-    def _on_backward(self, tensors, grad: bool) -> None:
-        roots = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in tensors if isinstance(t, torch.Tensor)]
-        self._backward_calls += 1
-        self._used_grad |= grad
-        for r in roots:
-            if r.numel() == 1:
-                self._roots.append(r.detach().clone())
-        new_nodes = self._walk.extend([r.grad_fn for r in roots if r.grad_fn is not None])
-        if self.node_grads is None:
-            self.node_grads = len(self._walk.nodes) <= AUTO_NODE_GRADS_MAX
-            if not self.node_grads:
-                self._notes.append(f"the graph has {len(self._walk.nodes)} nodes: gradient norms are shown for layer "
-                                   "outputs and parameters only; trace with node_grads=True for every node")
-        if self.node_grads and self._backward_calls > 1:  # norms derived after one pass would be inexact
-            for i in self._unhooked:
-                self._stack.enter_context(Removing(self._walk.nodes[i].register_prehook(self._node_hook(i))))
+    # -- backward (called by autograd_calls for every backward / autograd.grad of this thread) ---
+    def on_backward(self, tensors: list, kind: str, create_graph: bool) -> None:
+        if not self.active:
+            return
+        self._create_graph |= create_graph
+        self._used_grad |= kind == "grad"
+        self._depth += 1
+        if self._depth == 1:  # a new step; a nested call (reentrant checkpoint) belongs to the running one
+            self._step = StepRecord(len(self._steps), kind, [r.detach().clone() for r in tensors if r.numel() == 1])
+            self._steps.append(self._step)
+            self._walk = graph_mod.GraphWalk()
             self._unhooked = []
-        out_nodes = self._output_nodes() if self.node_grads and self._backward_calls == 1 else ()
-        for i in new_nodes:
-            node = self._walk.nodes[i]
-            variable = getattr(node, "variable", None)
-            if variable is not None and variable not in self._leaf_grads_before:
-                self._leaf_index[variable] = i
-                g = variable.grad
-                self._leaf_grads_before[variable] = None if g is None else g.detach().clone()
-            ivs = self.node_interventions.get(self._walk.ids[i], ())
-            for iv in ivs:
-                self._stack.enter_context(Removing(node.register_prehook(self._guarded(iv.on_node_grads))))
+            self._node_refs = {}  # the previous step's node gradients go: only the last step's graph is shown
+        self._extend_walk(tensors)
+
+    def on_backward_end(self) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0 and self.active:
+            self._end_step()
+
+    def _extend_walk(self, tensors: list) -> None:
+        walk, step = self._walk, self._step
+        new_nodes = walk.extend([r.grad_fn for r in tensors if r.grad_fn is not None])
+        if self.node_grads is None:
+            self.node_grads = len(walk.nodes) <= AUTO_NODE_GRADS_MAX
             if not self.node_grads:
+                self._notes.append(f"the graph has {len(walk.nodes)} nodes: gradient norms are shown for layer "
+                                   "outputs and parameters only; trace with node_grads=True for every node")
+        node_grads = self.node_grads
+        if node_grads and self._depth > 1:  # norms derived after nested passes would be inexact
+            for i in self._unhooked:
+                self._node_handles.append(walk.nodes[i].register_prehook(self._node_hook(i)))
+            self._unhooked = []
+        out_nodes = self._output_nodes() if node_grads and self._depth == 1 else ()
+        backward = step.kind == "backward"
+        # A leaf whose .grad was None before this pass: what arrives at its AccumulateGrad node is the
+        # .grad copied when the pass ends (see _derive_node_norms), unless DDP averages .grad in between.
+        derive_leaves = node_grads and backward and self._depth == 1 and not self._ddp
+        interventions = self.node_interventions
+        nodes, names, before = walk.nodes, walk.names, step.before
+        derived, hooked = set(), []  # nodes whose norms come from δ or .grad / that need a hook, so far
+        for i in new_nodes:
+            node = nodes[i]
+            variable = node.variable if names[i] == "AccumulateGrad" else None
+            if variable is not None and backward and variable not in before:
+                before[variable] = None if variable.grad is None else self._grad_before(variable)
+            ivs = interventions.get(walk.ids[i], ()) if interventions else ()
+            for iv in ivs:
+                self._node_handles.append(node.register_prehook(self._guarded(iv.on_node_grads)))
+            if not node_grads:
                 continue
-            if node in out_nodes and not ivs:  # what arrives there is the layer's δ: norms derived at the end
+            if not ivs and (node in out_nodes or derive_leaves and variable is not None
+                            and before.get(variable, PREVIOUS) is None):
+                derived.add(i)  # what arrives there is the layer's δ or the new .grad: derived at the end
                 self._unhooked.append(i)
             else:
-                self._stack.enter_context(Removing(node.register_prehook(self._node_hook(i))))
+                hooked.append(i)
+        if hooked and self._depth == 1:
+            hooked = self._alias_views(new_nodes, derived, hooked, out_nodes)
+        for i in hooked:
+            self._node_handles.append(nodes[i].register_prehook(self._node_hook(i)))
+
+    def _alias_views(self, new_nodes: list, derived: set, hooked: list, out_nodes) -> list:
+        """Nodes that the same gradient arrives at, reshaped, need one reduction between them.
+
+        A view-like node (view, reshape, transpose, permute, squeeze, clone) passes on what arrives
+        there with its values unchanged; when its only input is a node that nothing else feeds, that
+        node receives the very same values. Along such a chain the norms are one: taken from a member
+        whose norms are derived (a layer's δ, a parameter's .grad) or else from one hook at the top.
+        Returns the nodes that still need a hook; the others get their shape from autograd's metadata."""
+        walk = self._walk
+        nodes, names, index = walk.nodes, walk.names, walk._index
+        interventions = self.node_interventions
+        new = set(new_nodes)
+        parents = Counter(v for _, v in walk.edges)
+        link = {}  # parent -> child, both new, equal norms
+        for i in new_nodes:
+            if names[i] not in VIEW_NODES:
+                continue
+            nxt = [f for f, _ in nodes[i].next_functions if f is not None]
+            if len(nxt) != 1:
+                continue
+            j = index.get(nxt[0])
+            if (j is None or j not in new or parents[j] != 1 or nodes[j] in out_nodes
+                    or interventions and (walk.ids[i] in interventions or walk.ids[j] in interventions)):
+                continue  # a module output's own hooks (interventions) may change what arrives at it
+            link[i] = j
+        if not link:
+            return hooked
+        linked = set(link.values())
+        same = {}
+        for top in link:
+            if top in linked:
+                continue  # not the top of its chain
+            chain = [top]
+            while chain[-1] in link:
+                chain.append(link[chain[-1]])
+            source = next((m for m in chain if m in derived), chain[0])
+            for m in chain:
+                if m != source and m not in derived:
+                    same[m] = source
+        shapes = {}
+        for m in same:
+            try:
+                shapes[m] = tuple(nodes[m]._input_metadata[0].shape)
+            except Exception:  # no metadata (another torch): keep its hook
+                continue
+        walk.same_norm.update((m, same[m]) for m in shapes)
+        walk.shape.update(shapes)
+        self._unhooked += list(shapes)
+        return [i for i in hooked if i not in shapes]
+
+    def _grad_before(self, leaf: torch.Tensor):
+        g = leaf.grad
+        if g is None:
+            return None
+        state = self._grad_state.get(leaf)
+        if state is not None and state[0]() is g and state[1] == g._version:
+            return PREVIOUS
+        return self._keep_grad(g)
+
+    def _keep_grad(self, g: torch.Tensor) -> torch.Tensor:
+        """A copy of a .grad: the record must not change when the user's code changes .grad later.
+        It counts against the budget; older steps' copies give way first (see _trim_grad_copies)."""
+        self._kept_bytes += g.numel() * g.element_size()
+        return _copy(g)
+
+    def _copy_grads(self, grads: list) -> list:
+        """_keep_grad of many .grads."""
+        for g in grads:
+            self._kept_bytes += g.numel() * g.element_size()
+        if _lazy_clone is None or _NO_LAZY:
+            return [_copy(g) for g in grads]
+        with torch.no_grad():
+            try:
+                return [_lazy_clone(g) for g in grads]
+            except Exception:  # a layout without plain storage (sparse): copies, one by one
+                return [_copy(g) for g in grads]
+
+    def _trim_grad_copies(self) -> None:
+        """Over budget: the .grad copies of older steps become summaries, oldest first. The latest
+        step's copies stay: they are what the trace reports as .grad."""
+        while self._kept_bytes > self.budget_bytes and self._trimmed < len(self._steps) - 1:
+            step = self._steps[self._trimmed]
+            self._trimmed += 1
+            kept = [(d, leaf, g) for d in (step.before, step.after) for leaf, g in d.items()
+                    if isinstance(g, torch.Tensor)]
+            summaries = to_summaries([(tuple(g.shape), g.dtype, stats_on_device(g)) for _, _, g in kept])
+            for (d, leaf, g), summary in zip(kept, summaries):  # one host transfer per step
+                d[leaf] = summary
+                self._kept_bytes -= g.numel() * g.element_size()
+                self._dropped_grads += 1
+
+    def _end_step(self) -> None:
+        step = self._step
+        leaves = list(step.before)
+        grads = [leaf.grad for leaf in leaves]
+        copies = iter(self._copy_grads([g for g in grads if g is not None]))
+        step.after.update(zip(leaves, [None if g is None else next(copies) for g in grads]))
+        self._grad_state.update(zip(leaves, [None if g is None else (weakref.ref(g), g._version) for g in grads]))
+        self._trim_grad_copies()
+        self._stats.flush()  # the tensors it holds may go with the step
+        for h in self._node_handles:  # a parameter's AccumulateGrad node lives on: its hooks must not pile up
+            h.remove()
+        self._node_handles = []
+        self._handles = [h for h in self._handles if h.hooks_dict_ref() is not None]  # outputs still alive
+        self._note_output_nodes(step)
+        if self.norms_rule is not None:
+            self.norms_rule.end_step(self._modules)
+        self._step = None
+        self._outer.clear()
+        for c in self._live:
+            c.out_node = None  # the graph of this step may go when the user lets it go
+        self._live = []
+        self._walk.freeze()
 
     def _output_nodes(self) -> set:
         """grad_fn of every recorded call's output, where a δ hook will see what arrives there."""
-        return {c.out_node for rec in self._modules.values() for c in rec.calls if c.out_node is not None}
+        return {c.out_node for c in self._live if c.out_node is not None}
 
     def _node_hook(self, i: int):
-        walk = self._walk
+        """Keeps the gradient arriving at node i by reference: only the last step's are reduced (in
+        _finish, all at once); a new step lets the previous step's go."""
+        refs = self._node_refs
 
         def hook(grad_outputs):
-            if not self.active:
-                return
-            g = grad_outputs[0] if grad_outputs else None
-            if g is not None:
-                with self._lock:
-                    walk.grad_norm[i] = grad_norms_on_device(g)
-                    walk.shape.setdefault(i, tuple(g.shape))
-                    walk.order.setdefault(i, len(walk.order))
-            return
+            if self.active and grad_outputs:
+                g = grad_outputs[0]
+                if g is not None:
+                    refs[i] = g
+            return None
 
         return hook
 
@@ -356,62 +555,81 @@ class Tracer:
 
         return hook
 
-    # -- end -----------------------------------------------------------------------------------
+    # -- end of a step and of the trace --------------------------------------------------------
+    def _note_output_nodes(self, step: StepRecord) -> None:
+        """Before the step's graph is let go: which node each call of this step produced."""
+        index = self._walk._index
+        self._out_index = {index[c.out_node]: c for c in self._live
+                           if c.out_node is not None and c.step == step.index and c.out_node in index}
+
+    def _reduce_node_refs(self) -> None:
+        """Norms of what arrived at the hooked nodes of the last step: a few multi-tensor reductions for
+        them all, on their device (read when the graph is built)."""
+        refs, self._node_refs = self._node_refs, {}
+        if not refs or not self._steps:
+            return
+        walk = self._walk
+        now, held = {}, 0
+        for k, (i, g) in enumerate(refs.items()):  # insertion order: the order backward reached them
+            walk.shape.setdefault(i, tuple(g.shape))
+            walk.order.setdefault(i, k)
+            n = g.numel()
+            if n <= LAZY_NODE_NUMEL and held + n <= LAZY_NODE_TOTAL and _sole_owner(g):  # nothing else can change it
+                held += n
+                walk.pending_norms[i] = g  # small: reduced if and when the graph is built
+            else:
+                now[i] = g
+        if now:
+            walk.grad_norm.update(graph_mod._fused_norms(now))
+
     def _derive_node_norms(self) -> None:
-        """Norms of the gradient arriving at layer-output nodes (δ) and leaf nodes (.grad), where no
-        node hook recorded them. Exact only for one backward pass and a .grad that started as None."""
-        walk, index = self._walk, self._walk._index
-        if self._backward_calls != 1 or self._passes_summed:
+        """Norms of the gradient arriving at layer-output nodes (δ) and leaf nodes (.grad) of the last
+        step's graph, where no node hook recorded them. Exact for one pass through the graph and a
+        .grad that started as None."""
+        walk, step = self._walk, self._steps[-1] if self._steps else None
+        if self._passes_summed or step is None:
             return
         pending = {}
-        for rec in self._modules.values():
-            for c in rec.calls:
-                i = index.get(c.out_node) if c.out_node is not None else None
-                if i is None or i in walk.grad_norm:
-                    continue
-                walk.shape.setdefault(i, c.output_shape)
-                if c.delta is not None:
-                    pending[i] = c.delta
-                elif c.delta_summary is not None:
-                    d = c.delta_summary
-                    walk.grad_norm[i] = (d.norm, abs_max(d.min, d.max))
-        changed = 0
-        for leaf, before in self._leaf_grads_before.items():
-            i = self._leaf_index.get(leaf)
-            if i is None or i in walk.grad_norm or before is not None or leaf.grad is None:
+        for i, c in self._out_index.items():
+            if i in walk.grad_norm:
                 continue
-            # A .grad that backward created and nothing changed since is at version 0; clip_grad_norm_ or
-            # zero_grad(set_to_none=False) in the cell would make the norm shown not the one that arrived.
-            if leaf.grad._version == 0:
-                pending[i] = leaf.grad.detach()
-            else:
-                changed += 1
-        if changed:
-            self._notes.append(f"{changed} parameter .grad tensors were changed in place after backward (e.g. by "
-                               "clip_grad_norm_): their graph nodes show no gradient norm; trace with node_grads=True "
-                               "to see them")
+            walk.shape.setdefault(i, c.output_shape)
+            if c.delta is not None:
+                pending[i] = c.delta
+            elif c.delta_summary is not None:
+                d = c.delta_summary
+                walk.grad_norm[i] = (d.norm, abs_max(d.min, d.max))
+        for i, leaf in enumerate(walk.variables):
+            if leaf is None or i in walk.grad_norm or step.before.get(leaf, 0) is not None:
+                continue
+            g = step.after.get(leaf)
+            if isinstance(g, torch.Tensor):
+                pending[i] = g
+            elif g is not None:
+                walk.grad_norm[i] = (g.norm, abs_max(g.min, g.max))
         walk.pending_norms.update(pending)  # reduced when the graph is built (graph.build)
 
     def _finish(self) -> Records:
-        if not self._walk.nodes:  # forward only: show the graph that backward would have walked
+        if not self._steps:  # forward only: show the graph that backward would have walked
             self._walk.extend(_outermost_outputs(self._modules.values()))
+            self._walk.freeze()
+        self._stats.flush()
         pending, self._pending = self._pending, []
         for (call, attr, *_), s in zip(pending, to_summaries([p[2:] for p in pending])):
             setattr(call, attr, s)
         self._drop_recomputed_calls()
+        self._reduce_node_refs()
         self._derive_node_norms()
-        for rec in self._modules.values():
-            for call in rec.calls:
-                if call._a_source is not None and call._a_source._version != call._a_version:
-                    call.a = None
-                    self._notes.append(f"{type(rec.module).__name__}: an input was modified in place after "
-                                       "the call; its activation was not kept")
-                call._a_source = None
-        if self._dropped:
-            self._notes.append(f"memory budget {self.budget_bytes / 2**20:g} MB reached: {self._dropped} tensors "
-                               "kept as summaries only (shape, norm, min/max/mean, NaN/Inf); "
+        self._own_what_is_kept()
+        if self._dropped or self._dropped_grads:
+            self._notes.append(f"memory budget {self.budget_bytes / 2**20:g} MB reached: "
+                               + ", ".join(part for part in (
+                                   f"{self._dropped} activations or gradients" if self._dropped else "",
+                                   f"{self._dropped_grads} .grad copies of earlier steps" if self._dropped_grads
+                                   else "") if part)
+                               + " kept as summaries only (shape, norm, min/max/mean, NaN/Inf); "
                                "raise budget_mb to keep them")
-        if self._backward_calls == 0:
+        if not self._steps:
             self._notes.append("no gradients captured: the code ran no backward (activations only)")
         if self._used_grad:
             self._notes.append("torch.autograd.grad was used: parameters reached only by it keep .grad None")
@@ -424,8 +642,32 @@ class Tracer:
         elif self._passes_summed:
             self._notes.append("backward ran through the same graph more than once (retain_graph=True): δ and "
                                "weight_grad are summed over those passes, as .grad is")
-        return Records(self._modules, self._walk, self._roots, self._leaf_grads_before, self._notes,
-                       self._backward_calls, self._used_grad, no_factors, self._leaf_index)
+        for c in self._live:
+            c.out_node = None
+        self._live = []
+        unchanged = {leaf: state is None and leaf.grad is None or state is not None and state[0]() is leaf.grad
+                     and leaf.grad is not None and state[1] == leaf.grad._version
+                     for leaf, state in self._grad_state.items()}
+        return Records(self._modules, self._walk, self._steps, unchanged, self._notes, self._used_grad, no_factors)
+
+    def _own_what_is_kept(self) -> None:
+        """Make the record immune to what the user does next: an input kept by reference (it was
+        guarded by autograd's version check while the trace ran) or a δ that shares memory with a
+        live tensor (a .grad that autograd stole it for) is copied, unless the trace is its only owner."""
+        for rec in self._modules.values():
+            for call in rec.calls:
+                if call._a_version >= 0:  # kept by reference (a copy is the trace's own already)
+                    if call.a is not None and call.a._version != call._a_version:
+                        call.a = None
+                        self._notes.append(f"{type(rec.module).__name__}: an input was modified in place after "
+                                           "the call; its activation was not kept")
+                    elif call.a is not None and not _sole_owner(call.a):
+                        call.a = call.a.clone()
+                    call._a_version = -1
+                elif self.capture == "norms" and call.a is not None and not _sole_owner(call.a):
+                    call.a = call.a.clone()
+                if call.delta is not None and not _sole_owner(call.delta):
+                    call.delta = call.delta.clone()
 
     def _drop_recomputed_calls(self) -> None:
         """torch.utils.checkpoint reruns forward during backward. Of a layer's calls, the ones that
@@ -469,24 +711,82 @@ class Tracer:
 
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
+_get_ident = threading.get_ident
+_current_node = torch._C._current_autograd_node
+_peek_transform = torch._C._functorch.peek_interpreter_stack
+# A copy-on-write clone: it shares the .grad's memory until either is written to (the user's
+# zero_grad(set_to_none=False), clip_grad_norm_, the next backward accumulating into .grad), and only
+# then is the memory copied. A training step that sets .grad to None copies nothing at all.
+_lazy_clone = getattr(torch, "_lazy_clone", None)
 
 
-def _hook_output(stack: ExitStack, out: torch.Tensor, fn) -> None:
+_NO_LAZY: set = set()  # device types where _lazy_clone failed once: plain copies there
+
+
+def _copy(g: torch.Tensor) -> torch.Tensor:
+    g = g.detach()
+    if _lazy_clone is not None and g.layout == torch.strided and g.device.type not in _NO_LAZY:
+        try:
+            return _lazy_clone(g)
+        except Exception:  # a device or tensor subclass whose storage cannot be shared copy-on-write
+            if type(g) is torch.Tensor:
+                _NO_LAZY.add(g.device.type)
+    return g.clone()
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+
+
+class _Handle:
+    """Removes one tensor hook: a RemovableHandle without its Python-level overhead (one per module call)."""
+
+    __slots__ = ("hooks_dict_ref", "id")
+
+    def __init__(self, hooks_dict, key):
+        self.hooks_dict_ref = weakref.ref(hooks_dict)
+        self.id = key
+
+    def remove(self) -> None:
+        hooks_dict = self.hooks_dict_ref()
+        if hooks_dict is not None and self.id in hooks_dict:
+            del hooks_dict[self.id]
+
+
+def _register_hook(t: torch.Tensor, fn):
+    """t.register_hook(fn), the same dict entry Tensor.register_hook makes, with a lighter handle."""
+    if type(t) is not torch.Tensor:  # a subclass may route register_hook through __torch_function__
+        return t.register_hook(fn)
+    hooks = t._backward_hooks
+    if hooks is None:
+        hooks = t._backward_hooks = OrderedDict()
+        node = t.grad_fn
+        if node is not None:
+            node._register_hook_dict(t)
+    key = RemovableHandle.next_id  # the ids RemovableHandle uses: no clash with the user's hooks in that dict
+    RemovableHandle.next_id = key + 1
+    hooks[key] = fn
+    return _Handle(hooks, key)
+
+
+def _hook_output(handles: list, out: torch.Tensor, fn) -> None:
     """A tensor hook fn(grad) -> new grad or None on a module's output, that fires even when a later
     in-place op rewrites the output. A hook on a plain tensor survives that; one on a view does not
     (a 3-D Linear's output is a view of a 2-D matmul result, and ReLU(inplace=True) replaces the
     view's grad_fn). Then a hook on the view's base, which stays in the graph, stands in for it."""
+    base = out._base
+    if (base is None or not base.requires_grad or base.numel() != out.numel() or not out.is_contiguous()
+            or not base.is_contiguous() or base.data_ptr() != out.data_ptr()):
+        handles.append(_register_hook(out, fn))
+        return
     fired = [False]
 
     def on_out(grad):
         fired[0] = True
         return fn(grad)
 
-    stack.enter_context(Removing(out.register_hook(on_out)))
-    base = out._base
-    if (base is None or not base.requires_grad or base.numel() != out.numel() or not out.is_contiguous()
-            or not base.is_contiguous() or base.data_ptr() != out.data_ptr()):
-        return
+    handles.append(_register_hook(out, on_out))
     shape = out.shape
 
     def on_base(grad):
@@ -496,7 +796,7 @@ def _hook_output(stack: ExitStack, out: torch.Tensor, fn) -> None:
         new = fn(grad.reshape(shape))
         return None if new is None else new.reshape(grad.shape)
 
-    stack.enter_context(Removing(base.register_hook(on_base)))
+    handles.append(_register_hook(base, on_base))
 
 
 def _in_functorch() -> bool:
@@ -516,10 +816,12 @@ def _outermost_outputs(records) -> list:
     return out
 
 
-def _weight_needs_input(module: nn.Module) -> bool:
-    w = getattr(module, "weight", None)
-    return isinstance(w, torch.Tensor) and w.requires_grad and isinstance(
-        module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm))
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether no other tensor shares t's memory (the temporary storage object counts one)."""
+    try:
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
+    except Exception:  # a tensor subclass without plain storage: assume shared
+        return False
 
 
 def _tensors(obj) -> Iterable[torch.Tensor]:
@@ -532,7 +834,14 @@ def _tensors(obj) -> Iterable[torch.Tensor]:
 
 
 def _first_tensor(obj) -> torch.Tensor | None:
-    return next(iter(_tensors(obj)), None)
+    """The tensor itself, or the first tensor of a tuple or list (runs twice per module call: no generator)."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, (tuple, list)):
+        for x in obj:
+            if isinstance(x, torch.Tensor):
+                return x
+    return None
 
 
 def _as_module_list(modules):

@@ -9,7 +9,7 @@ Python reuses it once a graph is freed.
 from __future__ import annotations
 
 import bisect
-from collections import Counter, deque
+from collections import Counter
 
 import networkx as nx
 
@@ -21,6 +21,19 @@ HOOK_NODE_NAMES = ("BackwardHookFunctionBackward",)
 def node_name(node) -> str:
     """`AddmmBackward0`, `AccumulateGrad` (without the C++ namespace)."""
     return node.name().rpartition("::")[2]
+
+
+_NAMES: dict = {}  # node type -> node_name, where the type carries the name (asked once per node per walk)
+
+
+def _cached_name(node) -> str:
+    cls = type(node)
+    name = _NAMES.get(cls)
+    if name is None:
+        name = node_name(node)
+        if cls.__name__ == name:  # a type named as its nodes are (C++ nodes, autograd.Function backward types)
+            _NAMES[cls] = name
+    return name
 
 
 class GraphWalk:
@@ -38,36 +51,54 @@ class GraphWalk:
         self.shape: dict = {}
         self.order: dict = {}  # node index -> position in backward execution
         self.pending_norms: dict = {}  # node index -> the tensor whose norms are that node's (reduced in build)
+        self.same_norm: dict = {}  # node index -> a node that the same gradient (reshaped) arrives at
+        self.variables: list = []  # once frozen: each node's leaf tensor (AccumulateGrad) or None
+        self.seq: list = []  # once frozen: each node's autograd sequence number
         self._index: dict = {}
         self._names: Counter = Counter()
 
     def extend(self, roots) -> list[int]:
         """Walk from `roots` (grad_fn nodes); return the indices of nodes not seen before."""
         new: list[int] = []
-        queue: deque = deque()
+        index, nodes, edges, inputs = self._index, self.nodes, self.edges, self.inputs
         for r in roots:
-            i = self._add(r, new, queue)
+            i = index.get(r)
+            if i is None:
+                i = self._add(r)
+                new.append(i)
             self.roots.add(i)
-        while queue:
-            i = queue.popleft()
-            for child, _ in self.nodes[i].next_functions:
+        k = 0
+        while k < len(new):  # breadth-first: `new` is the queue
+            i = new[k]
+            k += 1
+            for child, _ in nodes[i].next_functions:
                 if child is None:
-                    self.inputs.append(i)
-                else:
-                    self.edges.append((i, self._add(child, new, queue)))
+                    inputs.append(i)
+                    continue
+                j = index.get(child)
+                if j is None:
+                    j = self._add(child)
+                    new.append(j)
+                edges.append((i, j))
         return new
 
-    def _add(self, node, new: list, queue: deque) -> int:
-        i = self._index.get(node)
-        if i is None:
-            i = self._index[node] = len(self.nodes)
-            name = node_name(node)
-            self.ids.append(f"{name}#{self._names[name]}")
-            self._names[name] += 1
-            self.names.append(name)
-            self.nodes.append(node)
-            new.append(i)
-            queue.append(i)
+    def freeze(self) -> None:
+        """Keep what `build` needs and let the grad_fn objects go: they hold the graph's saved
+        tensors, which a trace must not keep alive beyond the backward pass."""
+        if self.nodes is None:
+            return
+        self.variables = [n.variable if name == "AccumulateGrad" else None for n, name in zip(self.nodes, self.names)]
+        self.seq = [n._sequence_nr() for n in self.nodes]
+        self.nodes, self._index = None, {}
+
+    def _add(self, node) -> int:
+        i = self._index[node] = len(self.nodes)
+        name = _cached_name(node)
+        k = self._names[name]
+        self.ids.append(f"{name}#{k}")
+        self._names[name] = k + 1
+        self.names.append(name)
+        self.nodes.append(node)
         return i
 
 
@@ -77,9 +108,12 @@ def build(walk: GraphWalk, param_names: dict, calls: list, *, show_hook_nodes: b
     owner = _module_owner(walk, calls)
     g = nx.DiGraph()
     norms = _norms_to_floats({**walk.grad_norm, **_fused_norms(walk.pending_norms)})
-    for i, node in enumerate(walk.nodes):
-        name = walk.names[i]
-        variable = getattr(node, "variable", None)
+    for i, j in walk.same_norm.items():
+        if i not in norms and j in norms:
+            norms[i] = norms[j]
+    walk.freeze()
+    for i, name in enumerate(walk.names):
+        variable = walk.variables[i]
         if variable is not None:
             pname = param_names.get(variable, "")
             role = "param" if pname else "leaf"
@@ -110,10 +144,9 @@ def _module_owner(walk: GraphWalk, calls: list) -> dict:
     intervals = sorted(calls, key=lambda c: (c[1], -c[2]))
     starts = [c[1] for c in intervals]
     owner = {}
-    for i, node in enumerate(walk.nodes):
-        if getattr(node, "variable", None) is not None:
+    for i, seq in enumerate(walk.seq):
+        if walk.variables[i] is not None:
             continue
-        seq = node._sequence_nr()
         k = bisect.bisect_right(starts, seq) - 1
         # Walk back to the innermost interval containing seq (the latest-starting that still contains it).
         while k >= 0:
@@ -125,20 +158,44 @@ def _module_owner(walk: GraphWalk, calls: list) -> dict:
     return owner
 
 
+_SMALL = 1 << 16  # on CPU, ‖t‖∞ of tensors up to this size from the multi-tensor kernel, of larger ones from aminmax
+
+
 def _fused_norms(tensors: dict) -> dict:
     """[‖t‖₂, ‖t‖∞] of many tensors with a few multi-tensor reductions, not two kernels each."""
     import torch
 
-    ts = [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in tensors.values()]
+    ts = [_dense_values(t) for t in tensors.values()]
+    ts = [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in ts]
     if not ts:
         return {}
-    if all(t.device.type == "cpu" for t in ts):  # CPU: the ∞-norm kernel is ~9x slower than aminmax
+    l2 = torch._foreach_norm(ts)
+    cpu = all(t.device.type == "cpu" for t in ts)
+    # the multi-tensor ∞-norm: not of empty tensors (no identity), and on CPU only of small ones (for
+    # large ones the ∞-norm kernel is ~9x slower than aminmax there)
+    fused = [k for k, t in enumerate(ts) if t.numel() and (not cpu or t.numel() <= _SMALL)]
+    linf = [None] * len(ts)
+    if fused:
+        for k, v in zip(fused, torch._foreach_norm([ts[k] for k in fused], float("inf"))):
+            linf[k] = v
+    if len(fused) < len(ts):
         from .summary import max_abs
 
-        linf = [max_abs(t) for t in ts]
-    else:
-        linf = torch._foreach_norm(ts, float("inf"))
-    return {i: (a, b) for i, a, b in zip(tensors, torch._foreach_norm(ts), linf)}
+        for k, t in enumerate(ts):
+            if linf[k] is None:
+                linf[k] = max_abs(t)
+    return {i: (a, b) for i, a, b in zip(tensors, l2, linf)}
+
+
+def _dense_values(t):
+    """The values whose norms are t's: a sparse gradient's (Embedding(sparse=True)) after coalescing."""
+    import torch
+
+    if t.layout == torch.strided:
+        return t
+    if t.layout == torch.sparse_coo:
+        return t.coalesce()._values()
+    return t.to_dense()
 
 
 def _norms_to_floats(norms: dict) -> dict:

@@ -79,15 +79,20 @@ def health(trace, vanishing: float = 1e-7, exploding: float = 1e3) -> Health:
 
 
 def _norm(ts) -> tuple[float, bool]:
-    """(‖ts‖₂ over all tensors, whether every entry is finite), from fused reductions.
-    Each tensor is scaled by its largest entry first, so a huge but finite gradient does not overflow."""
+    """(‖ts‖₂ over all tensors, whether every entry is finite), from fused reductions. A float32
+    norm that came out inf (a huge but finite gradient) or 0 (squares that underflow) is computed
+    again with each tensor scaled by its largest entry first."""
     ts = [t.detach() if t.dtype in (torch.float32, torch.float64) else t.detach().float() for t in ts]
-    maxima = torch.stack(torch._foreach_norm(ts, float("inf"))).double()
-    finite = bool(torch.isfinite(maxima).all())
-    if not finite:
-        return float("nan"), False
-    scaled = torch.stack(torch._foreach_norm([t / m if m > 0 else t for t, m in zip(ts, maxima.tolist())])).double()
-    return float(torch.linalg.vector_norm(scaled * maxima)), True
+    norms = torch.stack(torch._foreach_norm(ts)).double()
+    redo = [i for i, v in enumerate(norms.tolist()) if not (math.isfinite(v) and v > 0)]
+    if redo:
+        careful = [ts[i] for i in redo]
+        maxima = torch.stack(torch._foreach_norm(careful, float("inf"))).double()
+        if not bool(torch.isfinite(maxima).all()):
+            return float("nan"), False
+        scaled = torch._foreach_norm([t / m if m > 0 else t for t, m in zip(careful, maxima.tolist())])
+        norms[redo] = torch.stack(scaled).double() * maxima
+    return float(torch.linalg.vector_norm(norms)), True
 
 
 def _count_nonfinite(t: torch.Tensor) -> int:

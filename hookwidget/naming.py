@@ -25,7 +25,7 @@ def qualified_names(recorded: list, targets, target_names) -> tuple[dict, dict]:
         roots = list(targets)
     if not roots:
         return {}, {}
-    primary = max(roots, key=lambda m: sum(1 for _ in m.modules()))
+    primary = roots[0] if len(roots) == 1 else max(roots, key=lambda m: sum(1 for _ in m.modules()))
     names, params, used = {}, {}, set()
     for i, root in enumerate(roots):
         label = target_names[i] if target_names else type(root).__name__
@@ -33,10 +33,14 @@ def qualified_names(recorded: list, targets, target_names) -> tuple[dict, dict]:
             label += "'"
         used.add(label)
         prefix = "" if root is primary else label + "."
-        for qn, m in root.named_modules():
+        seen = set()  # as named_parameters(): a parameter shared by two modules of one root under its first name
+        for qn, m in root.named_modules():  # one walk for modules and their parameters
             names.setdefault(m, prefix + qn if qn else label)
-        for qn, p in root.named_parameters():
-            params.setdefault(prefix + qn, p)
+            pre = prefix + qn + "." if qn else prefix
+            for pn, p in m._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    params.setdefault(pre + pn, p)
     return names, params
 
 

@@ -1,8 +1,10 @@
 """Per-sample gradient norms computed while backward runs, freeing the factors at once.
 
-Used by capture="norms": a layer's norms are computed as soon as the δ of its last call
-arrives, and its a and δ are dropped. A parameter shared by several layers (weight tying)
-keeps its factors until the end, since its per-sample gradient is the sum over those layers.
+Used by capture="norms": a layer's norms are computed as soon as the δ of its last pending
+call arrives (or when the backward pass ends, for calls no gradient reached), and its a and δ
+are dropped. A parameter shared by several layers (weight tying) keeps its factors until the
+pass ends, since its per-sample gradient is the sum over those layers. Each backward pass (step)
+has its own rows: under gradient accumulation every micro-batch's samples are kept, in order.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from . import factors as fx
 
 class StreamingNorms:
     def __init__(self):
-        self._sq: dict = {}  # leading dimension -> (B,) sum of squared norms
-        self._layers: dict = {}  # leading dimension -> modules counted in it
+        self._sq: dict = {}  # this step: leading dimension -> (B,) sum of squared norms
+        self._layers: dict = {}  # this step: leading dimension -> modules counted in it
+        self._steps: list = []  # per finished step: (squared norms, modules left out)
         self._shared: dict = {}  # parameter -> list of (module, Factor)
         self._owners: Counter | None = None
         self._wants: dict = {}
         self._readers: Counter | None = None  # input key -> Linear layers reading that input (q, k, v: 3)
         self._grams: dict = {}  # input key -> [input, X Xᵀ, readers still to come]
+        self._open: dict = {}  # this step: module -> its calls whose input is kept, not yet counted
 
     def wants(self, module) -> bool:
         w = self._wants.get(module)
@@ -32,9 +36,32 @@ class StreamingNorms:
                 p.requires_grad for p in module.parameters(recurse=False))
         return w
 
-    def on_delta(self, module, calls, modules) -> None:
-        if any(c.delta is None or c.a is None for c in calls):
-            return  # wait for the last call's δ
+    def on_input(self, module, call) -> None:
+        """The tracer kept `call.a` of a module it wants: the call waits for its δ."""
+        self._open.setdefault(module, []).append(call)
+
+    def on_delta(self, module, modules) -> None:
+        pending = [c for c in self._open.get(module, ()) if c.a is not None]
+        if pending and all(c.delta is not None for c in pending):  # else wait for the last call's δ
+            self._consume(module, pending, modules)
+
+    def end_step(self, modules) -> None:
+        """The backward pass ended: count the calls that got a δ, forget those that did not."""
+        for module, calls in list(self._open.items()):
+            pending = [c for c in calls if c.a is not None]
+            got = [c for c in pending if c.delta is not None]
+            if got:
+                self._consume(module, got, modules)
+            for c in pending:
+                c.a = c.delta = None
+        for pairs in self._shared.values():
+            if len({f.D.shape[0] for _, f in pairs}) == 1:
+                self._add(pairs[0][0], sum(fx.per_sample_grad(f) for _, f in pairs).flatten(1).pow(2).sum(1))
+        self._steps.append(self._step_result())
+        self._sq, self._layers, self._shared, self._readers, self._grams = {}, {}, {}, None, {}
+        self._open = {}
+
+    def _consume(self, module, calls, modules) -> None:
         if self._owners is None:
             self._owners = Counter(id(p) for m in modules for p in m.parameters(recurse=False))
         x_gram = self._shared_gram(module, calls, modules)
@@ -56,6 +83,11 @@ class StreamingNorms:
             self._add(module, fx.per_sample_norm_sq(f, x_gram if f.kind == "outer" else None))
         for c in calls:
             c.a = c.delta = None
+        left = [c for c in self._open.get(module, ()) if c.a is not None]
+        if left:
+            self._open[module] = left
+        else:
+            self._open.pop(module, None)
 
     def _shared_gram(self, module, calls, modules):
         """X Xᵀ of a Linear layer's input, computed once for all layers that read the same tensor.
@@ -64,8 +96,9 @@ class StreamingNorms:
         if not (isinstance(module, nn.Linear) and len(calls) == 1):
             return None
         if self._readers is None:
-            self._readers = Counter(_input_key(m, r.calls[0].a) for m, r in modules.items()
-                                    if isinstance(m, nn.Linear) and len(r.calls) == 1 and r.calls[0].a is not None)
+            pending = {m: [c for c in cs if c.a is not None] for m, cs in self._open.items()
+                       if isinstance(m, nn.Linear)}
+            self._readers = Counter(_input_key(m, cs[0].a) for m, cs in pending.items() if len(cs) == 1)
         key = _input_key(module, calls[0].a)
         readers = self._readers.get(key, 0)
         if readers < 2:
@@ -88,17 +121,18 @@ class StreamingNorms:
         self._sq[b] = self._sq[b] + sq if b in self._sq else sq
         self._layers.setdefault(b, []).append(module)
 
-    def result(self):
+    def _step_result(self):
         """(B,) squared norms for the batch size most layers agree on, and the modules left out
         because their inputs had another leading dimension (their gradient is summed over the batch)."""
-        for pairs in self._shared.values():
-            if len({f.D.shape[0] for _, f in pairs}) == 1:
-                self._add(pairs[0][0], sum(fx.per_sample_grad(f) for _, f in pairs).flatten(1).pow(2).sum(1))
         if not self._sq:
             return None, []
         batch = max(self._layers, key=lambda b: len(self._layers[b]))
         left_out = [m for b, ms in self._layers.items() if b != batch for m in ms]
         return self._sq[batch], left_out
+
+    def result(self) -> list:
+        """Per step: (squared norms or None, modules left out)."""
+        return list(self._steps)
 
 
 def _input_key(module, a: torch.Tensor) -> tuple:

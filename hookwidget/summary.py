@@ -83,6 +83,71 @@ def stats_on_device(t: torch.Tensor) -> torch.Tensor | tuple:
     return torch.stack([torch.linalg.vector_norm(f), lo, hi, f.sum(), torch.isnan(f).sum(), torch.isinf(f).sum()])
 
 
+BATCH_NUMEL = 4096  # tensors up to this size get their statistics reduced together, in batches
+BATCH_TOTAL = 1 << 16  # elements held at most (256 KiB of float32) before the batch is reduced
+
+
+class Pending:
+    """The statistics of one tensor of a batch: `value` is set when the batch is reduced (flush)."""
+
+    __slots__ = ("value",)
+
+
+class StatsBatch:
+    """Statistics of many small tensors, reduced a group of same-shaped tensors at a time.
+
+    For a tensor of a few hundred floats the reductions cost little, but each is a kernel call and a
+    host read: batching them makes a few calls per group instead of eight per tensor. Tensors are held
+    by reference until `flush`, at most BATCH_TOTAL elements; larger ones are reduced at once."""
+
+    def __init__(self):
+        self._groups: dict = {}  # (shape, dtype, device) -> ([tensors], [Pending])
+        self._held = 0
+
+    def stats(self, t: torch.Tensor, copy: bool = False):
+        """stats_on_device(t), or a Pending filled in by the next flush. `copy`: t may change in place
+        before then (a module's input, which an in-place module rewrites): hold a copy."""
+        t = t.detach()
+        n = t.numel()
+        if n == 0 or n > BATCH_NUMEL or t.layout != torch.strided:
+            return stats_on_device(t)
+        if t.dtype not in (torch.float32, torch.float64):
+            t = t.float()
+        elif copy:
+            t = t.clone()
+        key = (t.shape, t.dtype, t.device)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = ([], [])
+        slot = Pending()
+        group[0].append(t)
+        group[1].append(slot)
+        self._held += n
+        if self._held > BATCH_TOTAL:
+            self.flush()
+        return slot
+
+    def flush(self) -> None:
+        groups, self._groups, self._held = self._groups, {}, 0
+        for ts, slots in groups.values():
+            x = torch.stack(ts).flatten(1)
+            lo, hi = torch.aminmax(x, dim=1)
+            cols = [torch.linalg.vector_norm(x, dim=1), lo, hi, x.sum(1)]
+            if x.device.type == "cpu":  # as in stats_on_device: NaN/Inf counts only where min or max is not finite
+                rows = torch.stack(cols, 1).tolist()
+                if not all(math.isfinite(r[1]) and math.isfinite(r[2]) for r in rows):
+                    bad = torch.stack([torch.isnan(x).sum(1), torch.isinf(x).sum(1)], 1).tolist()
+                    rows = [(*r, *b) for r, b in zip(rows, bad)]
+                else:
+                    rows = [(*r, 0.0, 0.0) for r in rows]
+                for slot, row in zip(slots, rows):
+                    slot.value = tuple(row)
+            else:  # on device, no host sync: one (k, 6) tensor, read in to_summaries
+                m = torch.stack(cols + [torch.isnan(x).sum(1), torch.isinf(x).sum(1)], 1)
+                for k, slot in enumerate(slots):
+                    slot.value = m[k]
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """A contiguous view of `t` when it is a permuted dense tensor (a weight gradient arrives as
     a transposed view): whole-tensor reductions on it are the same, and aminmax ten times faster."""
@@ -96,9 +161,13 @@ def to_summaries(pending: list[tuple[tuple, torch.dtype, torch.Tensor | tuple]])
     """Turn (shape, dtype, stats) triples into TensorSummary, moving all statistics at once."""
     if not pending:
         return []
+    pending = list(pending)
     by_device: dict = {}
     values: list = [None] * len(pending)
     for i, (_, _, s) in enumerate(pending):
+        if isinstance(s, Pending):  # reduced in a batch (StatsBatch.flush)
+            s = s.value
+            pending[i] = (*pending[i][:2], s)
         if isinstance(s, tuple):  # read on the host already
             values[i] = s
         else:
@@ -108,13 +177,16 @@ def to_summaries(pending: list[tuple[tuple, torch.dtype, torch.Tensor | tuple]])
         for i, row in zip(idx, rows):
             values[i] = row
     out = []
+    dtype_names: dict = {}  # str(dtype) is slow: once per dtype
     for (shape, dtype, _), row in zip(pending, values):
         norm, mn, mx, total, nan, inf = row
         numel = 1
         for n in shape:
             numel *= n
-        out.append(TensorSummary(tuple(shape), str(dtype).replace("torch.", ""), norm, mn, mx, total / max(numel, 1),
-                                 int(nan), int(inf)))
+        name = dtype_names.get(dtype)
+        if name is None:
+            name = dtype_names[dtype] = str(dtype).replace("torch.", "")
+        out.append(TensorSummary(tuple(shape), name, norm, mn, mx, total / max(numel, 1), int(nan), int(inf)))
     return out
 
 

@@ -1,8 +1,12 @@
-"""The Trace users hold: what one run of their code showed, and how to change it and run again."""
+"""The Trace users hold: the immutable record of one run of their code, with thin query methods.
+
+How to run it again (the code, options, hooks, what-if reruns) lives in the Session (session.py)
+that every Trace points to; `t.add_hook`, `t.rerun()` and `t.interventions` go through it, so a
+trace, its reruns and the explorer agree on which hooks are on.
+"""
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -14,11 +18,10 @@ from torch import nn
 
 from . import factors as fx
 from . import graph as graph_mod
-from .capture import Tracer
-from .interventions import Intervention, make
+from . import per_sample as ps
 from .naming import name_filter, qualified_names
-
-_OPTIONS = {"capture", "budget_mb", "include", "exclude", "node_grads", "show_hook_nodes", "backward_hooks"}
+from .records import PREVIOUS
+from .summary import TensorSummary
 
 
 @dataclass
@@ -44,152 +47,190 @@ class Layer:
         return type(self.module).__name__
 
 
+@dataclass(frozen=True)
+class Step:
+    """One backward pass of the traced code: a `backward` or `torch.autograd.grad` call.
+
+    `grads`: each parameter's .grad when the pass ended (a copy; a TensorSummary where the memory
+    budget kept no copy; None where .grad stayed None). `before`: .grad when it started."""
+
+    index: int
+    kind: str  # "backward" or "grad"
+    losses: tuple  # the values of its scalar roots
+    calls: dict  # layer name -> indices of the calls whose δ this pass brought
+    grads: dict = field(repr=False)
+    before: dict = field(repr=False)
+
+    @property
+    def loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+    @property
+    def accumulated(self) -> bool:
+        """Whether this pass added to gradients already in .grad (gradient accumulation)."""
+        return any(g is not None for g in self.before.values())
+
+    def grad(self, name: str) -> torch.Tensor | None:
+        """What this pass added to the parameter's .grad."""
+        if name not in self.grads:
+            raise KeyError(f"step {self.index} did not reach {name!r}; it reached: {', '.join(list(self.grads)[:8])}")
+        after, before = self.grads[name], self.before.get(name)
+        if isinstance(after, TensorSummary) or isinstance(before, TensorSummary):
+            raise ValueError(f"step {self.index}: the .grad of {name!r} was kept as a summary only (memory budget); "
+                             "raise budget_mb to keep it")
+        if after is None or before is None:
+            return after
+        return after - before
+
+
 def trace(fn: Callable[[], object], modules=None, **options) -> Trace:
     """Run `fn()` once with hooks on every module it calls (or on `modules`) and return the Trace.
 
     Options: capture ("full": keep a and δ; "summary": statistics only; "norms": per-sample
-    gradient norms only), budget_mb (memory for kept tensors, default 512), include / exclude
-    (glob patterns on layer names), node_grads (gradient norm at every graph node; default: for graphs
-    of up to 256 nodes, else for layer outputs and parameters only),
-    backward_hooks (also run full module backward hooks, to see grad_input; they raise when an
-    in-place op follows a module, so off by default).
-    Every hook is removed when fn returns or raises.
-
-    `fn` takes no arguments. With capture="norms", a and δ are dropped as soon as each layer's
-    norms are computed, so only per_sample_grad_norms() is available.
+    gradient norms only), budget_mb (memory for kept tensors and .grad copies, default 512;
+    float("inf") for no limit), include / exclude (glob patterns on layer names), node_grads
+    (gradient norm at every graph node; default: for graphs of up to 256 nodes), backward_hooks
+    (also run full module backward hooks, to see grad_input), restore (objects a rerun must put
+    back that the code does not name: optimizers, schedulers, GradScalers, modules).
+    Every hook is removed when fn returns or raises. Each backward pass is a step (`t.steps`).
 
     Example::
 
         def step():
-            model.zero_grad()
+            opt.zero_grad()
             loss_fn(model(x), y).backward()
+            opt.step()
 
         t = hw.trace(step)
         t.layers["fc1"].a, t.layers["fc1"].delta, t.weight_grad("fc1"), t.per_sample_grad_norms()
+        t.add_hook("fc1", "grad_zero"); t.rerun().diff(t)   # a what-if: model and optimizer are put back
     """
-    if isinstance(fn, nn.Module) or not callable(fn):
-        raise TypeError(f"hw.trace takes a function to run, got {type(fn).__name__}; "
-                        "for a block of code use `with hw.tracing() as t:`")
-    t = Trace(fn=fn, modules=modules, options=options)
-    t._run()
-    return t
+    from .options import check_callable
+    from .session import Session
+
+    check_callable(fn)
+    return Session(fn, modules, options).run()
 
 
 @contextmanager
 def tracing(modules=None, **options) -> Iterator[Trace]:
     """`with hw.tracing() as t:` traces the block; `t` is filled in when the block ends."""
-    t = Trace(fn=None, modules=modules, options=options)
-    with t._capturing():
+    from .session import Session
+
+    with Session(None, modules, options).recording() as t:
         yield t
 
 
 class Trace:
-    """Records + graph + factors + interventions of one run. Displays as its widget."""
+    """What one run showed: layers and their calls, steps, the graph, gradients, notes. Displays as its widget."""
 
-    def __init__(self, fn, modules, options, interventions=None, names=None, namespace=None):
-        self._fn = fn
-        self._modules = modules
-        self._names = names  # user-namespace names of `modules` (from the magic)
-        self._namespace = namespace  # the notebook's variables, to name leaf tensors like `x`
-        self.options = dict(options)
-        self.interventions: list[Intervention] = list(interventions or [])
+    def __init__(self, session, applied=()):
+        self.session = session
+        self.applied = tuple(applied)  # the interventions that were on in this run
         self.layers: dict[str, Layer] = {}
-        self._graph: nx.DiGraph | None = nx.DiGraph()
-        self._graph_inputs = None  # what graph.build needs; the graph is built on first access
-        self._factor_layers: list | None = None
-        self._unbatched_layers: dict | None = None
-        self.param_grads: dict[str, torch.Tensor | None] = {}
+        self.steps: list[Step] = []
+        self.param_grads: dict[str, torch.Tensor | None] = {}  # .grad as the last backward pass left it (copies)
         self.params: dict[str, torch.Tensor] = {}
         self.losses: list[float] = []
         self.notes: list[str] = []
         self.user_hooks: dict[str, list[str]] = {}
-        self._leaf_grads_before: dict = {}
-        self._rng_before = None
+        self.accumulates = False  # backward passes summed into .grad with no reset between them
+        self.per_sample_left_out: dict[str, str] = {}  # parameter with a .grad -> why per-sample norms leave it out
+        self._graph: nx.DiGraph | None = nx.DiGraph()
+        self._graph_inputs = None  # what graph.build needs; the graph is built on first access
+        self._norms = None  # capture="norms": per step (squared norms, modules left out)
         self._no_factors = ""
 
-    # -- running -------------------------------------------------------------------------------
-    def _run(self) -> None:
-        with self._capturing():
-            self._fn()
+    @property
+    def options(self) -> dict:
+        return self.session.options.as_dict()
 
-    @contextmanager
-    def _capturing(self):
-        opts = dict(self.options)
-        unknown = set(opts) - _OPTIONS
-        if unknown:
-            raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; options: {', '.join(sorted(_OPTIONS))}")
-        include, exclude = opts.pop("include", None), opts.pop("exclude", None)
-        opts.pop("show_hook_nodes", None)
-        layer_ivs, node_ivs = defaultdict(list), defaultdict(list)
-        for iv in self.interventions:
-            (layer_ivs if isinstance(iv.anchor, nn.Module) else node_ivs)[iv.anchor].append(iv)
-        tracer = Tracer(self._modules, layer_interventions=layer_ivs, node_interventions=node_ivs,
-                        norms_rule=_norms_rule(opts.get("capture")), **opts)
-        self._rng_before = _rng_state()
-        failed = True
-        try:
-            with tracer:
-                yield self
-            failed = False
-        finally:
-            if tracer.records is not None:
-                try:
-                    self._attach(tracer, include, exclude)
-                except Exception:
-                    if not failed:
-                        raise  # otherwise the cell's own exception propagates, not hookwidget's
+    @property
+    def interventions(self) -> list:
+        """The hooks on now, for the next rerun (shared by this trace, its reruns and the explorer)."""
+        return self.session.interventions
 
-    def _attach(self, tracer: Tracer, include, exclude) -> None:
-        rec = tracer.records
-        names, self.params = qualified_names(list(rec.modules), tracer.targets, self._names)
+    # -- filling the record (once, when the run ends) ------------------------------------------
+    def _attach(self, rec, targets, namespace=None) -> None:
+        names, self.params = qualified_names(list(rec.modules), targets, self.session.names)
         self.notes = list(rec.notes)
         self._no_factors = rec.no_factors
-        keep = name_filter(include, exclude)
+        keep = name_filter(self.session.options.include, self.session.options.exclude)
         for module, mrec in rec.modules.items():
             name = names.get(module)
             if name is not None and mrec.calls and keep(name):
                 self.layers[name] = Layer(name, module, mrec.calls)
-        param_names = {p: n for n, p in self.params.items()}
-        calls = [(name, c.seq_start, c.seq_end) for name, layer in self.layers.items() for c in layer.calls]
-        self._graph, self._graph_inputs = None, (rec.walk, param_names, calls)
-        self._leaf_grads_before = rec.leaf_grads_before
-        var_names = {id(v): k for k, v in (self._namespace or {}).items()
-                     if isinstance(v, torch.Tensor) and not k.startswith("_")}
-        leaves = {}
-        for leaf in rec.leaf_grads_before:
-            node_id = rec.walk.ids[rec.leaf_index[leaf]] if leaf in rec.leaf_index else f"leaf{tuple(leaf.shape)}"
-            name = param_names.get(leaf) or var_names.get(id(leaf)) or node_id
-            self.param_grads[name] = leaf.grad
-            leaves[name] = leaf
-        self.losses = [float(v) for v in rec.roots]
+        self._graph, self._graph_inputs = None, rec.walk  # the rest of what graph.build needs: in `graph`
+        leaf_name = _leaf_namer(rec, {id(p): n for n, p in self.params.items()}, namespace)
+        self._attach_steps(rec, leaf_name)
+        leaves = {leaf_name(leaf): leaf for s in rec.steps for leaf in s.after}
         self.user_hooks = _user_hooks(self.layers, leaves)
-        unsupported = sorted({f"{n} ({fx.unsupported_reason(layer.module)})" for n, layer in self.layers.items()
-                              if _has_own_params(layer.module) and fx.unsupported_reason(layer.module)})
-        if unsupported:
-            self.notes.append("no (a, δ) factor rule, so no weight_grad / per-sample gradients for: "
-                              + ", ".join(unsupported))
-        self._norms = None
-        left_out = [n for n in self._unbatched()]
-        if tracer.norms_rule:
-            self._norms, modules = tracer.norms_rule.result()
-            left_out = [n for n, layer in self.layers.items() if layer.module in modules]
-        if left_out:
-            self.notes.append("per-sample gradients leave out " + ", ".join(left_out) + ": their input has no batch "
-                              "dimension (e.g. an embedding called on arange(T)), so their gradient is already summed "
-                              "over the batch")
-        for iv in self.interventions:
+        changed = [leaf_name(leaf) for leaf, same in rec.grads_at_end.items() if not same]
+        if changed:
+            self.notes.append(f"the code changed .grad after its last backward pass ({_few(changed)}; e.g. "
+                              "opt.zero_grad() or clip_grad_norm_): param_grads show .grad as backward left it")
+        self._attach_factor_notes()
+        for iv in self.applied:
             if isinstance(iv.anchor, nn.Module) and iv.anchor not in rec.modules:
                 self.notes.append(f"intervention {iv} did not fire: its module was not called "
                                   "(was the model created anew inside the cell?)")
 
+    def _attach_steps(self, rec, leaf_name) -> None:
+        call_steps: dict = {}
+        for name, layer in self.layers.items():
+            for c in layer.calls:
+                if c.step is not None:
+                    call_steps.setdefault(c.step, {}).setdefault(name, []).append(c.index)
+        last: dict = {}  # id(leaf) -> (leaf, its .grad as the latest step left it)
+        chained = True
+        for s in rec.steps:
+            losses = [float(v) for v in s.roots]
+            before = {}
+            for leaf, b in s.before.items():
+                key = id(leaf)
+                before[leaf_name(leaf)] = last[key][1] if b is PREVIOUS and key in last else (
+                    None if b is PREVIOUS else b)
+                if s.index and s.kind == "backward" and b is not PREVIOUS and key in last:
+                    chained = False  # .grad was reset (or changed) since the previous pass
+            after = {}
+            for leaf, g in s.after.items():
+                after[leaf_name(leaf)] = g
+                last[id(leaf)] = (leaf, g)
+            self.steps.append(Step(s.index, s.kind, tuple(losses), {n: tuple(ix) for n, ix in
+                                   call_steps.get(s.index, {}).items()}, after, before))
+            self.losses += losses
+        self.accumulates = chained
+        for leaf, g in last.values():
+            self.param_grads[leaf_name(leaf)] = g if not isinstance(g, TensorSummary) else None
+        if len([s for s in self.steps if s.kind == "backward"]) > 1:
+            self.notes.append(f"{len(self.steps)} backward passes (t.steps): " + (
+                "they accumulate into .grad, so factor queries sum them" if chained else
+                ".grad was reset between them, so factor queries take step=k") + "; the graph shows the last one")
+
+    def _attach_factor_notes(self) -> None:
+        reasons = {n: fx.unsupported_reason(layer.module) for n, layer in self.layers.items()
+                   if ps._has_own_params(layer.module)}
+        unsupported = sorted({f"{n} ({why})" for n, why in reasons.items() if why})
+        if unsupported:
+            self.notes.append("no (a, δ) factor rule, so no weight_grad / per-sample gradients for: "
+                              + ", ".join(unsupported))
+        left = self.per_sample_left_out = ps.left_out(self) if self.steps else {}
+        if left:
+            total = sum(g.numel() for g in self.param_grads.values() if g is not None)
+            lost = sum(self.params[n].numel() for n in left)
+            self.notes.append(f"per-sample gradient norms leave out {len(left)} parameters ({lost:,} of {total:,} "
+                              "gradient elements): " + "; ".join(f"{n} ({why})" for n, why in left.items()))
+
     # -- what the run showed -------------------------------------------------------------------
     @property
     def graph(self) -> nx.DiGraph:
-        """The autograd graph of grad_fn nodes (built on first access: tracing itself stays cheap)."""
+        """The autograd graph of grad_fn nodes of the last backward pass (built on first access)."""
         if self._graph is None:
-            walk, param_names, calls = self._graph_inputs
+            walk = self._graph_inputs
+            param_names = {p: n for n, p in self.params.items()}
+            calls = [(name, c.seq_start, c.seq_end) for name, layer in self.layers.items() for c in layer.calls]
             self._graph = graph_mod.build(walk, param_names, calls,
-                                          show_hook_nodes=self.options.get("show_hook_nodes", False))
+                                          show_hook_nodes=self.session.options.show_hook_nodes)
             self._graph_inputs = None
         return self._graph
 
@@ -208,154 +249,64 @@ class Trace:
         """Whether (a, δ) rebuild this layer's parameter gradients."""
         return fx.unsupported_reason(self.layer(name).module) is None
 
-    def _factors(self, name: str) -> list[fx.Factor]:
-        layer = self.layer(name)
-        reason = fx.unsupported_reason(layer.module)
-        if reason:
-            raise ValueError(f"layer {name!r}: {reason}; supported types: "
-                             + ", ".join(sorted(t.__name__ for t in fx.RULES)))
-        if self._no_factors:
-            raise ValueError(f"layer {name!r}: {self._no_factors}")
-        missing = [c.index for c in layer.calls if c.a is None or c.delta is None]
-        if missing:
-            why = "; ".join(self.notes) or "no backward reached it"
-            raise ValueError(f"layer {name!r}: a or δ not kept for call(s) {missing} ({why})")
-        return fx.factors(layer.module, layer.calls)
+    def weight_grad(self, name: str, step: int | None = None) -> torch.Tensor:
+        """W.grad of the layer rebuilt from its factors: what backward pass `step` added to .grad, or,
+        without step=, what every pass added (one pass, or passes accumulating into .grad)."""
+        return ps.summed_grad(self, name, "weight", step)
 
-    def weight_grad(self, name: str) -> torch.Tensor:
-        """W.grad of the layer rebuilt from its factors, summed over all its calls."""
-        return fx.summed_grad(self._factor(name, "weight"))
+    def bias_grad(self, name: str, step: int | None = None) -> torch.Tensor:
+        return ps.summed_grad(self, name, "bias", step)
 
-    def bias_grad(self, name: str) -> torch.Tensor:
-        return fx.summed_grad(self._factor(name, "bias"))
-
-    def _factor(self, name: str, param: str) -> fx.Factor:
-        for f in self._factors(name):
-            if f.param == param:
-                return f
-        raise ValueError(f"layer {name!r} has no trainable {param}")
-
-    def per_sample_grads(self, name: str, param: str = "weight", loss_reduction: str = "sum") -> torch.Tensor:
-        """(B, *param.shape): each sample's contribution to the parameter's .grad.
+    def per_sample_grads(self, name: str, param: str = "weight", loss_reduction: str = "sum",
+                         step: int | None = None) -> torch.Tensor:
+        """(N, *param.shape): each sample's contribution to the parameter's .grad; under gradient
+        accumulation N counts the samples of every micro-batch, in order.
 
         They sum to .grad. With a mean-reduced loss pass loss_reduction="mean" to get each
         sample's own gradient (the contributions times B)."""
-        self._check_batched(name)
-        g = fx.per_sample_grad(self._factor(name, param))
+        g = ps.per_sample_grad(self, name, param, step)
         return g * _reduction_scale(loss_reduction, g.shape[0])
 
-    def per_sample_grad_norms(self, name: str | None = None, loss_reduction: str = "sum") -> torch.Tensor:
-        """(B,) norms of per-sample gradients over all parameters of one layer, or of every
+    def per_sample_grad_norms(self, name: str | None = None, loss_reduction: str = "sum",
+                              step: int | None = None) -> torch.Tensor:
+        """(N,) norms of per-sample gradients over all parameters of one layer, or of every
         supported layer (name=None). A parameter shared by several layers is counted once."""
-        if name is None and self._norms is not None:
-            sq = self._norms
-        else:
-            if name is not None:
-                self._check_batched(name)
-            names = [name] if name is not None else [n for n in self.factor_layers if n not in self._unbatched()]
-            if not names:
-                raise ValueError("no layer with (a, δ) factors in this trace: " + ("; ".join(self.notes) or
-                                 "run a backward inside the trace"))
-            by_param = defaultdict(list)
-            for n in names:
-                for f in self._factors(n):
-                    by_param[getattr(self.layers[n].module, f.param)].append(f)
-            sq = 0
-            for fs in by_param.values():
-                if len(fs) == 1:
-                    sq = sq + fx.per_sample_norm_sq(fs[0])
-                else:
-                    sq = sq + sum(fx.per_sample_grad(f) for f in fs).flatten(1).pow(2).sum(1)
-        return sq.sqrt() * _reduction_scale(loss_reduction, sq.shape[0])
+        norms = ps.per_sample_norms(self, name, step)
+        return norms * _reduction_scale(loss_reduction, norms.shape[0])
 
     @property
     def factor_layers(self) -> list[str]:
         """Layers whose parameter gradients (a, δ) rebuild: weight_grad, per-sample gradients."""
-        if self._factor_layers is None:  # fixed once the trace has ended
-            self._factor_layers = [n for n in self.layers if self._has_factors(n)]
-        return self._factor_layers
-
-    def _unbatched(self) -> dict:
-        """Layers whose input's leading dimension is not the batch size most layers agree on, e.g.
-        a positional embedding called on arange(T): their gradient is already summed over the batch."""
-        if self._unbatched_layers is None:
-            self._unbatched_layers = self._find_unbatched()
-        return self._unbatched_layers
-
-    def _find_unbatched(self) -> dict:
-        lead = {n: self.layers[n].calls[0].a.shape[0] if self.layers[n].calls[0].a.dim() else None
-                for n in self.factor_layers}
-        if not lead:
-            return {}
-        counts = Counter(v for v in lead.values() if v is not None)
-        batch = counts.most_common(1)[0][0] if counts else None
-        return {n: (b, batch) for n, b in lead.items() if b != batch}
-
-    def _check_batched(self, name: str) -> None:
-        bad = self._unbatched().get(name)
-        if bad:
-            raise ValueError(f"layer {name!r}: its input's leading dimension is {bad[0]}, not the batch size {bad[1]} "
-                             "of the other layers (e.g. an embedding called on arange(T)): its gradient is already "
-                             "summed over the batch, so per-sample gradients cannot be separated")
-
-    def _has_factors(self, name: str) -> bool:
-        layer = self.layers[name]
-        return (_has_own_params(layer.module) and fx.unsupported_reason(layer.module) is None
-                and all(c.a is not None and c.delta is not None for c in layer.calls))
+        return ps.factor_layers(self)
 
     def storage(self, name: str) -> dict:
         """Floats needed to store W.grad vs its (a, δ) factors (seed 003's figures)."""
-        f = self._factor(name, "weight") if self._has_factors(name) else None
-        tokens = f.D.shape[0] * f.D.shape[1] if f is not None else 0
+        tokens = 0
+        if name in self.factor_layers:
+            f = ps.param_factors(self, name, "weight", self.steps[-1].index if not self.accumulates else None)[0]
+            tokens = f.D.shape[0] * f.D.shape[1]
         return fx.storage(self.layer(name).module, tokens)
 
-    # -- changing it ---------------------------------------------------------------------------
-    def add_hook(self, target: str, kind: str, **params) -> Intervention:
+    # -- changing it (through the session) -----------------------------------------------------
+    def add_hook(self, target: str, kind: str, **params):
         """Attach an intervention for the next rerun(); the same kind on the same target is replaced."""
-        anchor = self._resolve(target, kind)
-        iv = make(target, kind, params)
-        iv.anchor = anchor
-        self.remove_hook(target, kind, missing_ok=True)
-        self.interventions.append(iv)
-        return iv
+        return self.session.add_hook(target, kind, **params)
 
     def remove_hook(self, target: str, kind: str, missing_ok: bool = False) -> None:
-        before = len(self.interventions)
-        self.interventions = [iv for iv in self.interventions if not (iv.target == target and iv.kind.name == kind)]
-        if len(self.interventions) == before and not missing_ok:
-            on = ", ".join(f"{iv.kind.name} on {iv.target!r}" for iv in self.interventions) or "none"
-            raise KeyError(f"no {kind} hook on {target!r} to remove; attached: {on}")
-
-    def _resolve(self, target: str, kind: str):
-        if target in self.layers:
-            return self.layers[target].module
-        if target in self.graph:
-            from .interventions import KINDS
-
-            if kind in KINDS and KINDS[kind].attach == "out":
-                raise ValueError(f"{kind} replaces a layer's output: give a layer name, not node {target!r}")
-            return target
-        raise KeyError(f"unknown target {target!r}: give a layer name ({', '.join(list(self.layers)[:6])}) "
-                       f"or a graph node id (e.g. {next(iter(self.graph.nodes), 'AddmmBackward0#0')!r})")
+        self.session.remove_hook(target, kind, missing_ok=missing_ok)
 
     def rerun(self) -> Trace:
-        """Run the same code again with the interventions on. .grad of every leaf the first
-        run reached and the RNG state are put back first, so the interventions are the only change."""
-        if self._fn is None:
-            raise RuntimeError("rerun needs the code to run again: use hw.trace(fn) or %%hooktrace, "
-                               "not `with hw.tracing()`")
-        for leaf, g in self._leaf_grads_before.items():
-            leaf.grad = None if g is None else g.clone()
-        _set_rng_state(self._rng_before)
-        t = Trace(self._fn, self._modules, self.options, self.interventions, self._names, self._namespace)
-        t._run()
-        return t
+        """Run the same code again with the interventions on, as a what-if: parameters, buffers,
+        optimizer and scheduler state, .grad and every RNG are put back first, and put back as
+        they are now afterwards, so the interventions are the only change and nothing stays changed."""
+        return self.session.rerun()
 
-    def diff(self, before: Trace):
-        """What changed from `before` to this trace: grads per parameter, loss, δ per layer."""
+    def diff(self, before: Trace | None = None):
+        """What changed from `before` (default: the hook-free first run) to this trace: grads per
+        parameter, loss, δ per layer."""
         from .diff import diff
 
-        return diff(before, self)
+        return diff(before if before is not None else self.session.baseline, self)
 
     def health(self, **thresholds):
         """NaN/Inf, vanishing and exploding gradients per node and per layer."""
@@ -386,34 +337,67 @@ class Trace:
         return {**(bundle or {}), "text/plain": repr(self)}
 
     def __repr__(self) -> str:
-        lines = [f"Trace: {len(self.layers)} layers, {self.graph.number_of_nodes()} graph nodes"
-                 + (f", loss {self.loss:.6g}" if self.loss is not None else "")]
+        head = f"Trace: {len(self.layers)} layers, {self.graph.number_of_nodes()} graph nodes"
+        if len(self.steps) > 1:
+            head += f", {len(self.steps)} steps"
+        lines = [head + (f", loss {self.loss:.6g}" if self.loss is not None else "")]
         for name, layer in self.layers.items():
             c = layer.calls[0]
             a = tuple(c.a.shape) if c.a is not None else (c.a_summary.shape if c.a_summary else None)
             d = tuple(c.delta.shape) if c.delta is not None else (c.delta_summary.shape if c.delta_summary else None)
             lines.append(f"  {name or '(root)'} [{layer.type}] calls={len(layer.calls)} a={a} δ={d}")
         lines += [f"  your hooks on {n}: {', '.join(hooks)}" for n, hooks in self.user_hooks.items()]
+        lines += [f"  hook on: {iv}" for iv in self.applied]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _has_own_params(m: nn.Module) -> bool:
-    return any(p is not None and p.requires_grad for p in m._parameters.values())
+def _leaf_namer(rec, param_ids: dict, namespace) -> Callable:
+    """Leaf tensor -> its name: parameter name (`param_ids`: by id), the user's variable name, or its
+    graph node id. Keyed by id(): Tensor.__hash__ is a Python function, and a run of many steps asks
+    for the same leaves again and again."""
+    var_names = {id(v): k for k, v in (namespace or {}).items()
+                 if isinstance(v, torch.Tensor) and not k.startswith("_")}
+    walk = rec.walk
+    node_ids = None
+    cache: dict = {}
+
+    def name(leaf) -> str:
+        nonlocal node_ids
+        key = id(leaf)
+        found = cache.get(key)
+        if found is None:
+            found = param_ids.get(key) or var_names.get(key)
+            if not found:
+                if node_ids is None:
+                    node_ids = {id(v): walk.ids[i] for i, v in enumerate(walk.variables) if v is not None}
+                found = node_ids.get(key) or f"leaf{tuple(leaf.shape)}"
+            cache[key] = found
+        return found
+
+    return name
+
+
+def _few(names: list, k: int = 3) -> str:
+    return ", ".join(names[:k]) + (f" and {len(names) - k} more" if len(names) > k else "")
 
 
 def _user_hooks(layers: dict, leaves: dict) -> dict:
     """Hooks the user's code left attached (hookwidget's own are gone by now): module hooks by layer
     name, tensor hooks on the leaves backward reached (parameters, inputs) by their names. They
     change what the trace shows, so the user should see them."""
-    kinds = {name: (("forward_pre", layer.module._forward_pre_hooks), ("forward", layer.module._forward_hooks),
-                    ("backward", layer.module._backward_hooks), ("backward_pre", layer.module._backward_pre_hooks))
-             for name, layer in layers.items()}
+    kinds = {}
+    for name, layer in layers.items():
+        m = layer.module
+        if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
+            kinds[name] = (("forward_pre", m._forward_pre_hooks), ("forward", m._forward_hooks),
+                           ("backward", m._backward_hooks), ("backward_pre", m._backward_pre_hooks))
     for name, leaf in leaves.items():
-        kinds.setdefault(name, ())
-        kinds[name] += (("tensor", leaf._backward_hooks or {}),
-                        ("post_accumulate_grad", getattr(leaf, "_post_accumulate_grad_hooks", None) or {}))
+        tensor_hooks = leaf._backward_hooks
+        post = getattr(leaf, "_post_accumulate_grad_hooks", None)
+        if tensor_hooks or post:
+            kinds[name] = kinds.get(name, ()) + (("tensor", tensor_hooks or {}), ("post_accumulate_grad", post or {}))
     out = {}
     for name, dicts in kinds.items():
         found = [f"{kind}: {getattr(h, '__qualname__', type(h).__name__)}" for kind, d in dicts for h in d.values()]
@@ -426,23 +410,3 @@ def _reduction_scale(loss_reduction: str, batch: int) -> float:
     if loss_reduction not in ("sum", "mean"):
         raise ValueError(f"loss_reduction={loss_reduction!r}: use 'sum' or 'mean' (the reduction of your loss)")
     return float(batch) if loss_reduction == "mean" else 1.0
-
-
-def _norms_rule(capture):
-    if capture != "norms":
-        return None
-    from .norms import StreamingNorms
-
-    return StreamingNorms()
-
-
-def _rng_state():
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)

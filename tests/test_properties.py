@@ -161,7 +161,8 @@ def test_front_end_messages_are_validated_never_evaluated(content):
         model.zero_grad(set_to_none=True)
         model(x).sum().backward()
 
-    w = HookWidget(hw.trace(cell))
+    t = hw.trace(cell)  # the widget holds its trace weakly: the user's reference keeps it
+    w = HookWidget(t)
     sent = []
     w.send = lambda msg, buffers=None: sent.append(msg)
     regs = Registries(model, x)

@@ -1,0 +1,78 @@
+"""What a trace saw, as plain dataclasses: module calls, backward passes (steps), and the whole run.
+
+The Tracer (capture.py) fills them in; the Trace (trace.py) names them and answers questions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .graph import GraphWalk
+from .summary import TensorSummary
+
+
+@dataclass
+class Call:
+    """One forward call of a module: what went in, what came out, what came back."""
+
+    index: int
+    a: torch.Tensor | None = None
+    delta: torch.Tensor | None = None
+    output_shape: tuple | None = None
+    a_summary: TensorSummary | None = None
+    delta_summary: TensorSummary | None = None
+    grad_input: torch.Tensor | None = None  # backward_hooks=True: what a full backward hook sees
+    step: int | None = None  # the backward pass (step) that brought this call its δ; None: no gradient reached it
+    seq_start: int = field(default=0, repr=False)  # autograd sequence numbers created during the call
+    seq_end: int = field(default=0, repr=False)
+    out_node: Any = field(default=None, repr=False)  # the output's grad_fn, until the trace ends
+    recomputed: bool = field(default=False, repr=False)  # run again by backward (torch.utils.checkpoint)
+    state: Any = field(default=None, repr=False)  # what the layer's rule needs from forward time (fx.forward_state)
+    _a_version: int = field(default=-1, repr=False)  # a kept by reference: its version then (an in-place change shows)
+
+
+@dataclass
+class ModuleRecord:
+    module: nn.Module
+    calls: list = field(default_factory=list)
+    open_calls: list = field(default_factory=list, repr=False)  # calls whose forward is running
+    awaiting_backward: list = field(default_factory=list, repr=False)  # backward_hooks=True only
+    needs_input: bool = field(default=False, repr=False)  # its weight's backward saves its input (no copy needed)
+    compiled: bool = field(default=False, repr=False)  # a torch.compile wrapper
+    norms: bool = field(default=False, repr=False)  # capture="norms": its factors are wanted
+    stateful: bool = field(default=False, repr=False)  # its rule needs forward-time state (BatchNorm's mode)
+
+
+PREVIOUS = "previous"  # a step's .grad started where the previous step's ended (gradient accumulation)
+
+
+@dataclass
+class StepRecord:
+    """One backward pass (a `backward` or `autograd.grad` call), keyed by leaf tensor.
+
+    `after`: each leaf's .grad when the pass ended, copied (or a TensorSummary where the memory
+    budget forced it out; None where .grad stayed None). `before`: .grad when it started: None
+    (nothing), PREVIOUS (as the previous step left it), or a copy."""
+
+    index: int
+    kind: str  # "backward" or "grad"
+    roots: list  # detached copies of its scalar roots (the losses), on their device until the trace ends
+    after: dict = field(default_factory=dict)
+    before: dict = field(default_factory=dict)
+
+
+@dataclass
+class Records:
+    """Everything a trace saw, before names are attached (see trace.py)."""
+
+    modules: dict  # nn.Module -> ModuleRecord, in first-call order
+    walk: GraphWalk  # the graph of the last step (or of the forward pass, when no backward ran)
+    steps: list  # StepRecord per backward pass
+    grads_at_end: dict  # leaf -> whether its .grad was still as the last step left it when the trace ended
+    notes: list
+    used_autograd_grad: bool
+    no_factors: str = ""  # why (a, δ) cannot rebuild .grad in this run (e.g. double backward), or ""

@@ -1,0 +1,128 @@
+"""How to run: the code, its options and the hooks to apply; runs it, and reruns it as a what-if.
+
+A Session is shared by a trace, its reruns and the explorer showing them, so they agree on which
+hooks are on (`interventions`) and which trace is current (`latest`); `baseline` is the first,
+hook-free run that diffs compare with.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+
+from torch import nn
+
+from .capture import Tracer
+from .interventions import KINDS, Intervention, make
+from .options import Options
+from .state import RunState, code_scope, related_objects
+from .trace import Trace
+
+
+class Session:
+    def __init__(self, fn, modules=None, options=None, names=None, namespace=None, code=None):
+        self.options = options if isinstance(options, Options) else Options.from_kwargs(**(options or {}))
+        self.fn = fn
+        self.modules = modules
+        self.names = names  # the user's variable names of `modules` (from the magic)
+        self.namespace = namespace if namespace is not None else code_scope(fn)  # to name leaf tensors like `x`
+        self.interventions: list[Intervention] = []
+        self.baseline: Trace | None = None
+        self.latest: Trace | None = None
+        self._related = related_objects(code_scope(fn, namespace, code))
+        self._state: RunState | None = None  # what the first run started from
+
+    def run(self) -> Trace:
+        """The first run: records what it changes, so that reruns can start where it started."""
+        state = RunState(self._related)
+        for obj in self.options.restore:
+            state.add(obj, eager=True)
+        with self.recording(state) as t:
+            self.fn()
+        return t
+
+    def rerun(self) -> Trace:
+        """The same code again from the same starting point, with the interventions on; afterwards
+        everything hookwidget put back is as it was before the rerun."""
+        if self.fn is None or self._state is None:
+            raise RuntimeError("rerun needs the code to run again: use hw.trace(fn) or %%hooktrace, "
+                               "not `with hw.tracing()`")
+        now = self._state.snapshot()
+        try:
+            self._state.restore()
+            with self.recording() as t:
+                self.fn()
+        finally:
+            now.restore()
+        return t
+
+    @contextmanager
+    def recording(self, state: RunState | None = None):
+        """Hooks on for the block; the Trace is filled in when it ends, whatever happens in it."""
+        opts = self.options
+        layer_ivs, node_ivs = defaultdict(list), defaultdict(list)
+        for iv in self.interventions:
+            (layer_ivs if isinstance(iv.anchor, nn.Module) else node_ivs)[iv.anchor].append(iv)
+        tracer = Tracer(self.modules, capture=opts.capture, budget_mb=opts.budget_mb, node_grads=opts.node_grads,
+                        backward_hooks=opts.backward_hooks, layer_interventions=layer_ivs, node_interventions=node_ivs,
+                        norms_rule=_norms_rule(opts.capture), state=state)
+        t = Trace(self, applied=self.interventions)
+        failed = True
+        try:
+            with tracer:
+                yield t
+            failed = False
+        finally:
+            if tracer.records is not None:
+                try:
+                    self._attach(t, tracer, state, failed)
+                except Exception:
+                    if not failed:
+                        raise  # otherwise the code's own exception propagates, not hookwidget's
+
+    def _attach(self, t: Trace, tracer: Tracer, state: RunState | None, failed: bool) -> None:
+        if tracer.norms_rule is not None:
+            t._norms = tracer.norms_rule.result()
+        t._attach(tracer.records, tracer.targets, self.namespace)
+        if state is not None:
+            for s in tracer.records.steps:
+                state.on_grads(s.before)
+            t.notes += [f"rerun: {n}" for n in state.unrestorable()]
+            self._state, self.baseline = state, t
+        if not failed or self.latest is None:
+            self.latest = t
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def add_hook(self, target: str, kind: str, **params) -> Intervention:
+        """Attach an intervention for the next rerun(); the same kind on the same target is replaced."""
+        iv = make(target, kind, params)
+        iv.anchor = self._resolve(target, kind)
+        self.remove_hook(target, kind, missing_ok=True)
+        self.interventions.append(iv)
+        return iv
+
+    def remove_hook(self, target: str, kind: str, missing_ok: bool = False) -> None:
+        before = len(self.interventions)
+        self.interventions[:] = [iv for iv in self.interventions if not (iv.target == target and iv.kind.name == kind)]
+        if len(self.interventions) == before and not missing_ok:
+            on = ", ".join(f"{iv.kind.name} on {iv.target!r}" for iv in self.interventions) or "none"
+            raise KeyError(f"no {kind} hook on {target!r} to remove; attached: {on}")
+
+    def _resolve(self, target: str, kind: str):
+        t = self.baseline or self.latest
+        if target in t.layers:
+            return t.layers[target].module
+        if target in t.graph:
+            if KINDS[kind].attach == "out":
+                raise ValueError(f"{kind} replaces a layer's output: give a layer name, not node {target!r}")
+            return target
+        raise KeyError(f"unknown target {target!r}: give a layer name ({', '.join(list(t.layers)[:6])}) "
+                       f"or a graph node id (e.g. {next(iter(t.graph.nodes), 'AddmmBackward0#0')!r})")
+
+
+def _norms_rule(capture: str):
+    if capture != "norms":
+        return None
+    from .norms import StreamingNorms
+
+    return StreamingNorms()
