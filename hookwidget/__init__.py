@@ -3,17 +3,20 @@
     import hookwidget as hw
     t = hw.trace(step)            # or: with hw.tracing() as t: ...  or the %%hooktrace cell magic
     t.layers["fc1"].a, t.layers["fc1"].delta, t.weight_grad("fc1"), t.graph
+    with hw.watch(model) as w: train()   # per-layer statistics every step, anomalous steps kept as Traces
 """
 
 from .interventions import KINDS, InterventionError
 from .trace import Layer, Trace, trace, tracing
+from .watch import Watch, watch
 
 __version__ = "0.1.0"
-__all__ = ["KINDS", "InterventionError", "Layer", "Trace", "load_ipython_extension", "trace", "tracing"]
+__all__ = ["KINDS", "InterventionError", "Layer", "Trace", "Watch", "load_ipython_extension", "trace", "tracing",
+           "watch"]
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext hookwidget` registers the %%hooktrace cell magic."""
+    """`%load_ext hookwidget` registers the %%hooktrace and %%hookwatch cell magics."""
     from .magic import HookTraceMagics
 
     ipython.register_magics(HookTraceMagics)

@@ -1,0 +1,639 @@
+"""hw.watch: hooks across a training loop. References come from plain PyTorch run in the same loop."""
+
+import copy
+import gc
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.nn.modules.module as module_mod
+import torch.optim.optimizer as optimizer_mod
+from torch import nn
+
+from hookwidget.trace import Trace
+from hookwidget.watch import STAT_NAMES, watch
+
+TORCH_BACKWARD, TORCH_GRAD = torch.autograd.backward, torch.autograd.grad
+
+
+class Net(nn.Module):
+    def __init__(self, d_in=6, d_hidden=16, d_out=3, bn=True, p=0.2):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.bn = nn.BatchNorm1d(d_hidden) if bn else nn.Identity()
+        self.drop = nn.Dropout(p)
+        self.fc2 = nn.Linear(d_hidden, d_hidden)
+        self.fc = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        h = self.drop(F.relu(self.bn(self.fc1(x))))
+        return self.fc(F.relu(self.fc2(h)))
+
+
+class PoisonGrad(nn.Module):
+    """Identity forward; on step `at` its backward multiplies the gradient by NaN."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x):
+        y = x.clone()
+        if self.calls == self.at and y.requires_grad:
+            y.register_hook(lambda g: g * float("nan"))
+        self.calls += 1
+        return y
+
+
+class PoisonOut(nn.Module):
+    """Multiplies its input by NaN on forward call `at`."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * float("nan") if self.calls - 1 == self.at else x * 1.0
+
+
+class Chain(nn.Module):
+    def __init__(self, mid):
+        super().__init__()
+        self.fc1, self.fc2, self.mid, self.fc3 = nn.Linear(5, 7), nn.Linear(7, 7), mid, nn.Linear(7, 2)
+
+    def forward(self, x):
+        return self.fc3(self.mid(F.relu(self.fc2(F.relu(self.fc1(x))))))
+
+
+def data(n=32, d_in=6, d_out=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)
+
+
+def hook_state(modules):
+    """Every hook dict hookwidget could touch, as comparable snapshots."""
+    state = {}
+    for i, m in enumerate(modules):
+        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                     "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+            state[(i, name)] = dict(getattr(m, name, {}))
+    for name in dir(module_mod):
+        if name.startswith("_global_") and isinstance(getattr(module_mod, name), dict):
+            state[name] = dict(getattr(module_mod, name))
+    state["opt_pre"] = dict(optimizer_mod._global_optimizer_pre_hooks)
+    state["opt_post"] = dict(optimizer_mod._global_optimizer_post_hooks)
+    state["flag"] = module_mod._global_is_full_backward_hook
+    return state
+
+
+def assert_no_hooks_left(model, before):
+    assert hook_state(list(model.modules())) == before
+    assert torch.autograd.backward is TORCH_BACKWARD and torch.autograd.grad is TORCH_GRAD
+    for p in model.parameters():
+        assert not p._backward_hooks and not getattr(p, "_post_accumulate_grad_hooks", None)
+
+
+def run_loop(model, opt, x, y, steps, on_step=None, scale=None, skip_nonfinite=False):
+    """The plain loop; returns per step: loss, each parameter's .grad (copies). skip_nonfinite: no
+    optimizer step where a .grad is not finite (as GradScaler does)."""
+    out = []
+    for k in range(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        if scale is not None and k in scale:
+            loss = loss * scale[k]
+        loss.backward()
+        out.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        if on_step is not None:
+            on_step(k)
+        if not skip_nonfinite or all(torch.isfinite(p.grad).all() for p in model.parameters()):
+            opt.step()
+    return out
+
+
+# -- observing changes nothing, and no hook outlives the watch -----------------------------------
+@pytest.mark.parametrize("flight_recorder", [True, False])
+def test_bitwise_unchanged_adam_batchnorm_dropout(flight_recorder):
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    x, y = data()
+    opt, ref_opt = torch.optim.Adam(model.parameters(), 1e-2), torch.optim.Adam(ref.parameters(), 1e-2)
+    torch.manual_seed(123)
+    plain = run_loop(ref, ref_opt, x, y, 60)
+    rng_plain = torch.get_rng_state()
+    before = hook_state(list(model.modules()))
+    torch.manual_seed(123)
+    with watch(model, flight_recorder=flight_recorder) as w:
+        watched = run_loop(model, opt, x, y, 60)
+    assert torch.equal(torch.get_rng_state(), rng_plain)
+    assert_no_hooks_left(model, before)
+    for k, ((l1, g1), (l2, g2)) in enumerate(zip(plain, watched)):
+        assert torch.equal(l1, l2), k
+        for n in g1:
+            assert torch.equal(g1[n], g2[n]), (k, n)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    for b, c in zip(model.buffers(), ref.buffers()):
+        assert torch.equal(b, c)
+    assert w.steps == list(range(60)) and w.stats.shape == (60, 4, len(STAT_NAMES))
+    assert w.layer_names == ["fc1", "bn", "fc2", "fc"]
+
+
+class Interrupt(nn.Module):
+    def __init__(self, at, exc):
+        super().__init__()
+        self.at, self.exc, self.calls = at, exc, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls - 1 == self.at:
+            raise self.exc
+        return x
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("boom"), KeyboardInterrupt()])
+@pytest.mark.parametrize("form", ["with", "close"])
+def test_hooks_removed_after_exceptions(exc, form):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), Interrupt(5, exc), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    x, y = data()
+    before = hook_state(list(model.modules()))
+    with pytest.raises(type(exc)):
+        if form == "with":
+            with watch(model):
+                run_loop(model, opt, x, y, 10)
+        else:
+            w = watch(model)
+            try:
+                run_loop(model, opt, x, y, 10)
+            finally:
+                w.close()
+    assert_no_hooks_left(model, before)
+    # the model trains as before: nothing of the watch fires any more
+    model[1].at = -1
+    out = run_loop(model, opt, x, y, 2)
+    assert len(out) == 2
+
+
+def test_close_form_keeps_hooks_across_steps_then_removes_them():
+    torch.manual_seed(0)
+    model = Net(bn=False)
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    x, y = data()
+    before = hook_state(list(model.modules()))
+    w = watch(model)
+    run_loop(model, opt, x, y, 3)
+    assert hook_state(list(model.modules())) != before  # on across steps
+    run_loop(model, opt, x, y, 2)
+    w.close()
+    w.close()  # twice is fine
+    assert_no_hooks_left(model, before)
+    assert w.steps == [0, 1, 2, 3, 4]
+    with pytest.raises(RuntimeError, match="is closed"):
+        w.open()
+
+
+# -- statistics are exact per step ----------------------------------------------------------------
+def reference_stats(model, opt, x, y, steps, layers):
+    """Per step, with hand-written hooks in the plain loop: loss, global grad norm, and per layer
+    delta_norm, delta_max, a_rms, a_zero_frac, grad_norm, weight_norm, update_ratio."""
+    mods = dict(model.named_modules())
+    seen = {}
+
+    def fwd(name):
+        def hook(m, inputs, out):
+            a = inputs[0].detach()
+            seen[name + ".a"] = a.clone()
+            out.register_hook(lambda g: seen.__setitem__(name + ".d", g.detach().clone()))
+        return hook
+
+    handles = [mods[n].register_forward_hook(fwd(n)) for n in layers]
+    rows, step_rows = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        params = {n: list(mods[n].parameters(recurse=False)) for n in layers}
+        row = {}
+        for n in layers:
+            d, a = seen[n + ".d"], seen[n + ".a"]
+            g = torch.cat([p.grad.flatten() for p in params[n]])
+            wv = torch.cat([p.detach().flatten() for p in params[n]])
+            row[n] = {"delta_norm": torch.linalg.vector_norm(d), "delta_max": d.abs().max(),
+                      "a_rms": a.pow(2).mean().sqrt(), "a_zero_frac": (a == 0).float().mean(),
+                      "grad_norm": torch.linalg.vector_norm(g), "weight_norm": torch.linalg.vector_norm(wv),
+                      "w_before": wv.clone()}
+        gn = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        opt.step()
+        for n in layers:
+            wv = torch.cat([p.detach().flatten() for p in params[n]])
+            r = row[n]
+            r["update_ratio"] = torch.linalg.vector_norm(wv - r["w_before"]) / torch.linalg.vector_norm(r["w_before"])
+        rows.append(row)
+        step_rows.append((loss.item(), gn.item()))
+    for h in handles:
+        h.remove()
+    return rows, step_rows
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_statistics_exact_per_step(every):
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0)
+    ref = copy.deepcopy(model)
+    x, y = data()
+    opt, ref_opt = torch.optim.Adam(model.parameters(), 1e-2), torch.optim.Adam(ref.parameters(), 1e-2)
+    layers = ["fc1", "fc2", "fc"]
+    rows, step_rows = reference_stats(ref, ref_opt, x, y, 12, layers)
+    with watch(model, every=every) as w:
+        run_loop(model, opt, x, y, 12)
+    assert w.steps == list(range(0, 12, every))
+    assert w.layer_names == layers and w.stat_names == STAT_NAMES
+    for r, k in enumerate(w.steps):
+        for li, n in enumerate(layers):
+            for stat, want in rows[k][n].items():
+                if stat == "w_before":
+                    continue
+                got = w.stats[r, li, STAT_NAMES.index(stat)].item()
+                assert got == pytest.approx(want.item(), rel=1e-5, abs=1e-7), (k, n, stat)
+            for stat in ("delta_nan", "delta_inf", "a_nonfinite", "grad_nan", "grad_inf"):
+                assert w.stats[r, li, STAT_NAMES.index(stat)].item() == 0
+        assert w.series("loss")[r].item() == step_rows[k][0]  # exact: the same float32 loss
+        assert w.series("grad_norm")[r].item() == pytest.approx(step_rows[k][1], rel=1e-6)
+    # exact where it is one tensor: ‖δ‖ of the output layer
+    for stat in ("delta_norm", "delta_max"):
+        assert torch.equal(w.series("fc", stat), torch.stack([rows[k]["fc"][stat] for k in w.steps]).double())
+    assert w.anomalies == []
+
+
+def test_series_and_names():
+    torch.manual_seed(0)
+    model = Net(bn=False)
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    x, y = data()
+    with watch(model, flight_recorder=False) as w:
+        plain = run_loop(model, opt, x, y, 5)
+    assert torch.equal(w.series("fc2", "grad_norm"), w.stats[:, 1, STAT_NAMES.index("grad_norm")])
+    assert w.series("loss").tolist() == [float(loss) for loss, _ in plain]
+    assert torch.equal(w.loss, w.series("loss")) and torch.equal(w.grad_norm, w.series("grad_norm"))
+    with pytest.raises(KeyError, match="no layer 'nope'"):
+        w.series("nope", "grad_norm")
+    with pytest.raises(KeyError, match="no statistic"):
+        w.series("fc", "bogus")
+    with pytest.raises(KeyError, match="flight recorder is off"):
+        w.trace(0)
+    assert "5 steps" in repr(w)
+
+
+def test_autograd_grad_calls_are_not_steps():
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0)
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    x, y = data()
+    x.requires_grad_(True)
+    with watch(model) as w:
+        for _ in range(4):
+            opt.zero_grad()
+            out = model(x)
+            (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            loss = F.mse_loss(out, y) + 1e-3 * gx.pow(2).sum()
+            loss.backward()
+            opt.step()
+    assert w.steps == [0, 1, 2, 3]
+    assert all(math.isfinite(v) for v in w.series("fc", "delta_norm").tolist())
+
+
+# -- flight recorder -------------------------------------------------------------------------------
+def test_kept_trace_equals_the_step():
+    """w.trace(k) is what hw.trace of step k shows: the (a, δ) of every layer, the .grad of that step and
+    weight_grad rebuilt from them, against the plain loop (hand-written hooks) and against hw.trace."""
+    from hookwidget.trace import trace as hw_trace
+
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0)
+    ref, ref2 = copy.deepcopy(model), copy.deepcopy(model)
+    x, y = data()
+    seen = {}
+    for n in ("fc1", "fc2", "fc"):
+        def hook(m, i, out, n=n):
+            seen[n + ".a"] = i[0].detach().clone()
+            out.register_hook(lambda g: seen.__setitem__(n + ".d", g.clone()))
+        getattr(ref, n).register_forward_hook(hook)
+    steps = {}
+    plain = run_loop(ref, torch.optim.SGD(ref.parameters(), 0.05, momentum=0.9), x, y, 10,
+                     on_step=lambda k: steps.__setitem__(k, dict(seen)))
+    opt2 = torch.optim.SGD(ref2.parameters(), 0.05, momentum=0.9)
+    traced = {}
+
+    def one_step():
+        opt2.zero_grad()
+        F.mse_loss(ref2(x), y).backward()
+
+    for k in range(10):  # the same loop, hw.trace around each step's forward and backward
+        traced[k] = hw_trace(one_step, ref2)
+        opt2.step()
+    opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
+    with watch(model, keep=lambda step, stats: step == 4) as w:
+        run_loop(model, opt, x, y, 10)
+    assert w.kept == [0, 4, 9]
+    assert w.anomalies == [(4, "keep", "user predicate keep(step, stats) returned True")]
+    for k in w.kept:
+        t, h = w.trace(k), traced[k]
+        assert isinstance(t, Trace) and len(t.steps) == 1
+        loss, grads = plain[k]
+        assert t.loss == loss.item() == h.loss
+        for n in ("fc1", "fc2", "fc"):
+            assert torch.equal(t.layers[n].a, steps[k][n + ".a"]) and torch.equal(t.layers[n].delta, steps[k][n + ".d"])
+            assert torch.equal(t.steps[-1].grads[n + ".weight"], grads[n + ".weight"])  # .grad of that step, bitwise
+            torch.testing.assert_close(t.weight_grad(n), grads[n + ".weight"], rtol=1e-5, atol=1e-6)
+            assert torch.equal(t.weight_grad(n), h.weight_grad(n))
+        assert list(t.layers) == list(h.layers)
+        assert t.graph.number_of_nodes() == h.graph.number_of_nodes()
+        assert sorted(t.graph.nodes) == sorted(h.graph.nodes)
+        assert t.user_hooks == {}  # the watch's own hooks are not the user's
+    assert w.trace() is w.trace(9)
+    with pytest.raises(KeyError, match="step 5 was not kept"):
+        w.trace(5)
+
+
+def test_flight_recorder_holds_at_most_two_unkept_traces():
+    torch.manual_seed(0)
+    model = Net(bn=False)
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    x, y = data()
+    alive = []
+
+    def traces():
+        gc.collect()
+        return sum(type(o) is Trace for o in gc.get_objects())
+
+    base = traces()
+
+    def count(k):
+        alive.append(traces() - base - len(w._flight.kept))
+
+    with watch(model) as w:
+        run_loop(model, opt, x, y, 8, on_step=count)
+    assert max(alive) <= 2 and max(alive) == 2
+    assert w.kept == [0, 7]
+
+
+def test_first_non_finite_in_backward_order():
+    """On step 3 the gradient turns NaN in the backward of PoisonGrad, between fc2 and fc3: fc3's δ
+    (reached first) is finite, fc2's and fc1's are not. The anomaly names fc2."""
+    torch.manual_seed(0)
+    model = Chain(PoisonGrad(at=3))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 5), torch.randn(8, 2)
+    deltas = []
+
+    def record(name):
+        def hook(m, i, out):
+            out.register_hook(lambda g: deltas.append((name, int(torch.isnan(g).sum()))))
+        return hook
+
+    for n in ("fc1", "fc2", "fc3"):
+        getattr(ref, n).register_forward_hook(record(n))
+    opt = torch.optim.SGD(ref.parameters(), 0.1)
+    run_loop(ref, opt, x, y, 6, skip_nonfinite=True)  # NaN grads do not reach the weights
+    step3 = deltas[9:12]
+    assert [n for n, _ in step3] == ["fc3", "fc2", "fc1"] and step3[0][1] == 0 and step3[1][1] > 0 and step3[2][1] > 0
+    assert all(nan == 0 for _, nan in deltas[:9] + deltas[12:])
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    with watch(model) as w:
+        run_loop(model, opt, x, y, 6, skip_nonfinite=True)
+    delta = [a for a in w.anomalies if a.reason.startswith("δ")]
+    assert [(a.step, a.where) for a in delta] == [(3, "fc2")]
+    assert f"(nan {step3[1][1]}, inf 0); 2 layers in all" in delta[0].reason
+    grads = [a for a in w.anomalies if a.reason.startswith(".grad")]
+    assert [(a.step, a.where) for a in grads] == [(3, "fc2")]  # fc2 is also the first with a NaN .grad
+    assert {a.step for a in w.anomalies} == {3}
+    assert w.stats[3, 2, STAT_NAMES.index("delta_nan")].item() == 0  # fc3
+    assert w.stats[3, 1, STAT_NAMES.index("delta_nan")].item() == step3[1][1]  # fc2
+    assert 3 in w.kept and math.isnan(w.trace(3).layers["fc2"].delta.sum().item())
+
+
+def test_first_non_finite_in_forward_order():
+    """PoisonOut makes the input of layer 3 NaN on step 2, and so that of layer 5 after it: the activation
+    anomaly names 3 (the first in forward order; layer 0's input is finite). The loss is NaN, so every δ
+    is, and the δ anomaly names 5, reached first in backward order."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), PoisonOut(at=2), nn.Linear(7, 7), nn.ReLU(), nn.Linear(7, 2))
+    x, y = torch.randn(8, 5), torch.randn(8, 2)
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    with watch(model) as w:
+        run_loop(model, opt, x, y, 5, skip_nonfinite=True)
+    found = {(a.step, a.where, a.reason.split(" ")[0]) for a in w.anomalies}
+    assert found == {(2, "loss", "non-finite"), (2, "3", "input"), (2, "5", "δ"), (2, "5", ".grad")}
+    a_rms = w.stats[2, :, STAT_NAMES.index("a_rms")]
+    assert math.isfinite(a_rms[0]) and math.isnan(a_rms[1]) and math.isnan(a_rms[2])
+    assert w.kept == [0, 2, 4]
+
+
+def test_divergence_by_too_large_learning_rate():
+    """SGD at lr=30 diverges. The plain loop, with hand-written δ hooks, says at which steps the loss, a
+    .grad or a δ is non-finite and which layer's δ is the first non-finite in backward order; the
+    watch's anomalies say the same."""
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0)
+    ref = copy.deepcopy(model)
+    x, y = data()
+    arrivals, calls = [], []  # per step: (layer, δ finite) in backward order; (layer, input finite) in forward order
+    for n in ("fc1", "fc2", "fc"):
+        def hook(m, i, out, n=n):
+            calls.append((n, bool(torch.isfinite(i[0]).all())))
+            out.register_hook(lambda g: arrivals.append((n, bool(torch.isfinite(g).all()))))
+        getattr(ref, n).register_forward_hook(hook)
+    plain = run_loop(ref, torch.optim.SGD(ref.parameters(), 30.0), x, y, 25)
+    bad_loss = [k for k, (loss, _) in enumerate(plain) if not torch.isfinite(loss)]
+    bad_grad = [k for k, (_, g) in enumerate(plain) if not all(torch.isfinite(v).all() for v in g.values())]
+    first_bad_delta, first_bad_input = {}, {}
+    for k in range(25):
+        for seen, first in ((arrivals, first_bad_delta), (calls, first_bad_input)):
+            bad = [n for n, finite in seen[3 * k:3 * k + 3] if not finite]
+            if bad:
+                first[k] = bad[0]
+    assert bad_loss and first_bad_delta and first_bad_input  # it diverges
+    with watch(model, max_kept=3) as w:
+        run_loop(model, torch.optim.SGD(model.parameters(), 30.0), x, y, 25)
+    assert sorted({a.step for a in w.anomalies if a.where == "loss" and "non-finite" in a.reason}) == bad_loss
+    assert sorted({a.step for a in w.anomalies if a.reason.startswith(".grad")}) == bad_grad
+    assert {a.step: a.where for a in w.anomalies if a.reason.startswith("δ")} == first_bad_delta
+    assert {a.step: a.where for a in w.anomalies if a.reason.startswith("input")} == first_bad_input
+    assert min(a.step for a in w.anomalies) == min(bad_loss + bad_grad + list(first_bad_delta))
+    assert len([k for k in w.kept if k not in (0, 24)]) == 3 and w.dropped_traces > 0
+
+
+def test_spikes_and_window():
+    torch.manual_seed(0)
+    x, y = data()
+    for window, expect in ((20, {(30, "loss"), (30, "grad_norm")}), (40, set())):
+        torch.manual_seed(0)
+        model = Net(bn=False, p=0.0)
+        opt = torch.optim.SGD(model.parameters(), 1e-3)
+        with watch(model, window=window, flight_recorder=False) as w:
+            run_loop(model, opt, x, y, 40, scale={30: 1000.0})
+        assert {(s, where) for s, where, _ in w.anomalies} == expect
+    with watch(model, spike=1e9) as w:
+        run_loop(model, opt, x, y, 40, scale={30: 1000.0})
+    assert w.anomalies == [] and w.kept == [0, 39]
+
+
+# -- the magic ------------------------------------------------------------------------------------
+def test_hookwatch_magic():
+    from IPython.core.error import UsageError
+    from IPython.testing import globalipapp
+
+    from hookwidget.watch import hookwatch_magic
+
+    globalipapp.start_ipython()
+    shell = globalipapp.get_ipython()
+    shell.register_magic_function(lambda line, cell: hookwatch_magic(shell, line, cell), "cell", "hookwatch")
+    torch.manual_seed(0)
+    model = Net(bn=False)
+    x, y = data()
+    before = hook_state(list(model.modules()))
+    shell.user_ns.update(model=model, x=x, y=y, opt=torch.optim.SGD(model.parameters(), 0.1), F=F)
+    cell = "for i in range(3):\n    opt.zero_grad()\n    F.mse_loss(model(x), y).backward()\n    opt.step()\n"
+    try:
+        shell.run_cell_magic("hookwatch", "model -o W --every 2", cell)
+        w = shell.user_ns["W"]
+        assert w.steps == [0, 2] and w.kept == [0, 2]
+        assert_no_hooks_left(model, before)
+        with pytest.raises(ZeroDivisionError):
+            shell.run_cell_magic("hookwatch", "model", cell + "1 / 0\n")
+        assert shell.user_ns["_hookwatch"].steps == [0, 1, 2]
+        assert_no_hooks_left(model, before)
+        with pytest.raises(UsageError, match="no variable 'nomodel'"):
+            shell.run_cell_magic("hookwatch", "nomodel", cell)
+        with pytest.raises(UsageError, match="is a Tensor, not an nn.Module"):
+            shell.run_cell_magic("hookwatch", "x", cell)
+        with pytest.raises(UsageError, match="usage: %%hookwatch MODEL"):
+            shell.run_cell_magic("hookwatch", "model --every", cell)
+    finally:
+        shell.magics_manager.magics["cell"].pop("hookwatch", None)
+        for k in ("W", "_hookwatch", "model", "x", "y", "opt", "F", "i"):
+            shell.user_ns.pop(k, None)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="must be an nn.Module"):
+        watch(torch.zeros(1))
+    with pytest.raises(ValueError, match="every"):
+        watch(nn.Linear(2, 2), every=0)
+    with pytest.raises(TypeError, match="keep"):
+        watch(nn.Linear(2, 2), keep=3)
+
+
+def test_statistics_move_to_host_in_batches(monkeypatch):
+    """Without the flight recorder the statistics stay on device and come over `batch` steps at a time."""
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0)
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    x, y = data()
+    transfers = []
+    cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: transfers.append(t.shape) or cpu(t, *a, **k))
+    w = watch(model, flight_recorder=False, batch=64)
+    run_loop(model, opt, x, y, 150)
+    assert len(transfers) == 2  # after 65 steps, then after 130: 64 rows each time
+    assert w.stats.shape[0] == 150 and len(transfers) == 3  # reading brings the rest
+    w.close()
+    monkeypatch.undo()
+    assert w.steps == list(range(150))
+
+
+def test_a_layer_called_twice_counts_both_calls():
+    torch.manual_seed(0)
+    lin, head = nn.Linear(4, 4), nn.Linear(4, 1)
+    model = nn.ModuleDict({"lin": lin, "head": head})
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(6, 4), torch.randn(6, 1)
+    deltas, inputs = [], []
+
+    def hook(m, i, o):
+        inputs.append(i[0].detach())
+        o.register_hook(lambda g: deltas.append(g.clone()))
+
+    ref["lin"].register_forward_hook(hook)
+
+    def loop(m, n):
+        for _ in range(n):
+            m.zero_grad()
+            F.mse_loss(m["head"](m["lin"](torch.tanh(m["lin"](x)))), y).backward()
+
+    loop(ref, 2)
+    with watch(model) as w:
+        loop(model, 2)
+    for k in range(2):
+        d, a = deltas[2 * k:2 * k + 2], inputs[2 * k:2 * k + 2]
+        want_norm = torch.linalg.vector_norm(torch.cat([t.flatten() for t in d]))
+        want_rms = torch.cat([t.flatten() for t in a]).pow(2).mean().sqrt()
+        assert w.series("lin", "delta_norm")[k].item() == pytest.approx(want_norm.item(), rel=1e-6)
+        assert w.series("lin", "delta_max")[k].item() == max(t.abs().max().item() for t in d)
+        assert w.series("lin", "a_rms")[k].item() == pytest.approx(want_rms.item(), rel=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_per_step_on_gpu():
+    torch.manual_seed(0)
+    model = Net(bn=True).cuda()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    x, y = (t.cuda() for t in data())
+    run_loop(model, opt, x, y, 2)  # warm up outside the check
+    with watch(model, flight_recorder=False, batch=64) as w:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(20):
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert w.stats.shape == (20, 4, len(STAT_NAMES)) and w.anomalies == []
+
+
+def test_delta_seen_through_an_in_place_op_after_a_3d_linear():
+    """A 3-D Linear's output is a view; ReLU(inplace=True) after it replaces the view's grad_fn. δ still arrives
+    (reference: the same model with an out-of-place ReLU and a hand-written tensor hook)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 1))
+    ref = copy.deepcopy(model)
+    ref[1] = nn.ReLU()
+    x, y = torch.randn(2, 3, 4), torch.randn(2, 3, 1)
+    deltas = []
+
+    def hook(m, i, out):
+        out.register_hook(deltas.append)
+
+    ref[0].register_forward_hook(hook)
+    for m in (ref, model):
+        w = watch(model) if m is model else None
+        for _ in range(3):
+            m.zero_grad()
+            F.mse_loss(m(x), y).backward()
+        if w is not None:
+            w.close()
+    want = [torch.linalg.vector_norm(g).double() for g in deltas]
+    assert len(want) == 3 and torch.equal(w.series("0", "delta_norm"), torch.stack(want))
+
+
+@pytest.mark.parametrize("flight_recorder", [True, False])
+def test_reading_mid_step_changes_no_statistic(flight_recorder):
+    """Reading w.stats between backward and opt.step moves that step's row to the host before its update
+    ratio exists; the optimizer step then writes it there. Same statistics as a loop read only at the end."""
+    x, y = data()
+    results = []
+    for read in (False, True):
+        torch.manual_seed(0)
+        model = Net(bn=False, p=0.0)
+        opt = torch.optim.Adam(model.parameters(), 1e-2)
+        with watch(model, flight_recorder=flight_recorder) as w:
+            run_loop(model, opt, x, y, 6, on_step=(lambda k: w.stats) if read else None)
+        results.append(w.stats)
+    assert torch.isfinite(results[0][:, :, STAT_NAMES.index("update_ratio")]).all()
+    assert torch.equal(results[0], results[1])
