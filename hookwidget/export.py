@@ -22,20 +22,22 @@ DETAIL_SIDE = 64  # heatmap cells per side on the page (the live widget sends up
 DETAIL_LIMIT = 200  # layers and parameter nodes with inlined detail (a 10,000-layer chain stays quick to export)
 
 
-def to_html(trace, path) -> pathlib.Path:
-    """Write the explorer for `trace` to `path` (one HTML file); returns the path."""
+def to_html(trace, path, diff: dict | None = None) -> pathlib.Path:
+    """Write the explorer for `trace` to `path` (one HTML file); returns the path.
+
+    `diff` (payload.diff's dict, as the widget shows it after a rerun) is shown below the explorer."""
     path = pathlib.Path(path)
-    path.write_text(page(trace), encoding="utf-8")
+    path.write_text(page(trace, diff=diff), encoding="utf-8")
     return path
 
 
-def page(trace, title: str = "hookwidget trace") -> str:
+def page(trace, title: str = "hookwidget trace", diff: dict | None = None) -> str:
     """The HTML text of the standalone page."""
     bundle_path = STATIC / "standalone.js"
     if not bundle_path.exists():
         raise FileNotFoundError(f"{bundle_path} is missing: build the front-end with `npm run build` "
                                 "(or `pip install -e .`, which runs it)")
-    data = {"summary": payload.summary(trace), **details(trace)}
+    data = {"summary": payload.summary(trace), "diff": diff, **details(trace)}
     nonce = secrets.token_urlsafe(18)
     csp = (f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; img-src data: blob:; "
            "connect-src 'none'; base-uri 'none'; form-action 'none'; object-src 'none'")

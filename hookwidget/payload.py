@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 
 MAX_SIDE = 200  # cells per side of a heatmap sent to the front-end
+MAX_SAMPLES = 8  # samples of a (B, C, H, W) or (B, T, d) tensor sent as pictures (one selectable at a time)
+MAX_CHANNELS = 64  # channel maps per sample of a conv activation / δ
+MAP_SIDE = 32  # cells per side of one channel map
 PER_SAMPLE_LIMIT = 50_000_000  # floats: above this, the per-sample δ⊗a heatmap is skipped
 HEALTH_LIMIT = 4_000_000  # layers × parameters: above this trace.health() (quadratic today) is skipped
 _health_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -30,6 +33,8 @@ def summary(trace) -> dict:
         "params": {n: _tensor_norm(g) for n, g in trace.param_grads.items()},
         "loss": _num(trace.loss),
         "notes": [str(n) for n in trace.notes],
+        "has_grads": bool(trace.param_grads) or any(c.delta is not None or c.delta_summary is not None
+                                                    for layer in trace.layers.values() for c in layer.calls[:1]),
         "hooks": hooks(trace),
         "kinds": kinds(),
         "health": h,
@@ -87,7 +92,8 @@ def module_tree(trace, flags: dict | None = None) -> list[dict]:
 def hooks(trace) -> list[dict]:
     """The interventions on the trace; a Python callable is shown by its name, never sent."""
     out = []
-    for iv in getattr(trace, "interventions", []):
+    session = getattr(trace, "session", None)
+    for iv in (session.interventions if session is not None else getattr(trace, "interventions", [])):
         params = {k: (_num(v) if isinstance(v, (int, float)) else getattr(v, "__qualname__", type(v).__name__))
                   for k, v in iv.params.items()}
         out.append({"target": iv.target, "kind": iv.kind.name, "params": params})
@@ -140,17 +146,28 @@ def diff(before, after) -> dict:
     g0, g1 = before.graph, after.graph
     changed_nodes = [n for n, attrs in g1.nodes(data=True)
                      if n not in g0 or not _same(g0.nodes[n].get("grad_norm"), attrs.get("grad_norm"))]
-    params = [{"name": p.name, "before": _num(p.before), "after": _num(p.after),
-               "rel_change": _num(p.rel_change), "cosine": _num(p.cosine)} for p in d.params]
-    changed_params = {p["name"] for p in params if p["rel_change"] != 0.0}
     owner = {n: r["name"] for r in module_tree(after, {}) for n in r["own_params"]}
+    hooked = {h["target"] for h in hooks(after)}
+    params = [{"name": p.name, "before": _num(p.before), "after": _num(p.after),
+               "rel_change": _rel(p), "cosine": _num(p.cosine),
+               "hooked": p.name in hooked or owner.get(p.name) in hooked} for p in d.params]
+    changed_params = {p["name"] for p in params if p["rel_change"] != 0.0}
     return {
+        "against": "baseline" if before is getattr(getattr(after, "session", None), "baseline", None) else "previous",
+        "hooks": sorted(hooked),
         "loss_before": _num(d.loss_before), "loss_after": _num(d.loss_after), "params": params,
         "layers": {n: [_num(b), _num(a)] for n, (b, a) in d.layers.items()},
         "changed_nodes": changed_nodes,
         "changed_modules": sorted({owner[p] for p in changed_params if p in owner}
                                   | {g1.nodes[n].get("module") or "" for n in changed_nodes} - {""}),
     }
+
+
+def _rel(p):
+    """‖g₁−g₀‖/‖g₀‖; "new" where g₀ = 0 and g₁ is not."""
+    if p.rel_change is not None and not p.before and p.after:
+        return "new"
+    return _num(p.rel_change)
 
 
 # -- detail --------------------------------------------------------------------------------------
@@ -173,7 +190,7 @@ def _layer_detail(trace, name: str, out: _Buffers) -> dict:
     layer = trace.layers[name]
     c = layer.calls[0] if layer.calls else None
     meta = {"kind": "layer", "target": name, "cls": type(layer.module).__name__, "calls": len(layer.calls),
-            "shapes": {}, "notes": [], "flags": health(trace).get("layers", {}).get(name, [])}
+            "shapes": {}, "notes": _layer_notes(trace, name), "flags": health(trace).get("layers", {}).get(name, [])}
     if c is not None:
         meta["shapes"] = {"a": _tensor_info(c.a, c.a_summary), "delta": _tensor_info(c.delta, c.delta_summary),
                           "output": _shape(c.output_shape)}
@@ -185,6 +202,10 @@ def _layer_detail(trace, name: str, out: _Buffers) -> dict:
         pname = f"{name}.weight" if name else "weight"
         autograd = trace.param_grads.get(pname)
         out.add("grad_autograd", autograd, "param")
+        reason = _unsupported(trace, name)
+        if reason is not None:
+            meta["unsupported"] = reason
+            return meta
         rebuilt = _try(lambda: trace.weight_grad(name), meta)
         out.add("grad_rebuilt", rebuilt, "param")
         if autograd is not None and rebuilt is not None and autograd.shape == rebuilt.shape:
@@ -199,7 +220,7 @@ def _layer_detail(trace, name: str, out: _Buffers) -> dict:
             norms = _try(lambda: trace.per_sample_grad_norms(name), meta)
             out.add("per_sample_norms", norms, "vector")
         storage = _try(lambda: trace.storage(name), meta)
-        if storage is not None:
+        if storage is not None and any(v for v in storage.values() if isinstance(v, (int, float))):
             meta["storage"] = {k: (_shape(v) if isinstance(v, tuple) else v) for k, v in storage.items()}
     return meta
 
@@ -228,7 +249,10 @@ class _Buffers:
     def add(self, key: str, t, layout: str) -> None:
         if t is None:
             return
-        view, info = downsample(t, layout, self.max_side)
+        if layout == "rows" and t.dim() in (3, 4) and t.shape[0] > 0:
+            view, info = samples(t, self.max_side)
+        else:
+            view, info = downsample(t, layout, self.max_side)
         info["buffer"] = len(self.buffers)
         self.buffers.append(view.tobytes())
         self.meta[key] = info
@@ -241,7 +265,6 @@ def downsample(t: torch.Tensor, layout: str = "rows", max_side: int = MAX_SIDE) 
     "param": first dim as rows, the rest as columns (weights); "vector": 1-D, at most MAX_SIDE*5 bars."""
     MAX = max_side  # noqa: N806
     x = t.detach().to("cpu", torch.float32)
-    true_shape = [int(s) for s in x.shape]
     if layout == "vector":
         x = x.reshape(-1)
         n = x.numel()
@@ -264,12 +287,61 @@ def downsample(t: torch.Tensor, layout: str = "rows", max_side: int = MAX_SIDE) 
         arr = x.contiguous().numpy()
         shape = [int(arr.shape[0]), int(arr.shape[1])]
     arr = np.ascontiguousarray(arr, dtype="<f4")
+    return arr, _describe(arr, shape, t, "matrix")
+
+
+def samples(t: torch.Tensor, max_side: int = MAX_SIDE) -> tuple[np.ndarray, dict]:
+    """Pictures that fit the tensor, for the first MAX_SAMPLES samples:
+
+    (B, C, H, W) -> (S, C', h, w): per-channel maps (C' ≤ MAX_CHANNELS, h, w ≤ MAP_SIDE), layout "channels";
+    (B, T, d)    -> (S, T', d'): one T × d picture per sample (≤ max_side per side), layout "sequence"."""
+    x = t.detach().to("cpu", torch.float32)[:MAX_SAMPLES]
+    if x.dim() == 4:
+        s, c, hh, ww = x.shape
+        x = x[:, :MAX_CHANNELS]
+        side = min(MAP_SIDE, max_side)
+        if hh > side or ww > side:
+            x = F.adaptive_avg_pool2d(x, (min(hh, side), min(ww, side)))
+        layout = "channels"
+    else:
+        s, tt, d = x.shape
+        if tt > max_side or d > max_side:
+            x = F.adaptive_avg_pool2d(x.unsqueeze(1), (min(tt, max_side), min(d, max_side)))[:, 0]
+        layout = "sequence"
+    arr = np.ascontiguousarray(x.contiguous().numpy(), dtype="<f4")
+    info = _describe(arr, [int(v) for v in arr.shape], t, layout)
+    info["samples"] = int(arr.shape[0])
+    return arr, info
+
+
+def _describe(arr: np.ndarray, shape: list, t: torch.Tensor, layout: str) -> dict:
+    """The picture's own range (for its colour scale) and the statistics of the FULL tensor beside it."""
     finite = arr[np.isfinite(arr)]
-    info = {"dtype": "float32", "shape": shape, "true_shape": true_shape,
+    return {"dtype": "float32", "shape": shape, "true_shape": [int(s) for s in t.shape], "layout": layout,
             "min": _num(float(finite.min())) if finite.size else None,
             "max": _num(float(finite.max())) if finite.size else None,
-            "nonfinite": int(arr.size - finite.size)}
-    return arr, info
+            "nonfinite": int(arr.size - finite.size), "stats": stats(t)}
+
+
+def stats(t: torch.Tensor) -> dict:
+    """min, max, mean, std over the finite entries, the 2-norm, and NaN / Inf counts of the whole tensor."""
+    x = t.detach()
+    x = x if x.is_floating_point() else x.float()
+    n = x.numel()
+    if n == 0:
+        return {"numel": 0, "min": None, "max": None, "mean": None, "std": None, "norm": 0.0, "nan": 0, "inf": 0}
+    nan = int(torch.isnan(x).sum())
+    inf = int(torch.isinf(x).sum())
+    f = x[torch.isfinite(x)] if nan or inf else x.reshape(-1)
+    if f.numel() == 0:
+        return {"numel": n, "min": None, "max": None, "mean": None, "std": None, "norm": _num(_norm(x)),
+                "nan": nan, "inf": inf}
+    # float64 for small tensors; float32 (torch sums pairwise) past 65,536 entries, where a float64 copy
+    # of an embedding's gradient would cost more than the rest of the detail.
+    std, mean = torch.std_mean(f.double() if f.numel() <= 65_536 else f.float(), unbiased=False)
+    lo, hi = torch.aminmax(f)
+    return {"numel": int(n), "min": _num(float(lo)), "max": _num(float(hi)), "mean": _num(float(mean)),
+            "std": _num(float(std)), "norm": _num(_norm(x)), "nan": nan, "inf": inf}
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -335,12 +407,36 @@ def _supports(trace, name: str) -> bool:
         return False
 
 
+def _unsupported(trace, name: str) -> str | None:
+    """One line saying why (a, δ) do not rebuild this layer's W.grad, or None when they do."""
+    if _supports(trace, name):
+        return None
+    module = trace.layers[name].module
+    try:
+        from . import factors
+
+        why = factors.unsupported_reason(module)
+    except Exception:
+        why = None
+    return (f"{type(module).__name__}: no (a, δ) factor rule{f' ({why})' if why else ''}, so W.grad is shown "
+            "from autograd only (no rebuilt W.grad, per-sample gradients or storage figures)")
+
+
+def _layer_notes(trace, name: str) -> list[str]:
+    """The trace's notes that name this layer (whole name), one line each."""
+    import re
+
+    pat = re.compile(r"(?<![\w.])" + re.escape(name) + r"(?![\w.])") if name else None
+    return [str(n).splitlines()[0] for n in trace.notes if pat is not None and pat.search(str(n))][:10]
+
+
 def _try(fn, meta: dict):
     """Run fn; on an error keep its one-line message in meta['notes'] and return None."""
     try:
         return fn()
     except Exception as e:
-        meta["notes"].append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        text = str(e).strip().splitlines()
+        meta["notes"].append(text[0][:300] if text else f"failed: {type(e).__name__}")
         return None
 
 

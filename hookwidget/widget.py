@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import time
+import weakref
 
 import anywidget
 import traitlets
@@ -32,6 +33,10 @@ NOT_BUILT = ('export default { render({ el }) { el.textContent = "hookwidget: th
              '(hookwidget/static/widget.js is missing): run `npm run build` or `pip install -e .`"; } };')
 
 
+class TraceFreed(RuntimeError):
+    """The trace this widget showed was garbage-collected (the widget holds it weakly)."""
+
+
 class MessageError(ValueError):
     """A front-end message that does not follow the schema."""
 
@@ -42,12 +47,48 @@ class HookWidget(anywidget.AnyWidget):
     _esm = ESM if ESM.exists() else NOT_BUILT  # ANYWIDGET_HMR=1 reloads it when `npm run dev` rebuilds
     summary = traitlets.Dict().tag(sync=True)
     readonly = traitlets.Bool(False).tag(sync=True)
+    diff = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)  # the last rerun's changes
 
     def __init__(self, trace, **kwargs):
         super().__init__(**kwargs)
-        self.trace = trace
+        # Held weakly: displaying a trace must not keep it (and its tensors) alive after `del t`.
+        session = getattr(trace, "session", None)
+        self._session_ref = weakref.ref(session) if session is not None else None
+        self._trace_ref = weakref.ref(trace)
         self.summary = payload.summary(trace)
         self.on_msg(self._on_msg)
+
+    @property
+    def session(self):
+        """The session shared by the trace, its reruns and this widget (None once freed or without one)."""
+        return self._session_ref() if self._session_ref is not None else None
+
+    @property
+    def trace(self):
+        """The trace on screen: the session's latest after a rerun; raises once the user's trace was freed."""
+        session = self.session
+        t = getattr(session, "latest", None) if session is not None else None
+        t = t if t is not None else self._trace_ref()
+        if t is None:
+            raise TraceFreed("this trace was freed: run the cell again")
+        return t
+
+    @trace.setter
+    def trace(self, t) -> None:
+        self._trace_ref = weakref.ref(t)
+
+    def sync(self) -> None:
+        """Catch up with what Python did to the session since the last message: a rerun from Python
+        (session.latest is newer than the trace on screen) or hooks added or removed with t.add_hook."""
+        session = self.session
+        latest = getattr(session, "latest", None) if session is not None else None
+        if latest is not None and latest is not self._trace_ref():
+            self.trace = latest
+            self.summary = payload.summary(latest)
+        elif session is not None or self._trace_ref() is not None:
+            hooks = payload.hooks(self.trace)
+            if hooks != self.summary.get("hooks"):
+                self.summary = {**self.summary, "hooks": hooks}
 
     def _on_msg(self, _widget, content, buffers) -> None:
         rid = content.get("request_id") if isinstance(content, dict) else None
@@ -59,7 +100,10 @@ class HookWidget(anywidget.AnyWidget):
             self._status(rid, "error", f"rejected message: {e}")
             return
         try:
+            self.sync()
             getattr(self, "_do_" + msg["type"])(msg)
+        except TraceFreed as e:
+            self._status(rid, "error", str(e))
         except Exception as e:  # reported to the front-end, never swallowed
             text = _one_line(e)
             log.warning("hookwidget: %s failed: %s", msg["type"], text)
@@ -75,12 +119,13 @@ class HookWidget(anywidget.AnyWidget):
         from .interventions import make
 
         make(msg["target"], msg["kind"], msg["params"], from_frontend=True)  # validates; raises one line
-        self.trace.add_hook(msg["target"], msg["kind"], **msg["params"])
+        owner = self.session or self.trace
+        owner.add_hook(msg["target"], msg["kind"], **msg["params"])
         self.summary = {**self.summary, "hooks": payload.hooks(self.trace)}
         self._status(msg["request_id"], "done", f"{msg['kind']} on {msg['target']} added; rerun to apply")
 
     def _do_remove_hook(self, msg: dict) -> None:
-        self.trace.remove_hook(msg["target"], msg["kind"])
+        (self.session or self.trace).remove_hook(msg["target"], msg["kind"])
         self.summary = {**self.summary, "hooks": payload.hooks(self.trace)}
         self._status(msg["request_id"], "done", f"{msg['kind']} on {msg['target']} removed; rerun to apply")
 
@@ -88,15 +133,27 @@ class HookWidget(anywidget.AnyWidget):
         self._status(msg["request_id"], "running", "rerunning the traced code")
         start = time.perf_counter()
         before = self.trace
-        after = before.rerun()
-        changes = payload.diff(before, after)
+        session = self.session
+        after = session.rerun() if session is not None else before.rerun()
+        # Compared with the hook-free first run by default (the session's baseline).
+        baseline = getattr(session, "baseline", None) or before
+        changes = payload.diff(baseline, after)
         self.trace = after
+        self.diff = changes
+        if session is None:
+            self._latest = after  # no session to hold it
         self.summary = payload.summary(after)
         secs = time.perf_counter() - start
         self.send({"type": "trace", "request_id": msg["request_id"], "diff": changes, "seconds": round(secs, 3)})
         self._status(msg["request_id"], "done", f"rerun done in {secs:.2f} s: loss "
                      f"{_fmt(changes['loss_before'])} → {_fmt(changes['loss_after'])}, "
                      f"{len(changes['changed_modules'])} module(s) changed")
+
+    def to_html(self, path):
+        """Write what is on screen (the latest trace, its hooks and the last rerun's diff) as a standalone page."""
+        from .export import to_html
+
+        return to_html(self.trace, path, diff=self.diff)
 
     def _status(self, request_id, state: str, text: str) -> None:
         self.send({"type": "status", "request_id": request_id, "state": state, "text": text})
@@ -140,9 +197,14 @@ def validate(content) -> dict:
 
 
 def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
+    """The error's first line; the class name only where the message alone would not say what went wrong
+    (a bad value or unknown name reads as its message: "grad_clamp: min=1.0 is above max=-1.0")."""
+    raw = e.args[0] if isinstance(e, KeyError) and e.args and isinstance(e.args[0], str) else str(e)
+    text = raw.strip().splitlines()
+    if text and isinstance(e, (ValueError, KeyError, TypeError)):
+        return text[0][:500]
     return f"{type(e).__name__}: {text[0] if text else ''}"[:500]
 
 
 def _fmt(v) -> str:
-    return "-" if v is None else (f"{v:.6g}" if isinstance(v, float) else str(v))
+    return "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))

@@ -6,7 +6,10 @@
 // the root of a 10,000-layer chain never asks the layout for 10,000 boxes at once.
 
 export const CHUNK = 50;
-export const DEFAULT_LIMIT = 300;
+export const DEFAULT_LIMIT = 40; // boxes in the first view: few enough to read at ≥ 11 px
+export const MIN_REPEAT = 3; // a run of this many same-class siblings h.0, h.1, … folds into one group
+
+const NUMBERED = /^(.*?)(\d+)$/;
 
 /** Module hierarchy with chunk groups: {groups: Map(key -> {key, name, label, cls, parent, depth, leaf, chunk}), order}. */
 export function buildHierarchy(modules) {
@@ -21,7 +24,10 @@ export function buildHierarchy(modules) {
     groups.get(m.name).parent = p;
     children.get(p).push(m.name);
   }
-  for (const [parent, kids] of [...children.entries()]) chunkChildren(groups, parent, kids);
+  for (const [parent, kids] of [...children.entries()]) {
+    const folded = foldRepeats(groups, parent, kids);
+    for (const [p, list] of folded) chunkChildren(groups, p, list);
+  }
   for (const g of groups.values()) {
     let d = 0;
     for (let p = g.parent; p !== null; p = groups.get(p).parent) d++;
@@ -30,6 +36,45 @@ export function buildHierarchy(modules) {
   for (const g of groups.values()) g.leaf = true;
   for (const g of groups.values()) if (g.parent !== null) groups.get(g.parent).leaf = false;
   return groups;
+}
+
+const localName = (name, parent) => (parent && name.startsWith(parent + ".") ? name.slice(parent.length + 1) : name);
+
+/** Runs of ≥ MIN_REPEAT siblings of one class named prefix0, prefix1, … (a ModuleList of blocks) become one
+ * folded group "h.0 … h.11" · "GPT2Block × 12". Returns [[parent, children]] lists left to chunk. */
+function foldRepeats(groups, parent, kids) {
+  const out = [];
+  const top = [];
+  let i = 0;
+  while (i < kids.length) {
+    const first = groups.get(kids[i]);
+    const m = NUMBERED.exec(first.name ?? "");
+    let j = i + 1;
+    if (m) {
+      while (j < kids.length) {
+        const g = groups.get(kids[j]);
+        const mj = NUMBERED.exec(g.name ?? "");
+        if (!mj || mj[1] !== m[1] || g.cls !== first.cls || Number(mj[2]) !== Number(m[2]) + (j - i)) break;
+        j++;
+      }
+    }
+    if (m && j - i >= MIN_REPEAT) {
+      const run = kids.slice(i, j);
+      const last = groups.get(run[run.length - 1]);
+      const pname = parent === null ? null : groups.get(parent)?.name ?? null;
+      const key = `\u0000repeat:${parent ?? ""}:${first.key}:${run.length}`;
+      const label = `${localName(first.name, pname)} … ${localName(last.name, pname)}`;
+      groups.set(key, { key, name: null, label, cls: `${first.cls} × ${run.length}`, parent, chunk: true, repeat: true, members: run.length });
+      for (const k of run) groups.get(k).parent = key;
+      top.push(key);
+      out.push([key, run]);
+    } else {
+      for (let k = i; k < j; k++) top.push(kids[k]);
+    }
+    i = j;
+  }
+  out.push([parent, top]);
+  return out;
 }
 
 function chunkChildren(groups, parent, kids) {
@@ -109,16 +154,26 @@ export function visibleGraph(graph, groups, expanded) {
   return { items, edges, clusters: [...clusters], keys };
 }
 
-/** Expanded set for the first view: non-leaf groups down to the deepest level that keeps at most `limit` boxes. */
+/** Expanded set for the first view: non-leaf groups down to the deepest level that keeps at most `limit` boxes.
+ * Folded repeats stay folded (their members are alike, one click away) unless the view would be nearly empty. */
 export function initialExpanded(graph, groups, limit = DEFAULT_LIMIT) {
   const maxDepth = Math.max(0, ...[...groups.values()].map((g) => g.depth));
-  let best = new Set();
-  for (let d = 1; d <= maxDepth; d++) {
-    const exp = new Set([...groups.values()].filter((g) => g.depth < d && !g.leaf).map((g) => g.key));
-    if (countVisible(graph, groups, exp) > limit) break;
-    best = exp;
-  }
-  return best;
+  const deepest = (openRepeats) => {
+    let best = new Set();
+    for (let d = 1; d <= maxDepth; d++) {
+      const exp = new Set([...groups.values()].filter((g) => g.depth < d && !g.leaf && (openRepeats || (!g.repeat && !insideRepeat(groups, g)))).map((g) => g.key));
+      if (countVisible(graph, groups, exp) > limit) break;
+      best = exp;
+    }
+    return best;
+  };
+  const folded = deepest(false);
+  return countVisible(graph, groups, folded) >= 8 ? folded : deepest(true);
+}
+
+function insideRepeat(groups, g) {
+  for (let p = g.parent; p !== null && p !== undefined; p = groups.get(p).parent) if (groups.get(p).repeat) return true;
+  return false;
 }
 
 export function countVisible(graph, groups, expanded) {

@@ -1,7 +1,8 @@
 // The detail panel: what one layer or graph node saw — shapes, a and δ heatmaps, W.grad from autograd
 // beside the one rebuilt from (a, δ) with their max abs difference, per-sample norms, storage, health.
-import { bars, heatmap } from "./charts.js";
-import { fmt, fmtShape, h } from "./dom.js";
+import { bars, heatmap, tensorView } from "./charts.js";
+import { h } from "./dom.js";
+import { fmt, fmtCount, fmtShape } from "./format.js";
 
 export function createDetailPanel() {
   const body = h("div", { class: "hw-detail-body" }, h("div", { class: "hw-dim", text: "click a module or node to see its detail" }));
@@ -11,6 +12,7 @@ export function createDetailPanel() {
 
   return {
     el,
+    clear() { show([h("div", { class: "hw-dim", text: "click a module or node to see its detail" })]); },
     loading(target) { show([h("div", { class: "hw-panel-title", text: target }), h("div", { class: "hw-dim", text: "loading…" })]); },
     error(target, text) { show([h("div", { class: "hw-panel-title", text: target }), h("div", { class: "hw-error", text })]); },
     render(meta, tensors, summary) { show(meta.kind === "layer" ? layerDetail(meta, tensors, summary) : nodeDetail(meta, tensors)); },
@@ -28,14 +30,15 @@ function layerDetail(meta, t, summary) {
       ["output", fmtShape(sh.output), "shape-output"],
       sh.weight ? ["weight", fmtShape(sh.weight), "shape-weight"] : null,
       ["calls", String(meta.calls), null],
-      row ? ["parameters", fmt(row.params), null] : null,
-      row && row.grad_norm !== null ? ["‖grad‖ (own params)", fmt(row.grad_norm), "grad-norm"] : null,
+      row ? ["parameters", row.params >= 1000 ? `${fmtCount(row.params)} (${fmt(row.params)})` : fmt(row.params), null] : null,
+      row && row.grad_norm !== null ? ["‖grad‖₂ (own params)", fmt(row.grad_norm), "grad-norm"] : null,
       row && row.user_hooks && row.user_hooks.length ? ["your hooks (they act in every trace)", row.user_hooks.join("; "), "user-hooks"] : null,
     ]),
     flags(meta.flags),
+    meta.unsupported ? h("div", { class: "hw-note hw-unsupported", "data-testid": "unsupported", text: meta.unsupported }) : null,
   ];
   if (t.a || t.delta) {
-    out.push(h("div", { class: "hw-figs" }, t.a ? heatmap("a", t.a, { testid: "heat-a" }) : null, t.delta ? heatmap("δ", t.delta, { testid: "heat-delta" }) : null));
+    out.push(h("div", { class: "hw-figs" }, t.a ? tensorView("a", t.a, { testid: "heat-a" }) : null, t.delta ? tensorView("δ", t.delta, { testid: "heat-delta" }) : null));
   }
   if (t.grad_autograd || t.grad_rebuilt) {
     const absmax = Math.max(...[t.grad_autograd, t.grad_rebuilt].filter(Boolean).map((x) => Math.max(Math.abs(+x.min || 0), Math.abs(+x.max || 0))));
@@ -46,9 +49,9 @@ function layerDetail(meta, t, summary) {
       t.per_sample_grad0 ? heatmap("δ⊗a, sample 0", t.per_sample_grad0, { testid: "heat-per-sample" }) : null));
   }
   if (meta.max_abs_diff !== undefined) {
-    out.push(h("div", { class: "hw-maxdiff" }, "max |W.grad − rebuilt| = ", h("b", { "data-testid": "maxdiff", "data-value": String(meta.max_abs_diff), text: fmt(meta.max_abs_diff, 3) })));
+    out.push(h("div", { class: "hw-maxdiff" }, "max |W.grad − rebuilt| = ", h("b", { "data-testid": "maxdiff", "data-value": String(meta.max_abs_diff), text: fmt(meta.max_abs_diff) })));
   }
-  if (t.per_sample_norms) out.push(bars("per-sample ‖grad‖", t.per_sample_norms, { testid: "per-sample-norms" }));
+  if (t.per_sample_norms) out.push(bars("per-sample ‖grad‖₂", t.per_sample_norms, { testid: "per-sample-norms" }));
   if (meta.storage) {
     const st = meta.storage;
     out.push(h("div", { class: "hw-section", text: "storage (floats)" }), table([
@@ -71,7 +74,7 @@ function nodeDetail(meta, t) {
       ["module", meta.module || "–", null],
       meta.param ? ["parameter", meta.param, "param"] : null,
       ["shape", fmtShape(meta.shape), "shape-node"],
-      ["‖grad‖", fmt(meta.grad_norm), "grad-norm"],
+      ["‖grad‖₂", fmt(meta.grad_norm), "grad-norm"],
       ["gradient goes to", meta.next.join(", ") || "– (leaf)", null],
       ["gradient comes from", meta.prev.join(", ") || "– (root)", null],
     ]),
@@ -83,7 +86,7 @@ function nodeDetail(meta, t) {
 function shapeCell(info) {
   if (!info) return "not captured";
   const extra = `${info.kept ? "" : " (summary only)"}${info.nonfinite ? `, ${info.nonfinite} NaN/Inf` : ""}`;
-  return `${fmtShape(info.shape)} ‖·‖=${fmt(info.norm)}${extra}`;
+  return `${fmtShape(info.shape)} ‖·‖₂ = ${fmt(info.norm)}${extra}`;
 }
 
 function table(rows) {
@@ -98,5 +101,5 @@ function flags(list) {
 
 function notes(list) {
   if (!list || !list.length) return null;
-  return h("ul", { class: "hw-notes" }, ...list.map((n) => h("li", { text: n })));
+  return h("ul", { class: "hw-notes", "data-testid": "layer-notes" }, ...list.map((n) => h("li", { text: n })));
 }

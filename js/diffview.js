@@ -1,19 +1,46 @@
-// What a rerun changed: loss and per-parameter gradient norms before/after.
-import { fmt, h } from "./dom.js";
+// What a rerun changed, against the hook-free run (the session's baseline) unless said otherwise:
+// loss, and per parameter ‖grad‖₂ before / after, relative change ‖g₁−g₀‖₂/‖g₀‖₂ ("new" where
+// g₀ = 0) and cosine. Click a column header to sort; parameters of hooked modules are marked.
+import { h } from "./dom.js";
+import { fmt } from "./format.js";
+
+const COLS = [
+  { key: "name", label: "parameter", title: "qualified parameter name; ⚓ = a hook sits on its module" },
+  { key: "before", label: "‖g₀‖₂", title: "gradient norm in the compared run (hook-free baseline by default)" },
+  { key: "after", label: "‖g₁‖₂", title: "gradient norm in this rerun" },
+  { key: "rel_change", label: "‖g₁−g₀‖₂ / ‖g₀‖₂", title: "relative change of the gradient; “new” where g₀ = 0" },
+  { key: "cosine", label: "cosine", title: "cos(g₀, g₁): 1 = same direction" },
+];
+
+const sortValue = (v) => (v === "new" || v === "inf" ? Infinity : v === "-inf" ? -Infinity : v === "nan" || v === null || v === undefined ? -Infinity : v);
 
 export function createDiffView() {
   const el = h("div", { class: "hw-diff", "data-testid": "diff" });
-  return {
-    el,
-    render(diff) {
-      if (!diff) { el.replaceChildren(); return; }
-      const rows = diff.params.map((p) => h("tr", { class: p.rel_change === 0 ? "" : "changed", "data-param": p.name },
-        h("td", { text: p.name }), h("td", { text: fmt(p.before) }), h("td", { "data-testid": "after", text: fmt(p.after) }),
-        h("td", { text: fmt(p.rel_change) })));
-      el.replaceChildren(
-        h("div", { class: "hw-panel-title", text: "last rerun" }),
-        h("div", { "data-testid": "diff-loss", text: `loss ${fmt(diff.loss_before, 6)} → ${fmt(diff.loss_after, 6)}` }),
-        h("table", { class: "hw-table" }, h("tr", {}, ...["parameter", "‖grad‖ before", "after", "rel. change"].map((t) => h("th", { text: t }))), ...rows));
-    },
-  };
+  let diff = null;
+  let sort = { key: "rel_change", desc: true };
+
+  function draw() {
+    if (!diff) { el.replaceChildren(); return; }
+    const rows = [...diff.params].sort((a, b) => {
+      const [x, y] = sort.key === "name" ? [a.name, b.name] : [sortValue(a[sort.key]), sortValue(b[sort.key])];
+      const c = x < y ? -1 : x > y ? 1 : 0;
+      return sort.desc ? -c : c;
+    });
+    const head = h("tr", {}, ...COLS.map((c) => h("th", { class: "hw-sortable", "data-sort": c.key, title: c.title, tabindex: "0",
+      "aria-sort": sort.key === c.key ? (sort.desc ? "descending" : "ascending") : "none",
+      onclick: () => { sort = { key: c.key, desc: sort.key === c.key ? !sort.desc : c.key !== "name" }; draw(); },
+      onkeydown: (e) => { if (e.key === "Enter") e.currentTarget.click(); },
+      text: c.label + (sort.key === c.key ? (sort.desc ? " ▾" : " ▴") : "") })));
+    const body = rows.map((p) => h("tr", { class: (p.rel_change === 0 ? "" : "changed") + (p.hooked ? " hooked" : ""), "data-param": p.name },
+      h("td", { text: (p.hooked ? "⚓ " : "") + p.name, title: p.hooked ? "a hook sits on this parameter's module" : undefined }),
+      h("td", { text: fmt(p.before) }), h("td", { "data-testid": "after", text: fmt(p.after) }),
+      h("td", { "data-testid": "rel-change", text: fmt(p.rel_change) }), h("td", { "data-testid": "cosine", text: fmt(p.cosine) })));
+    const against = diff.against === "previous" ? "the previous run" : "the hook-free run";
+    el.replaceChildren(
+      h("div", { class: "hw-panel-title", text: `last rerun, compared with ${against}` }),
+      h("div", { "data-testid": "diff-loss", text: `loss ${fmt(diff.loss_before)} → ${fmt(diff.loss_after)}` + (diff.hooks?.length ? ` · hooks on: ${diff.hooks.join(", ")}` : "") }),
+      h("table", { class: "hw-table hw-diff-table" }, head, ...body));
+  }
+
+  return { el, render(d) { diff = d; draw(); } };
 }

@@ -26,19 +26,7 @@ function build(el, attrs, children) {
   return el;
 }
 
-/** Format a number from the kernel ("nan"/"inf" strings stay as they are). */
-export function fmt(v, digits = 4) {
-  if (v === null || v === undefined) return "–";
-  if (typeof v === "string") return v;
-  if (Number.isInteger(v) && Math.abs(v) < 1e6) return String(v);
-  if (v !== 0 && (Math.abs(v) < 1e-3 || Math.abs(v) >= 1e5)) return v.toExponential(digits - 1);
-  return Number(v.toPrecision(digits)).toString();
-}
-
-export function fmtShape(shape) {
-  if (shape === null || shape === undefined) return "–";
-  return "(" + shape.join(", ") + (shape.length === 1 ? ",)" : ")");
-}
+export { fmt, fmtShape } from "./format.js";
 
 /** Escape a value for an attribute selector. */
 export const cssEscape = (v) => (globalThis.CSS?.escape ? globalThis.CSS.escape(v) : String(v).replace(/["\\\]]/g, "\\$&"));

@@ -1,11 +1,17 @@
 // The grad_fn graph view: module boxes (collapsed) and op nodes, laid out by dagre, drawn in SVG,
 // with zoom, pan, fit, search and a toggle between gradient-flow and forward direction.
+// Pan and zoom by d3-zoom; the default view keeps labels readable (≥ 11 px) rather than fitting a tall graph.
 import dagre from "@dagrejs/dagre";
+import { select as d3select } from "d3-selection";
+import { zoom as d3zoom, zoomIdentity } from "d3-zoom";
 import { buildHierarchy, initialExpanded, search, visibleGraph } from "./collapse.js";
-import { cssEscape, fmt, fmtShape, h, s } from "./dom.js";
+import { cssEscape, h, s } from "./dom.js";
+import { fmt, fmtShape } from "./format.js";
 
 let instances = 0;
-const MAX_BOXES = 800; // dagre needs seconds past ~500 boxes in a deep chain and overflows its stack near 2,000
+const MAX_BOXES = 800;
+const LABEL_PX = 12; // font size of box and node labels (styles.js); the default view keeps them ≥ 11 px on screen
+const MIN_READABLE = 11; // dagre needs seconds past ~500 boxes in a deep chain and overflows its stack near 2,000
 
 export function createGraphView({ onSelect, onStatus }) {
   const uid = `hw${++instances}`;
@@ -29,7 +35,12 @@ export function createGraphView({ onSelect, onStatus }) {
     viewport);
   const info = h("div", { class: "hw-dim hw-graph-info" });
   const el = h("div", { class: "hw-graph" }, toolbar, svg, info);
-  installPanZoom(svg, state, applyView);
+  // An explicit extent: d3-zoom's default reads the SVG's width attribute, which fails for a relative
+  // width before layout (JupyterLab renders into a detached node first).
+  const zoomer = d3zoom().scaleExtent([0.02, 4]).extent(() => [[0, 0], [svg.clientWidth || 800, svg.clientHeight || 500]])
+    .filter((e) => (e.type === "wheel" || e.button === 0 || e.type.startsWith("touch")) && !e.target.closest?.(".hw-expand"))
+    .on("zoom", (e) => { const t = e.transform; state.view = { k: t.k, x: t.x, y: t.y }; viewport.setAttribute("transform", t.toString()); });
+  d3select(svg).call(zoomer).on("dblclick.zoom", null);
 
   function setSummary(summary, { keepView = false } = {}) {
     const first = !state.summary;
@@ -38,7 +49,7 @@ export function createGraphView({ onSelect, onStatus }) {
     if (first) state.expanded = initialExpanded(summary.graph, state.groups);
     else state.expanded = new Set([...state.expanded].filter((k) => state.groups.has(k)));
     draw();
-    if (first || !keepView) fit();
+    if (first || !keepView) defaultView();
   }
 
   function toggle(groupKey) {
@@ -47,8 +58,22 @@ export function createGraphView({ onSelect, onStatus }) {
     else next.add(groupKey);
     const count = visibleGraph(state.summary.graph, state.groups, next).items.size;
     if (count > MAX_BOXES) { onStatus?.("error", `expanding would draw ${count} boxes (limit ${MAX_BOXES}): expand a smaller group`); return; }
+    const opening = !state.expanded.has(groupKey);
     state.expanded = next;
     draw();
+    if (opening) showGroup(groupKey);
+  }
+
+  /** Bring an expanded group's frame into view: whole if it fits at a readable scale, else from its top. */
+  function showGroup(key) {
+    const r = [...viewport.querySelectorAll(".hw-cluster")].find((c) => c.getAttribute("data-cluster") === key);
+    if (!r) return;
+    const bx = +r.getAttribute("x"), by = +r.getAttribute("y"), bw = +r.getAttribute("width"), bh = +r.getAttribute("height");
+    const [w, hgt] = size();
+    const k = Math.max(MIN_READABLE / LABEL_PX, Math.min(state.view.k, (0.95 * w) / bw, (0.95 * hgt) / bh));
+    const x = w / 2 - (bx + bw / 2) * k;
+    const y = bh * k <= hgt ? hgt / 2 - (by + bh / 2) * k : 8 - by * k;
+    setView(k, x, y);
   }
 
   function isWithin(k, ancestor) {
@@ -65,7 +90,10 @@ export function createGraphView({ onSelect, onStatus }) {
     g.setGraph({ rankdir: state.forward ? "BT" : "TB", nodesep: 18, ranksep: 36, marginx: 10, marginy: 10 });
     g.setDefaultEdgeLabel(() => ({}));
     for (const item of vis.items.values()) {
-      const [w, hgt] = item.kind === "module" ? [Math.max(90, 7 * Math.min(32, item.label.length) + 30), 40] : [Math.max(60, 6.5 * Math.min(28, item.label.length) + 16), 24];
+      const sub = item.kind === "module" ? (item.chunk ? item.cls : `${item.cls} · ${item.nodes.length} ops`) : "";
+      const [w, hgt] = item.kind === "module"
+        ? [Math.max(100, 7.4 * Math.min(40, Math.max(item.label.length, 0.85 * Math.min(44, sub.length))) + 34), 42]
+        : [Math.max(60, 7 * Math.min(28, (item.role === "param" ? summary.graph.param[item.index] || item.label : item.label).length) + 16), 24];
       g.setNode(item.key, { width: w, height: hgt });
     }
     for (const [u, v] of vis.edges) g.setEdge(u, v);
@@ -110,8 +138,8 @@ export function createGraphView({ onSelect, onStatus }) {
       s("title", { text: `${item.chunk ? "group" : "module"} ${item.label}\n${sub}\nclick: details · double-click or +: expand` }),
       s("rect", { width: n.width, height: n.height, rx: 6, class: "hw-box-rect" }),
       hasParams ? s("rect", { width: 5, height: n.height, rx: 2, class: "hw-box-param" }) : null,
-      s("text", { x: 10, y: 16, class: "hw-box-label", text: clip(item.label, 32) }),
-      s("text", { x: 10, y: 31, class: "hw-box-sub", text: clip(sub, 36) }),
+      s("text", { x: 10, y: 17, class: "hw-box-label", text: clip(item.label, 40) }),
+      s("text", { x: 10, y: 33, class: "hw-box-sub", text: clip(sub, 44) }),
       s("g", { class: "hw-expand", "data-expand": item.group, transform: `translate(${n.width - 18},4)`,
         onclick: (e) => { e.stopPropagation(); toggle(item.group); } },
         s("rect", { width: 14, height: 14, rx: 3 }), s("text", { x: 7, y: 11, text: "+" })));
@@ -125,7 +153,7 @@ export function createGraphView({ onSelect, onStatus }) {
     const el = s("g", { class: `hw-node role-${item.role}`, "data-node-id": item.id, transform: `translate(${n.x - n.width / 2},${n.y - n.height / 2})` },
       s("title", { text: `${item.id}\nrole: ${G.role[i]}${G.module[i] ? `\nmodule: ${G.module[i]}` : ""}${G.param[i] ? `\nparameter: ${G.param[i]}` : ""}\nshape: ${fmtShape(G.shape[i])}\n|grad|: ${fmt(G.grad_norm[i])}` }),
       s("rect", { width: n.width, height: n.height, rx: item.role === "input" || item.role === "param" || item.role === "leaf" ? 2 : 12, class: "hw-node-rect" }),
-      s("text", { x: n.width / 2, y: 16, class: "hw-node-label", text: clip(G.param[i] || item.label, 28) }));
+      s("text", { x: n.width / 2, y: 16.5, class: "hw-node-label", text: clip(G.param[i] || item.label, 28) }));
     el.addEventListener("click", () => onSelect({ kind: "node", target: item.id }));
     return el;
   }
@@ -159,11 +187,11 @@ export function createGraphView({ onSelect, onStatus }) {
       const tab = s("g", attrs,
         s("title", { text: `${grp.label} (${grp.cls}) — click: details · −: collapse` }),
         s("rect", { width: Math.min(b.x1 - b.x0, 7 * Math.min(40, grp.label.length) + 34), height: 16, rx: 3 }),
-        s("text", { x: 20, y: 12, text: clip(`${grp.label}${grp.chunk ? "" : ` · ${grp.cls}`}`, 40) }),
+        s("text", { x: 20, y: 12, text: clip(`${grp.label}${grp.chunk || grp.cls === grp.label ? "" : ` · ${grp.cls}`}`, 40) }),
         s("g", { class: "hw-expand", "data-collapse": grp.key, transform: "translate(2,1)", onclick: (e) => { e.stopPropagation(); toggle(grp.key); } },
           s("rect", { width: 14, height: 14, rx: 3 }), s("text", { x: 7, y: 11, text: "−" })));
       tab.addEventListener("click", () => (grp.chunk ? toggle(grp.key) : onSelect({ kind: "module", target: grp.name })));
-      layer.append(s("rect", { class: "hw-cluster", x: b.x0, y: b.y0, width: b.x1 - b.x0, height: b.y1 - b.y0, rx: 8 }), tab);
+      layer.append(s("rect", { class: "hw-cluster", "data-cluster": grp.key, x: b.x0, y: b.y0, width: b.x1 - b.x0, height: b.y1 - b.y0, rx: 8 }), tab);
     }
   }
 
@@ -210,28 +238,48 @@ export function createGraphView({ onSelect, onStatus }) {
     draw();
   }
 
-  function centerOn(el) {
+  const size = () => [svg.clientWidth || 800, svg.clientHeight || 500];
+  const setView = (k, x, y) => d3select(svg).call(zoomer.transform, zoomIdentity.translate(x, y).scale(k));
+
+  /** Centre the view on an element of the graph (its translate), zooming in to a readable scale if needed. */
+  function centerOn(el, minK = 0) {
     const m = /translate\(([-\d.e]+),([-\d.e]+)\)/.exec(el.getAttribute("transform") || "");
     if (!m) return;
-    const w = svg.clientWidth || 800, hgt = svg.clientHeight || 500;
-    state.view.x = w / 2 - (+m[1] + 40) * state.view.k;
-    state.view.y = hgt / 2 - (+m[2] + 12) * state.view.k;
-    applyView();
+    const r = el.querySelector("rect");
+    const bw = +(r?.getAttribute("width") || 80), bh = +(r?.getAttribute("height") || 24);
+    const [w, hgt] = size();
+    const k = Math.max(state.view.k, minK);
+    setView(k, w / 2 - (+m[1] + bw / 2) * k, hgt / 2 - (+m[2] + bh / 2) * k);
   }
 
   function fit() {
-    const w = svg.clientWidth || 800, hgt = svg.clientHeight || 500;
+    const [w, hgt] = size();
     const b = state.bounds || { width: 100, height: 100 };
     const k = Math.min(1.25, Math.max(0.02, Math.min(w / b.width, hgt / b.height) * 0.95));
-    state.view = { k, x: (w - b.width * k) / 2, y: Math.max(4, (hgt - b.height * k) / 2) };
-    applyView();
+    setView(k, (w - b.width * k) / 2, Math.max(4, (hgt - b.height * k) / 2));
+  }
+
+  /** The first view: the whole graph when its labels stay ≥ 11 px, else readable labels from the top (the loss). */
+  function defaultView() {
+    const [w, hgt] = size();
+    const b = state.bounds || { width: 100, height: 100 };
+    const kFit = Math.min(1.25, Math.min(w / b.width, hgt / b.height) * 0.95);
+    if (kFit * LABEL_PX >= MIN_READABLE) { fit(); return; }
+    const k = Math.min(1.25, Math.max(MIN_READABLE / LABEL_PX + 0.02, 1));
+    const x = b.width * k <= w ? (w - b.width * k) / 2 : w / 2 - (rootX() ?? b.width / 2) * k;
+    setView(k, x, state.forward ? hgt - b.height * k - 6 : 6);
+  }
+
+  /** x of the first root-like box (where gradient flow starts), to open the view there. */
+  function rootX() {
+    const el = viewport.querySelector(".hw-node.role-root, .hw-nodes > g");
+    const m = el && /translate\(([-\d.e]+),/.exec(el.getAttribute("transform") || "");
+    const r = el?.querySelector("rect");
+    return m ? +m[1] + +(r?.getAttribute("width") || 0) / 2 : null;
   }
 
   function zoomBy(f) {
-    const w = svg.clientWidth || 800, hgt = svg.clientHeight || 500;
-    const v = state.view;
-    v.x = w / 2 - (w / 2 - v.x) * f; v.y = hgt / 2 - (hgt / 2 - v.y) * f; v.k *= f;
-    applyView();
+    d3select(svg).call(zoomer.scaleBy, f);
   }
 
   function applyView() {
@@ -239,8 +287,16 @@ export function createGraphView({ onSelect, onStatus }) {
     viewport.setAttribute("transform", `translate(${v.x},${v.y}) scale(${v.k})`);
   }
 
+  /** Pan (and zoom in if it is too small to read) to the box or node of a selection. */
+  function focus(sel) {
+    if (!sel) return;
+    const q = sel.kind === "node" ? `[data-node-id="${cssEscape(sel.target)}"]` : `.hw-nodes [data-module="${cssEscape(sel.target)}"], .hw-cluster-tab[data-module="${cssEscape(sel.target)}"]`;
+    const el = viewport.querySelector(q);
+    if (el) centerOn(el, MIN_READABLE / LABEL_PX);
+  }
+
   return {
-    el, setSummary, fit, toggle,
+    el, setSummary, fit, defaultView, focus, toggle,
     select(sel) { state.selected = sel; applyMarks(); },
     setChanged(nodes, modules) { state.changed = { nodes: new Set(nodes), modules: new Set(modules) }; applyMarks(); },
     expandTo(moduleName) {
@@ -253,31 +309,6 @@ export function createGraphView({ onSelect, onStatus }) {
     },
     get state() { return state; },
   };
-}
-
-function installPanZoom(svg, state, apply) {
-  let drag = null;
-  svg.addEventListener("wheel", (e) => {
-    e.preventDefault();
-    const r = svg.getBoundingClientRect();
-    const px = e.clientX - r.left, py = e.clientY - r.top, f = Math.exp(-e.deltaY * 0.0015);
-    const v = state.view;
-    v.x = px - (px - v.x) * f; v.y = py - (py - v.y) * f; v.k *= f;
-    apply();
-  }, { passive: false });
-  svg.addEventListener("pointerdown", (e) => {
-    if (e.target !== svg && !e.target.classList?.contains("hw-cluster")) return;
-    drag = { x: e.clientX, y: e.clientY, vx: state.view.x, vy: state.view.y };
-    svg.setPointerCapture?.(e.pointerId);
-  });
-  svg.addEventListener("pointermove", (e) => {
-    if (!drag) return;
-    state.view.x = drag.vx + e.clientX - drag.x; state.view.y = drag.vy + e.clientY - drag.y;
-    apply();
-  });
-  const end = () => { drag = null; };
-  svg.addEventListener("pointerup", end);
-  svg.addEventListener("pointercancel", end);
 }
 
 function legend() {

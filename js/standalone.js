@@ -1,5 +1,5 @@
 // Entry of the standalone page written by to_html: the same explorer on a read-only model.
-import { render } from "./index.js";
+import { render } from "./explorer.js";
 import { createStaticModel } from "./static_model.js";
 
 const nonce = document.currentScript?.nonce || "";

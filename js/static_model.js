@@ -5,7 +5,7 @@ import { base64ToBytes } from "./protocol.js";
 export function createStaticModel(data) {
   const listeners = new Map();
   const emit = (event, ...args) => queueMicrotask(() => (listeners.get(event) || []).forEach((cb) => cb(...args)));
-  const state = { summary: data.summary, readonly: true };
+  const state = { summary: data.summary, diff: data.diff ?? null, readonly: true };
   return {
     get: (key) => state[key],
     set() {}, save_changes() {},

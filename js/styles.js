@@ -11,24 +11,48 @@ export const CSS = `
   --hw-changed: #f97316; --hw-selected: #2563eb; --hw-match: #eab308; --hw-error: #dc2626;
   font: 12px/1.4 var(--jp-ui-font-family, system-ui, sans-serif);
   color: var(--hw-fg); background: var(--hw-bg);
-  display: grid; grid-template-columns: 220px minmax(300px, 1fr) 380px; grid-template-rows: 560px auto;
-  gap: 6px; border: 1px solid var(--hw-border); border-radius: 6px; padding: 6px; box-sizing: border-box;
+  display: grid; grid-template-columns: minmax(160px, max-content) minmax(300px, 1fr) minmax(280px, min(380px, 28vw));
+  grid-template-rows: auto minmax(0, 1fr) auto auto;
+  grid-template-areas: "banner banner banner" "tree graph side" "diff diff diff" "status status status";
+  height: 680px; gap: 6px; border: 1px solid var(--hw-border); border-radius: 6px; padding: 6px; box-sizing: border-box;
 }
 @media (prefers-color-scheme: dark) {
   .hw-standalone { --hw-bg: #111827; --hw-bg2: #1f2937; --hw-fg: #e5e7eb; --hw-dim: #9ca3af; --hw-border: #374151; }
   body.hw-page { background: #111827; }
 }
 .hw-root * { box-sizing: border-box; }
+.hw-standalone .hw-root, .hw-root.hw-fill { height: calc(100vh - 16px); }
+body.hw-page { margin: 8px; }
+.hw-banner { grid-area: banner; display: flex; flex-direction: column; gap: 2px; }
+.hw-banner[hidden] { display: none; }
+.hw-banner-main { padding: 4px 8px; border-radius: 4px; border: 1px solid var(--hw-changed); background: color-mix(in srgb, var(--hw-changed) 12%, var(--hw-bg)); font-weight: 600; }
+.hw-banner-notes summary { cursor: pointer; color: var(--hw-dim); }
+.hw-banner-notes ul { margin: 2px 0; padding-left: 18px; max-height: 96px; overflow: auto; }
+.hw-tree { grid-area: tree; max-width: min(420px, 26vw); } .hw-graph { grid-area: graph; } .hw-side { grid-area: side; }
+.hw-tree-row:focus { outline: 2px dotted var(--hw-selected); }
+.hw-tree-legend { font-weight: normal; }
+.hw-tree-toggle { flex: 0 0 1em; color: var(--hw-dim); text-align: center; }
+.hw-chan-grid { display: flex; flex-wrap: wrap; gap: 3px; max-width: 340px; }
+.hw-chan { display: flex; flex-direction: column; align-items: center; }
+.hw-chan-label { font-size: 10px; }
+.hw-sample { font: inherit; margin-left: 4px; }
+.hw-stats { max-width: 340px; font-size: 11px; }
+.hw-hook-error { flex-basis: 100%; font-weight: 600; }
+.hw-hook-error[hidden] { display: none; }
+.hw-unsupported { font-style: normal; color: var(--hw-fg); }
+.hw-sortable { cursor: pointer; user-select: none; white-space: nowrap; }
+.hw-table tr.hooked td:first-child { font-weight: 600; }
 .hw-tree, .hw-side { overflow: auto; min-height: 0; }
 .hw-side { display: flex; flex-direction: column; gap: 8px; }
 .hw-panel-title { font-weight: 600; margin: 2px 0 4px; overflow-wrap: anywhere; }
 .hw-dim { color: var(--hw-dim); }
-.hw-tree-row { display: flex; gap: 6px; align-items: baseline; cursor: pointer; padding: 1px 4px; border-radius: 3px; white-space: nowrap; }
+.hw-tree-row { display: flex; gap: 6px; align-items: baseline; cursor: pointer; padding: 1px 4px; border-radius: 3px; white-space: nowrap; min-width: 0; }
 .hw-tree-row:hover { background: var(--hw-bg2); }
 .hw-tree-row.selected { outline: 2px solid var(--hw-selected); }
 .hw-tree-row.changed .hw-tree-name { color: var(--hw-changed); font-weight: 600; }
-.hw-tree-name { overflow: hidden; text-overflow: ellipsis; }
-.hw-tree-cls, .hw-tree-num { color: var(--hw-dim); }
+.hw-tree-name { flex: 0 0 auto; }
+.hw-tree-cls { color: var(--hw-dim); flex: 0 1 auto; min-width: 2ch; overflow: hidden; text-overflow: ellipsis; }
+.hw-tree-num { color: var(--hw-dim); flex: 0 0 auto; }
 .hw-flag { color: var(--hw-error); }
 .hw-graph { display: flex; flex-direction: column; min-width: 0; min-height: 0; border: 1px solid var(--hw-border); border-radius: 4px; }
 .hw-toolbar { display: flex; flex-wrap: wrap; gap: 4px; align-items: center; padding: 4px; border-bottom: 1px solid var(--hw-border); }
@@ -48,14 +72,14 @@ export const CSS = `
 .hw-node.role-op .hw-node-rect { fill: var(--hw-op); } .hw-node.role-root .hw-node-rect { fill: var(--hw-root-c); }
 .hw-node.role-param .hw-node-rect { fill: var(--hw-param); } .hw-node.role-leaf .hw-node-rect { fill: var(--hw-leaf); }
 .hw-node.role-input .hw-node-rect { fill: var(--hw-input); }
-.hw-node-label { fill: #fff; font-size: 11px; text-anchor: middle; pointer-events: none; }
+.hw-node-label { fill: #fff; font-size: 12px; text-anchor: middle; pointer-events: none; }
 .hw-node.role-leaf .hw-node-label { fill: #134e4a; }
 .hw-box { cursor: pointer; }
 .hw-box-rect { fill: var(--hw-box); stroke: var(--hw-op); stroke-width: 1.2; }
 .hw-chunk .hw-box-rect { stroke-dasharray: 4 3; }
 .hw-box-param { fill: var(--hw-param); }
-.hw-box-label { fill: var(--hw-fg); font-weight: 600; pointer-events: none; }
-.hw-box-sub { fill: var(--hw-dim); font-size: 10px; pointer-events: none; }
+.hw-box-label { fill: var(--hw-fg); font-weight: 600; font-size: 12px; pointer-events: none; }
+.hw-box-sub { fill: var(--hw-dim); font-size: 11px; pointer-events: none; }
 .hw-expand rect { fill: var(--hw-bg2); stroke: var(--hw-border); } .hw-expand text { fill: var(--hw-fg); text-anchor: middle; font-size: 12px; pointer-events: none; }
 .hw-expand { cursor: pointer; }
 .hw-cluster { fill: color-mix(in srgb, var(--hw-op) 4%, transparent); stroke: var(--hw-border); stroke-dasharray: 3 3; }
@@ -64,7 +88,7 @@ export const CSS = `
 .changed > rect:first-of-type, .hw-node.changed .hw-node-rect { stroke: var(--hw-changed); stroke-width: 3; }
 .match > rect:first-of-type { stroke: var(--hw-match); stroke-width: 3; }
 .hw-detail, .hw-controls, .hw-diff:not(:empty) { border: 1px solid var(--hw-border); border-radius: 4px; padding: 6px; }
-.hw-diff { grid-column: 1 / -1; max-height: 220px; overflow: auto; }
+.hw-diff { grid-area: diff; max-height: 200px; overflow: auto; }
 .hw-table { border-collapse: collapse; margin: 4px 0; }
 .hw-table th { text-align: left; font-weight: normal; color: var(--hw-dim); padding: 1px 8px 1px 0; }
 .hw-table td { padding: 1px 8px 1px 0; overflow-wrap: anywhere; }
@@ -82,7 +106,7 @@ export const CSS = `
 .hw-param input { width: 64px; font: inherit; color: var(--hw-fg); background: var(--hw-bg2); border: 1px solid var(--hw-border); }
 .hw-param input.invalid { border-color: var(--hw-error); }
 .hw-note { color: var(--hw-dim); font-style: italic; margin: 2px 0 4px; }
-.hw-status { grid-column: 1 / -1; padding: 3px 6px; border-radius: 3px; background: var(--hw-bg2); white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.hw-status { grid-area: status; padding: 3px 6px; border-radius: 3px; background: var(--hw-bg2); white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .hw-status[data-state="error"] { color: var(--hw-error); }
 .hw-status[data-state="running"] { color: var(--hw-selected); }
 `;

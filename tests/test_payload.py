@@ -65,8 +65,13 @@ def test_layer_detail_buffers_against_autograd(traced):
     assert all(isinstance(b, bytes) for b in buffers)
     json.dumps(meta, allow_nan=False)
     a, info = _tensor(meta, buffers, "a")
-    assert info["true_shape"] == [5, 6, 4] and info["shape"] == [30, 4]
-    np.testing.assert_array_equal(a, x.detach().reshape(30, 4).numpy())  # fc1's input is x itself
+    # A token sequence (B, T, d) is sent as one T × d picture per sample, not a (B·T) × d strip.
+    assert info["true_shape"] == [5, 6, 4] and info["shape"] == [5, 6, 4] and info["layout"] == "sequence"
+    np.testing.assert_array_equal(a, x.detach().numpy())  # fc1's input is x itself
+    st = info["stats"]  # statistics of the whole tensor, beside the picture
+    x = x.detach()
+    assert st["min"] == float(x.min()) and st["max"] == float(x.max()) and st["nan"] == 0 and st["inf"] == 0
+    assert abs(st["mean"] - float(x.double().mean())) < 1e-12
     grad, _ = _tensor(meta, buffers, "grad_autograd")
     np.testing.assert_array_equal(grad, model.fc1.weight.grad.numpy())
     assert meta["max_abs_diff"] <= 1e-5
@@ -145,3 +150,67 @@ def test_tensor_info_counts_nan_and_inf():
     assert info["nonfinite"] == 2 and info["norm"] == "nan"
     info = payload._tensor_info(torch.tensor([3.0, 4.0]), None)
     assert info["nonfinite"] == 0 and info["norm"] == 5.0
+
+
+def test_stats_are_of_the_full_tensor_not_the_downsampled_picture():
+    t = torch.zeros(1000, 1000)
+    t[3, 7] = 1000.0  # one spike: averaged away in a 200 × 200 picture
+    t[5, 5] = float("nan")
+    t[6, 6] = float("-inf")
+    view, info = payload.downsample(t)
+    assert view.shape == (200, 200) and info["max"] < 1000  # the picture's own range
+    st = payload.stats(t)
+    assert st["max"] == 1000.0 and st["min"] == 0.0 and st["nan"] == 1 and st["inf"] == 1
+    finite = t[torch.isfinite(t)].double()
+    # float32 reductions past 65,536 entries: display precision (4 significant digits) and then some
+    assert st["mean"] == pytest.approx(float(finite.mean()), rel=1e-5)
+    assert st["std"] == pytest.approx(float(finite.std(unbiased=False)), rel=1e-5)
+
+
+def test_conv_activation_is_a_grid_of_channel_maps_per_sample():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 5, 3), torch.nn.Flatten(), torch.nn.Linear(5 * 6 * 6, 2))
+    x = torch.randn(4, 3, 8, 8)
+    t = hw.trace(lambda: model(x).sum().backward())
+    meta, buffers = payload.detail(t, "0")
+    a, info = _tensor(meta, buffers, "a")
+    assert info["layout"] == "channels" and info["shape"] == [4, 3, 8, 8] and info["samples"] == 4
+    np.testing.assert_array_equal(a, x.numpy())
+    d, info = _tensor(meta, buffers, "delta")
+    assert info["layout"] == "channels" and info["shape"] == [4, 5, 6, 6]
+
+
+def test_forward_only_trace_has_no_grads_and_says_so():
+    model = torch.nn.Linear(3, 2)
+    t = hw.trace(lambda: model(torch.randn(4, 3)))
+    s = payload.summary(t)
+    assert s["has_grads"] is False
+    assert any("no gradients captured" in n for n in s["notes"])
+
+
+def test_unsupported_layer_says_why_in_one_line_without_a_storage_table():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.PReLU(), torch.nn.Linear(4, 1))
+    t = hw.trace(lambda: model(torch.randn(6, 3)).sum().backward())
+    if t.supports("1"):
+        pytest.skip("PReLU has a factor rule now")
+    meta, _ = payload.detail(t, "1")
+    assert "PReLU" in meta["unsupported"] and "\n" not in meta["unsupported"]
+    assert "storage" not in meta and "grad_rebuilt" not in meta["tensors"]
+    assert not any(n.startswith("ValueError") for n in meta["notes"])
+
+
+def test_diff_rel_change_new_where_before_is_zero_and_hooked_marked(seed_mlp):
+    t = hw.trace(seed_mlp[3])
+    t.add_hook("fc2", "grad_scale", factor=0.5)
+    t2 = t.rerun()
+    d = payload.diff(t.session.baseline if getattr(t, "session", None) else t, t2)
+    rows = {p["name"]: p for p in d["params"]}
+    assert rows["fc2.weight"]["hooked"] and not rows["fc1.weight"]["hooked"]
+    assert abs(rows["fc2.weight"]["rel_change"] - 0.5) < 1e-6 and abs(rows["fc2.weight"]["cosine"] - 1) < 1e-6
+    assert d["against"] == "baseline"
+
+    class P:  # g0 = 0, g1 != 0
+        rel_change, before, after = float("inf"), 0.0, 1.0
+
+    assert payload._rel(P) == "new"

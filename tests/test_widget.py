@@ -14,7 +14,9 @@ from hookwidget.widget import HookWidget
 @pytest.fixture
 def widget(seed_mlp):
     model, x, y, step = seed_mlp
-    w = HookWidget(hw.trace(step))
+    t = hw.trace(step)
+    w = HookWidget(t)
+    w.test_keep = t  # the widget holds its trace weakly: the test is the user holding `t`
     w.sent = []
     w.send = lambda content, buffers=None: w.sent.append((content, buffers or []))
     return model, x, step, w
@@ -140,3 +142,61 @@ def test_a_missing_bundle_shows_how_to_build_it(tmp_path):
                     ignore=shutil.ignore_patterns("static", "__pycache__"))
     out = subprocess.run([sys.executable, "-c", code], cwd=env_path, capture_output=True, text=True, check=True)
     assert "npm run build" in out.stdout
+
+
+def test_widget_does_not_keep_a_displayed_trace_alive(seed_mlp):
+    import gc
+    import weakref
+
+    t = hw.trace(seed_mlp[3])
+    w = t.widget()
+    w.sent = []
+    w.send = lambda content, buffers=None: w.sent.append((content, buffers or []))
+    ref = weakref.ref(t)
+    del t
+    gc.collect()
+    assert ref() is None
+    [(reply, _)] = msg(w, type="detail", target="fc1", request_id="r9")
+    assert reply["state"] == "error" and reply["text"] == "this trace was freed: run the cell again"
+
+
+def test_widget_and_python_share_the_hooks_and_the_latest_trace(widget):
+    _, _, _, w = widget
+    t = w.test_keep
+    msg(w, type="add_hook", target="fc2", kind="grad_scale", params={"factor": 0.5}, request_id="a1")
+    assert [(iv.target, iv.kind.name) for iv in t.interventions] == [("fc2", "grad_scale")]
+    assert w.summary["hooks"] == [{"target": "fc2", "kind": "grad_scale", "params": {"factor": 0.5}}]
+    sent = msg(w, type="rerun", request_id="a2")
+    trace_msg = next(c for c, _ in sent if c["type"] == "trace")
+    assert trace_msg["diff"]["against"] == "baseline"
+    assert w.trace is t.session.latest and w.trace is not t
+    msg(w, type="remove_hook", target="fc2", kind="grad_scale", request_id="a3")
+    assert t.interventions == [] and w.summary["hooks"] == []
+
+
+def test_rejected_hook_is_an_error_reply_and_adds_nothing(widget):
+    _, _, _, w = widget
+    [(reply, _)] = msg(w, type="add_hook", target="fc1", kind="grad_clamp", params={"min": 1, "max": -1},
+                       request_id="c1")
+    assert reply["request_id"] == "c1" and reply["state"] == "error" and "min" in reply["text"]
+    assert w.test_keep.interventions == []
+
+
+def test_to_html_exports_what_is_on_screen(widget, tmp_path):
+    _, _, _, w = widget
+    msg(w, type="add_hook", target="fc2", kind="grad_scale", params={"factor": 0.5}, request_id="e1")
+    msg(w, type="rerun", request_id="e2")
+    assert w.diff["against"] == "baseline"
+    text = w.to_html(tmp_path / "now.html").read_text()
+    assert '"hooks":[{"target":"fc2","kind":"grad_scale"' in text and '"against":"baseline"' in text
+
+
+def test_hooks_set_from_python_reach_the_widget_on_its_next_message(widget):
+    _, _, _, w = widget
+    t = w.test_keep
+    t.add_hook("fc1", "grad_zero")
+    msg(w, type="detail", target="fc1", request_id="s1")
+    assert w.summary["hooks"] == [{"target": "fc1", "kind": "grad_zero", "params": {}}]
+    t2 = t.rerun()  # a rerun from Python: the widget shows it from then on
+    msg(w, type="detail", target="fc1", request_id="s2")
+    assert w.trace is t2

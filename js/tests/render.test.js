@@ -1,5 +1,6 @@
 import { beforeEach, describe, expect, it } from "vitest";
-import { render } from "../index.js";
+import { buildHierarchy } from "../collapse.js";
+import { render } from "../explorer.js";
 import { fakeModel, seedSummary } from "./fake_model.js";
 
 const tick = () => new Promise((r) => setTimeout(r, 0));
@@ -40,68 +41,154 @@ describe("explorer", () => {
     expect(el.querySelectorAll('[data-module="fc1"]').length).toBe(1);
   });
 
-  it("asks the kernel for detail on click and renders the binary reply", () => {
+  it("asks the kernel for detail on click and renders the binary reply", async () => {
     const { model, el } = mount();
     el.querySelector('[data-module="fc1"]').dispatchEvent(new Event("click"));
     const req = model.sent.at(-1);
     expect(req).toMatchObject({ type: "detail", target: "fc1" });
     model.emit("msg:custom", ...detailReply("fc1", req.request_id));
+    await tick();
     const text = el.querySelector('[data-testid="detail"]').textContent;
     expect(text).toContain("(5, 6, 4)");
-    expect(el.querySelector('[data-testid="maxdiff"]').textContent).toBe("1.50e-7");
+    expect(el.querySelector('[data-testid="maxdiff"]').textContent).toBe("1.5e-7");
     expect(el.querySelector('[data-testid="per-sample-norms-values"]').textContent).toBe("1, 2, 3");
     expect(el.querySelector('[data-testid="storage-factors"]').textContent).toBe("210");
   });
 
-  it("lists the user's own hooks on a layer as text", () => {
+  it("lists the user's own hooks on a layer as text", async () => {
     const summary = seedSummary();
     summary.modules[1].user_hooks = ["forward: <img src=x onerror=alert(1)>", "tensor: double"];
     const { model, el } = mount(summary);
     el.querySelector('[data-module="fc1"]').dispatchEvent(new Event("click"));
     model.emit("msg:custom", ...detailReply("fc1", model.sent.at(-1).request_id));
+    await tick();
     const cell = el.querySelector('[data-testid="user-hooks"]');
     expect(cell.textContent).toBe("forward: <img src=x onerror=alert(1)>; tensor: double");
     expect(cell.querySelector("img")).toBeNull();
     el.querySelector('[data-module="fc2"]').dispatchEvent(new Event("click"));
     model.emit("msg:custom", ...detailReply("fc2", model.sent.at(-1).request_id));
+    await tick();
     expect(el.querySelector('[data-testid="user-hooks"]')).toBeNull();
   });
 
-  it("a hook toggle sends add_hook then rerun, and shows the kernel's status and diff", () => {
+  it("a hook toggle awaits add_hook's reply, then reruns, and shows the kernel's status and a sortable diff", async () => {
     const { model, el } = mount();
     el.querySelector('[data-module="fc1"]').dispatchEvent(new Event("click"));
     const box = el.querySelector('[data-hook="grad_zero"]');
     expect(box.disabled).toBe(false);
     box.checked = true;
     box.dispatchEvent(new Event("change"));
-    const [add, rerun] = model.sent.slice(-2);
+    const add = model.sent.at(-1);
     expect(add).toMatchObject({ type: "add_hook", target: "fc1", kind: "grad_zero", params: {} });
-    expect(rerun.type).toBe("rerun");
     expect(el.querySelector('[data-testid="status"]').getAttribute("data-state")).toBe("running");
     model.change("summary", { ...seedSummary(), hooks: [{ target: "fc1", kind: "grad_zero", params: {} }] });
+    model.emit("msg:custom", { type: "status", request_id: add.request_id, state: "done", text: "added" });
+    await tick();
+    const rerun = model.sent.at(-1);
+    expect(rerun.type).toBe("rerun");
     model.emit("msg:custom", { type: "trace", request_id: rerun.request_id, diff: {
-      loss_before: 1.5, loss_after: 1.5, params: [{ name: "fc1.weight", before: 8.28, after: 0, rel_change: 1, cosine: null }],
+      against: "baseline", hooks: ["fc1"], loss_before: 1.5, loss_after: 1.2345678901234567,
+      params: [{ name: "fc1.weight", before: 8.28, after: 0, rel_change: 1, cosine: null, hooked: true },
+        { name: "fc2.weight", before: 0, after: 2, rel_change: "new", cosine: null, hooked: false },
+        { name: "fc2.bias", before: 1, after: 1, rel_change: 0, cosine: 1, hooked: false }],
       layers: {}, changed_nodes: ["MmBackward0#1"], changed_modules: ["fc1"] } });
+    await tick();
     model.emit("msg:custom", { type: "status", request_id: rerun.request_id, state: "done", text: "rerun done" });
     expect(el.querySelector('[data-testid="status"]').textContent).toBe("done: rerun done");
     expect(el.querySelector('[data-module="fc1"]').classList.contains("changed")).toBe(true);
     expect(el.querySelector('[data-param="fc1.weight"] [data-testid="after"]').textContent).toBe("0");
+    expect(el.querySelector('[data-param="fc1.weight"]').textContent).toContain("⚓");
+    expect(el.querySelector('[data-param="fc2.weight"] [data-testid="rel-change"]').textContent).toBe("new");
+    expect(el.querySelector('[data-testid="diff-loss"]').textContent).toContain("1.235");
+    expect(el.querySelector('[data-testid="diff-loss"]').textContent).not.toContain("1.2345678");
+    expect(el.querySelector('[data-testid="diff"]').textContent).toContain("hook-free");
+    // Sorted by relative change, largest first ("new" counts as largest); a header click sorts by name.
+    const order = () => [...el.querySelectorAll("[data-testid=diff] tr[data-param]")].map((r) => r.getAttribute("data-param"));
+    expect(order()).toEqual(["fc2.weight", "fc1.weight", "fc2.bias"]);
+    el.querySelector('[data-sort="name"]').dispatchEvent(new Event("click"));
+    expect(order()).toEqual(["fc1.weight", "fc2.bias", "fc2.weight"]);
     expect(el.querySelector('[data-hook="grad_zero"]').checked).toBe(true);
   });
 
-  it("a parameterised kind sends its number; an empty parameter is refused in the page", () => {
+  it("a refused hook never reruns and its error stays beside the control until the user acts", async () => {
     const { model, el } = mount();
     el.querySelector('[data-module="fc2"]').dispatchEvent(new Event("click"));
-    const row = el.querySelector('[data-hook="grad_scale"]').closest(".hw-hook");
-    row.querySelector('[data-param="factor"]').value = "";
+    const box = () => el.querySelector('[data-hook="grad_scale"]');
+    box().checked = true;
+    box().dispatchEvent(new Event("change"));
+    const add = model.sent.at(-1);
+    model.emit("msg:custom", { type: "status", request_id: add.request_id, state: "error", text: "add_hook failed: ValueError: bad factor" });
+    await tick();
+    await new Promise((r) => setTimeout(r, 30));
+    expect(model.sent.some((m) => m.type === "rerun")).toBe(false);
+    const err = el.querySelector('[data-hook-error="grad_scale"]');
+    expect(err.hidden).toBe(false);
+    expect(err.textContent).toBe("add_hook failed: ValueError: bad factor");
+    expect(box().checked).toBe(false);
+    // An unrelated status message does not remove it; typing in the field does.
+    model.emit("msg:custom", { type: "status", request_id: "zz", state: "done", text: "something else" });
+    expect(el.querySelector('[data-hook-error="grad_scale"]').hidden).toBe(false);
+    const inp = el.querySelector('[data-hook-row="grad_scale"] [data-param="factor"]');
+    inp.value = "3";
+    inp.dispatchEvent(new Event("input"));
+    expect(el.querySelector('[data-hook-error="grad_scale"]').hidden).toBe(true);
+  });
+
+  it("a parameterised kind sends its number; an empty parameter is refused in the page, with the reason", () => {
+    const { model, el } = mount();
+    el.querySelector('[data-module="fc2"]').dispatchEvent(new Event("click"));
+    const row = () => el.querySelector('[data-hook-row="grad_scale"]');
+    row().querySelector('[data-param="factor"]').value = "";
     const n = model.sent.length;
-    row.querySelector('[data-hook="grad_scale"]').checked = true;
-    row.querySelector('[data-hook="grad_scale"]').dispatchEvent(new Event("change"));
+    row().querySelector('[data-hook="grad_scale"]').checked = true;
+    row().querySelector('[data-hook="grad_scale"]').dispatchEvent(new Event("change"));
     expect(model.sent.length).toBe(n);
-    row.querySelector('[data-param="factor"]').value = "2.5";
-    row.querySelector('[data-hook="grad_scale"]').checked = true;
-    row.querySelector('[data-hook="grad_scale"]').dispatchEvent(new Event("change"));
-    expect(model.sent.at(-2)).toMatchObject({ type: "add_hook", kind: "grad_scale", params: { factor: 2.5 } });
+    expect(el.querySelector('[data-hook-error="grad_scale"]').textContent).toMatch(/factor is empty/);
+    row().querySelector('[data-param="factor"]').value = "2.5";
+    row().querySelector('[data-hook="grad_scale"]').checked = true;
+    row().querySelector('[data-hook="grad_scale"]').dispatchEvent(new Event("change"));
+    expect(model.sent.at(-1)).toMatchObject({ type: "add_hook", kind: "grad_scale", params: { factor: 2.5 } });
+  });
+
+  it("shows the trace's notes: a banner when no gradients were captured", () => {
+    const summary = { ...seedSummary(), has_grads: false, notes: ["no gradients captured: the code ran no backward (activations only)", "<b>x</b> note"] };
+    const { el } = mount(summary);
+    expect(el.querySelector('[data-testid="no-grads"]').textContent).toMatch(/no gradients captured/);
+    expect(el.querySelector('[data-testid="notes"]').textContent).toContain("<b>x</b> note");
+    expect(el.querySelector('[data-testid="notes"] b')).toBeNull();
+  });
+
+  it("folds repeated blocks in the tree; keyboard moves, unfolds, selects and clears", () => {
+    const mods = [{ name: "net", cls: "Net", parent: "MLP", params: 10, calls: 1, flags: [] }];
+    for (let i = 0; i < 3; i++) {
+      mods.push({ name: `net.h.${i}`, cls: "Block", parent: "net", params: 3, calls: 1, flags: [] });
+      mods.push({ name: `net.h.${i}.lin`, cls: "Linear", parent: `net.h.${i}`, params: 3, calls: 2, flags: [] });
+    }
+    const { model, el } = mount(seedSummary(mods));
+    expect(el.querySelector('[data-tree-module="net.h.1.lin"]')).toBeNull();
+    const row = el.querySelector('[data-tree-module="net.h.1"]');
+    expect(row.getAttribute("aria-expanded")).toBe("false");
+    row.focus();
+    row.dispatchEvent(new KeyboardEvent("keydown", { key: "ArrowRight", bubbles: true }));
+    expect(el.querySelector('[data-tree-module="net.h.1.lin"]').textContent).toContain("×2");
+    document.activeElement.dispatchEvent(new KeyboardEvent("keydown", { key: "ArrowDown", bubbles: true }));
+    document.activeElement.dispatchEvent(new KeyboardEvent("keydown", { key: "Enter", bubbles: true }));
+    expect(model.sent.at(-1)).toMatchObject({ type: "detail", target: "net.h.1.lin" });
+    expect(el.querySelector('[data-tree-module="net.h.1.lin"]').classList.contains("selected")).toBe(true);
+    document.activeElement.dispatchEvent(new KeyboardEvent("keydown", { key: "Escape", bubbles: true }));
+    expect(el.querySelector(".hw-tree-row.selected")).toBeNull();
+  });
+
+  it("folds repeated blocks and shows tree names whole, counts formatted", () => {
+    const blocks = [];
+    for (let i = 0; i < 12; i++) blocks.push({ name: `transformer.h.${i}`, cls: "GPT2Block", parent: "transformer", params: 7357000, calls: 1, flags: [] });
+    const summary = seedSummary([{ name: "transformer", cls: "GPT2Model", parent: "MLP", params: 88_300_000, calls: 1, flags: [] }, ...blocks]);
+    const { el } = mount(summary);
+    const row = el.querySelector('[data-tree-module="transformer.h.11"]');
+    expect(row.querySelector(".hw-tree-name").textContent).toBe("h.11");
+    expect(row.textContent).toContain("7.36 M params");
+    const fold = [...buildHierarchy(summary.modules).values()].find((g) => g.repeat);
+    expect(`${fold.label} · ${fold.cls}`).toBe("h.0 … h.11 · GPT2Block × 12");
   });
 
   it("shows kernel errors on the status line, never swallowed", () => {

@@ -8,7 +8,10 @@ import pytest
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
-IMG = pathlib.Path(__file__).resolve().parents[2] / "docs" / "img"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# Screenshots go under an ignored path; docs/img is rewritten only by update_docs_img.py (HW_UPDATE_DOCS_IMG=1).
+SHOTS = ROOT / "tests" / "artifacts" / "screenshots"
+IMG = ROOT / "docs" / "img" if os.environ.get("HW_UPDATE_DOCS_IMG") == "1" else SHOTS
 STATIC = pathlib.Path(__file__).resolve().parents[2] / "hookwidget" / "static"
 
 

@@ -113,6 +113,8 @@ def test_toggle_grad_zero_live(browser, lab, img_dir):
     page = ctx.new_page()
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    warnings = []
+    page.on("console", lambda m: warnings.append(m.text) if "anywidget" in m.text.lower() else None)
     try:
         page.set_default_timeout(60_000)
         page.goto(lab["url"])
@@ -147,6 +149,30 @@ def test_toggle_grad_zero_live(browser, lab, img_dir):
         live.locator('[data-testid="diff"]').scroll_into_view_if_needed()
         if lab["name"] == "jupyterlab":
             live.screenshot(path=str(img_dir / "toggle_after.png"))
+        # A refused hook (grad_clamp with min > max): no rerun, and its error is still beside it 2 s later.
+        live.locator('[data-module="fc2"]').first.click()
+        live.locator('[data-testid="detail-target"]', has_text="fc2").wait_for()
+        row = live.locator('[data-hook-row="grad_clamp"]')
+        row.locator('[data-param="min"]').fill("1")
+        row.locator('[data-param="max"]').fill("-1")
+        diff_before = live.locator('[data-testid="diff"]').inner_text()
+        row.locator('[data-hook="grad_clamp"]').click()
+        err = live.locator('[data-hook-error="grad_clamp"]')
+        err.wait_for(state="visible")
+        page.wait_for_timeout(2000)
+        assert err.is_visible() and "min" in err.inner_text() and "max" in err.inner_text()
+        assert not row.locator('[data-hook="grad_clamp"]').is_checked()
+        eb, side = err.bounding_box(), live.locator(".hw-side").bounding_box()  # in view, not scrolled away
+        assert side["y"] <= eb["y"] and eb["y"] + eb["height"] <= side["y"] + side["height"] + 1
+        assert live.locator('[data-testid="diff"]').inner_text() == diff_before  # no rerun happened
+        if lab["name"] == "jupyterlab":
+            live.screenshot(path=str(img_dir / "hook_refused.png"))
+        # An empty parameter is refused in the page, with the reason beside the control.
+        row.locator('[data-param="min"]').fill("")
+        row.locator('[data-hook="grad_clamp"]').click()
+        page.wait_for_timeout(2000)
+        assert "min is empty" in err.inner_text() and err.is_visible()
+        assert not [w for w in warnings if "deprecat" in w.lower()], warnings
         # The second widget: markup in module names stays text in the live widget too.
         evil = page.locator(".hw-root").nth(1)
         evil.locator(".hw-tree-row").nth(1).wait_for()
@@ -155,5 +181,9 @@ def test_toggle_grad_zero_live(browser, lab, img_dir):
         assert "blocks.</script><script>__pwned=2</script>" in names
         assert evil.locator("img").count() == 0
         assert page.evaluate("typeof window.__pwned") == "undefined"
+    except Exception:
+        page.screenshot(path=str(img_dir / f"live_failure_{lab['name']}.png"))
+        print("page errors:", errors, "anywidget console:", warnings)
+        raise
     finally:
         ctx.close()

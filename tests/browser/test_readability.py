@@ -1,0 +1,132 @@
+"""The to_html page at 1100 and 1500 px: notes in view, whole names in the tree, readable graph labels on a
+GPT-2-shaped model at the default view, a graph that uses the page's height, keyboard and selection."""
+
+import statistics
+import time
+
+import pytest
+import torch
+from gpt2_shaped import gpt2_step
+
+import hookwidget as hw
+
+pytestmark = pytest.mark.browser
+
+WIDTHS = [1100, 1500]
+
+
+@pytest.fixture(scope="module")
+def gpt2_page(tmp_path_factory):
+    model, step = gpt2_step()
+    t = hw.trace(step)
+    return t.to_html(tmp_path_factory.mktemp("gpt2") / "gpt2.html"), [n for n in t.layers]
+
+
+def _open(browser, path, width, height=800):
+    ctx = browser.new_context(viewport={"width": width, "height": height})
+    pg = ctx.new_page()
+    pg.set_default_timeout(15_000)
+    pg.errors = []
+    pg.on("pageerror", lambda e: pg.errors.append(f"pageerror: {e}"))
+    pg.on("console", lambda m: pg.errors.append(f"console: {m.text}") if m.type in ("error", "warning") else None)
+    start = time.perf_counter()
+    pg.goto(path.as_uri())
+    pg.wait_for_selector("body[data-ready]")
+    pg.load_ms = (time.perf_counter() - start) * 1000
+    return ctx, pg
+
+
+LABELS = """() => {
+  const hs = [...document.querySelectorAll('.hw-svg .hw-nodes text, .hw-svg .hw-cluster-tab > text')]
+    .map(t => t.getBoundingClientRect().height).filter(h => h > 0).sort((a, b) => a - b);
+  return hs;
+}"""
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_forward_only_trace_shows_its_note(browser, tmp_path, width, img_dir):
+    lin = torch.nn.Linear(3, 2)
+    t = hw.trace(lambda: lin(torch.randn(4, 3)))
+    ctx, pg = _open(browser, t.to_html(tmp_path / "fwd.html"), width)
+    try:
+        note = pg.locator('[data-testid="no-grads"]')
+        assert note.is_visible() and "no gradients captured" in note.inner_text()
+        pg.screenshot(path=str(img_dir / f"forward_only_{width}.png"))
+        assert pg.errors == []
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_gpt2_shaped_default_view_is_readable(browser, gpt2_page, width, img_dir):
+    path, layers = gpt2_page
+    ctx, pg = _open(browser, path, width)
+    try:
+        boxes = pg.locator(".hw-svg .hw-nodes > g").count()
+        assert 0 < boxes <= 40
+        # Repeated blocks fold: one box for h.0 … h.11.
+        fold = pg.locator(".hw-svg .hw-chunk")
+        assert fold.count() == 1 and "h.0 … h.11" in fold.text_content() and "GPT2Block × 12" in fold.text_content()
+        heights = pg.evaluate(LABELS)
+        assert heights and statistics.median(heights) >= 11, heights
+        # The graph uses the page's height.
+        svg_h = pg.evaluate("document.querySelector('.hw-svg').getBoundingClientRect().height")
+        assert svg_h >= 0.6 * 800, svg_h
+        # Tree names are whole: every name fits its row, and the blocks are told apart.
+        clipped = pg.evaluate("""() => [...document.querySelectorAll('.hw-tree-name')]
+            .filter(n => n.scrollWidth > n.clientWidth + 1
+                      || n.getBoundingClientRect().right > n.closest('.hw-tree').getBoundingClientRect().right + 1)
+            .map(n => n.textContent)""")
+        assert clipped == []
+        names = pg.locator(".hw-tree-name").all_inner_texts()
+        assert [f"h.{i}" for i in range(12)] == [n for n in names if n.startswith("h.")]
+        assert pg.locator('[data-tree-module="transformer.h.3"]').get_attribute("title").startswith("transformer.h.3 ·")
+        assert "params" in pg.locator('[data-tree-module="transformer.h.3"]').inner_text()
+        pg.screenshot(path=str(img_dir / f"gpt2_default_{width}.png"))
+        # Repeated blocks start folded in the tree too; unfolding one shows its layers.
+        assert pg.locator('[data-tree-module="transformer.h.7.mlp.c_fc"]').count() == 0
+        pg.locator('[data-tree-toggle="transformer.h.7"]').click()
+        # Selecting a layer in the tree expands the graph to it and pans it into view.
+        pg.locator('[data-tree-module="transformer.h.7.mlp.c_fc"]').click()
+        box = pg.locator('.hw-nodes [data-module="transformer.h.7.mlp.c_fc"]')
+        box.wait_for()
+        b, svg = box.bounding_box(), pg.locator(".hw-svg").bounding_box()
+        assert svg["x"] <= b["x"] + b["width"] / 2 <= svg["x"] + svg["width"]
+        assert svg["y"] <= b["y"] + b["height"] / 2 <= svg["y"] + svg["height"]
+        pg.wait_for_selector('[data-testid="detail"] [data-testid="heat-a"]')
+        assert "T × d per sample" in pg.locator('[data-testid="detail"]').inner_text()
+        pg.screenshot(path=str(img_dir / f"gpt2_selected_{width}.png"))
+        assert pg.errors == []
+    finally:
+        ctx.close()
+
+
+def test_keyboard_moves_selects_and_clears(browser, gpt2_page):
+    path, _ = gpt2_page
+    ctx, pg = _open(browser, path, 1500)
+    try:
+        pg.locator(".hw-tree-row").first.focus()
+        pg.keyboard.press("ArrowDown")
+        pg.keyboard.press("ArrowDown")
+        pg.keyboard.press("Enter")
+        pg.wait_for_selector('[data-testid="detail-target"]')
+        assert pg.locator('[data-testid="detail-target"]').inner_text() == "transformer.wte"
+        assert pg.locator('[data-tree-module="transformer.wte"]').get_attribute("aria-selected") == "true"
+        pg.keyboard.press("Escape")
+        assert pg.locator('[data-testid="detail-target"]').count() == 0
+        assert pg.locator(".hw-tree-row.selected").count() == 0
+    finally:
+        ctx.close()
+
+
+def test_first_paint_and_layout_times(browser, gpt2_page):
+    """Measured, reported (docs/frontend_measurements.md), and bounded loosely."""
+    path, _ = gpt2_page
+    ctx, pg = _open(browser, path, 1500)
+    try:
+        first = pg.evaluate("window.__hwFirstPaintMs")
+        layout = float(pg.locator(".hw-graph-info").inner_text().split("layout ")[1].split(" ms")[0])
+        print(f"gpt2-shaped: first paint {first:.0f} ms, layout {layout:.0f} ms, page load {pg.load_ms:.0f} ms")
+        assert first < 2000 and layout < 1000
+    finally:
+        ctx.close()

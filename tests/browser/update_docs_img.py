@@ -1,0 +1,19 @@
+"""Refresh the README's screenshots in docs/img: runs the browser tests that take them, writing into docs/img.
+
+    .venv/bin/python tests/browser/update_docs_img.py
+
+(The tests themselves write screenshots under tests/artifacts/screenshots, an ignored path.)"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TESTS = ["tests/browser/test_standalone.py::test_click_layer_shows_shapes_and_max_diff",
+         "tests/browser/test_live_widget.py::test_toggle_grad_zero_live"]
+
+if __name__ == "__main__":
+    env = {**os.environ, "HW_UPDATE_DOCS_IMG": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]
+    sys.exit(subprocess.call(cmd, cwd=ROOT, env=env))
