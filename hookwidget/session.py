@@ -25,11 +25,12 @@ class Session:
         self.fn = fn
         self.modules = modules
         self.names = names  # the user's variable names of `modules` (from the magic)
-        self.namespace = namespace if namespace is not None else code_scope(fn)  # to name leaf tensors like `x`
+        scope = code_scope(fn, namespace, code)  # what the code reads by name
+        self.namespace = namespace if namespace is not None else scope  # to name leaf tensors like `x`
         self.interventions: list[Intervention] = []
         self.baseline: Trace | None = None
         self.latest: Trace | None = None
-        self._related = related_objects(code_scope(fn, namespace, code))
+        self._related = related_objects(scope)
         self._state: RunState | None = None  # what the first run started from
 
     def run(self) -> Trace:
