@@ -173,6 +173,16 @@ def test_toggle_grad_zero_live(browser, lab, img_dir):
         page.wait_for_timeout(2000)
         assert "min is empty" in err.inner_text() and err.is_visible()
         assert not [w for w in warnings if "deprecat" in w.lower()], warnings
+        # Python and the explorer agree: the hooks on, and the current trace is the UI's rerun.
+        said = page.evaluate("""async (code) => {
+            const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+            const future = kernel.requestExecute({code});
+            let out = '';
+            future.onIOPub = msg => { if (msg.header.msg_type === 'stream') out += msg.content.text; };
+            await future.done;
+            return out;
+        }""", "print([str(iv) for iv in t.interventions], t.session.latest is not t, t.session.baseline is t)")
+        assert said.strip() == "[\"grad_zero() on 'fc1'\"] True True", said
         # The second widget: markup in module names stays text in the live widget too.
         evil = page.locator(".hw-root").nth(1)
         evil.locator(".hw-tree-row").nth(1).wait_for()
