@@ -14,10 +14,10 @@ checks an `active` flag, because a hook baked into a graph that outlives the tra
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable
 from contextlib import ExitStack
 
 import torch
@@ -824,23 +824,22 @@ def _sole_owner(t: torch.Tensor) -> bool:
         return False
 
 
-def _tensors(obj) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            if isinstance(x, torch.Tensor):
-                yield x
-
-
 def _first_tensor(obj) -> torch.Tensor | None:
-    """The tensor itself, or the first tensor of a tuple or list (runs twice per module call: no generator)."""
+    """The tensor itself, or the first tensor of a tuple, list, dict, Hugging Face ModelOutput or
+    dataclass (the one out_* interventions replace; runs twice per module call: no generator)."""
     if isinstance(obj, torch.Tensor):
         return obj
     if isinstance(obj, (tuple, list)):
-        for x in obj:
-            if isinstance(x, torch.Tensor):
-                return x
+        values = obj
+    elif isinstance(obj, dict):  # ModelOutput is an OrderedDict of its non-None fields
+        values = obj.values()
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        values = (getattr(obj, f.name) for f in dataclasses.fields(obj))
+    else:
+        return None
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            return x
     return None
 
 

@@ -247,7 +247,11 @@ def check_autograd_grad(out):
 def check_dict(out):
     t = out.trace
     assert torch.allclose(t.weight_grad("inner.fc2"), out.objects["model"].inner.fc2.weight.grad, atol=1e-6)
-    assert any("DictOut returned a dict" in n for n in t.notes), t.notes
+    # a dict output's first tensor is its output: δ is the gradient of "logits", as a hand-written hook sees it
+    logits = out.objects["model"].inner(out.objects["x"])["logits"]
+    assert t.layers["inner"].delta.shape == logits.shape
+    assert torch.allclose(t.layers["inner"].delta, t.layers["inner.fc2"].delta)
+    assert not any("returned a dict" in n for n in t.notes), t.notes
 
 
 def check_autocast(out):
