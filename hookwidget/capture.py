@@ -141,14 +141,20 @@ class Tracer:
         s.callback(autograd_calls.unlisten, self)
         if self.targets is None:
             s.enter_context(Removing(module_mod.register_module_forward_pre_hook(self._pre_hook)))
-            s.enter_context(Removing(module_mod.register_module_forward_hook(self._forward_hook)))
+            # No global pre-hook sees keyword arguments: a call that gets its tensors only as keywords
+            # (how Hugging Face calls its models) has its input read by the forward hook, after forward.
+            handle = s.enter_context(Removing(module_mod.register_module_forward_hook(self._forward_hook,
+                                                                                      with_kwargs=True)))
+            # torch's handle does not remove the global with_kwargs flag (torch 2.13): a later hook given the
+            # same id would be called with kwargs
+            s.callback(module_mod._global_forward_hooks_with_kwargs.pop, handle.id, None)
             if self.backward_hooks:  # the global flag it sets outlives the hook: put it back
                 s.enter_context(Restoring(module_mod, "_global_is_full_backward_hook"))
                 s.enter_context(Removing(module_mod.register_module_full_backward_hook(self._backward_hook)))
         else:
             for m in self._target_modules():
-                s.enter_context(Removing(m.register_forward_pre_hook(self._pre_hook)))
-                s.enter_context(Removing(m.register_forward_hook(self._forward_hook)))
+                s.enter_context(Removing(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True)))
+                s.enter_context(Removing(m.register_forward_hook(self._forward_hook, with_kwargs=True)))
                 if self.backward_hooks:
                     s.enter_context(Removing(m.register_full_backward_hook(self._backward_hook)))
         if self.state is not None:
@@ -174,12 +180,16 @@ class Tracer:
             owners = [(module_mod, "_global_")]
         else:
             owners = [(m, "_") for m in self._target_modules()]
+        flags = ("forward_hooks_with_kwargs", "forward_pre_hooks_with_kwargs", "forward_hooks_always_called")
         for owner, prefix in owners:
             dicts = [getattr(owner, prefix + n, None) for n in ("forward_pre_hooks", "forward_hooks", "backward_hooks")]
+            extra = [getattr(owner, prefix + n, None) for n in flags]  # a hook's flags, under the same key
             for d in dicts:
                 for key, fn in list((d or {}).items()):
                     if getattr(fn, "__self__", None) is self:
                         del d[key]
+                        for e in extra:
+                            (e or {}).pop(key, None)
         hooks = optimizer_mod._global_optimizer_pre_hooks
         for key, fn in list(hooks.items()):
             if getattr(fn, "__self__", None) is self:
@@ -192,7 +202,7 @@ class Tracer:
         return (self.active and (_get_ident() == self.thread or _current_node() is not None)
                 and not _is_compiling())
 
-    def _pre_hook(self, module, inputs):
+    def _pre_hook(self, module, inputs, kwargs=None):
         if not self.active or _get_ident() != self.thread and _current_node() is None or _is_compiling():
             return
         if _peek_transform() is not None:  # inside a torch.func transform: hooks would see wrapped tensors
@@ -201,7 +211,7 @@ class Tracer:
         rec = self._modules.get(module)
         if rec is None:
             rec = self._new_record(module)
-        rec.open_calls.append(self._open_call(module, rec, inputs))
+        rec.open_calls.append(self._open_call(module, rec, inputs, kwargs))
         self._open += 1
         if _current_node() is not None:  # forward rerun by backward: checkpoint
             rec.calls[-1].recomputed = True
@@ -232,7 +242,7 @@ class Tracer:
     def _saw(self, what: str, module) -> None:
         self._seen.setdefault(what, {}).setdefault(type(module).__name__, None)
 
-    def _open_call(self, module, rec: ModuleRecord, inputs) -> Call:
+    def _open_call(self, module, rec: ModuleRecord, inputs, kwargs=None) -> Call:
         # `a` is taken before forward runs: an in-place module (ReLU(inplace=True)) rewrites its input.
         if rec.compiled:
             self._saw("compiled", module)
@@ -246,14 +256,12 @@ class Tracer:
                     c.out_node = None
         if outer:
             outer[-1].append(call)
-        a = _first_tensor(inputs)
+        a = _first_tensor(inputs) if inputs else _first_tensor(kwargs)
         if a is not None:
             self._keep_input(rec, call, a)
-        elif not inputs:
-            self._saw("kwargs", module)
         return call
 
-    def _forward_hook(self, module, inputs, output):
+    def _forward_hook(self, module, inputs, kwargs, output):
         if not self.active or _get_ident() != self.thread and _current_node() is None or _is_compiling():
             return None
         if _peek_transform() is not None:
@@ -265,13 +273,15 @@ class Tracer:
             call = rec.open_calls.pop()
             if self._open > 0:
                 self._open -= 1
+            if not inputs and kwargs and self.targets is None:  # keywords only, which no global pre-hook sees
+                a = _first_tensor(kwargs)
+                if a is not None:
+                    self._keep_input(rec, call, a)
         else:
-            call = self._open_call(module, rec, inputs)
+            call = self._open_call(module, rec, inputs, kwargs)
         if self.backward_hooks:
             rec.awaiting_backward.append(call)
         out = _first_tensor(output)
-        if out is None and isinstance(output, dict) and any(isinstance(v, torch.Tensor) for v in output.values()):
-            self._saw("dict", module)
         replaced = None
         if self.layer_interventions:
             for iv in self.layer_interventions.get(module, ()):
@@ -695,10 +705,6 @@ class Tracer:
                         "or call torch.compile after tracing",
             "func": f"torch.func transforms (vmap, grad, ...) ran {seen.get('func')}: calls inside a transform "
                     "are not captured (hooks see wrapped tensors); trace a plain forward and backward instead",
-            "kwargs": f"{seen.get('kwargs')} got their tensors as keyword arguments only: their input activation "
-                      "is not captured; pass the input positionally",
-            "dict": f"{seen.get('dict')} returned a dict: δ is not captured for dict outputs (layers inside are); "
-                    "return a tensor or a tuple to see it",
         }
         notes = [text[k] for k in text if k in seen]
         if scripted:

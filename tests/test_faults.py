@@ -244,6 +244,12 @@ def check_autograd_grad(out):
         assert torch.allclose(t.weight_grad(layer), g, atol=1e-6)
 
 
+def check_kwargs_input(out):
+    """Layers called with keyword arguments only (how Hugging Face calls them): their input is still `a`."""
+    t, x = out.trace, out.objects["x"]
+    assert torch.equal(t.layers["fc1"].a, x.detach()), "fc1(input=x): a is x"
+
+
 def check_dict(out):
     t = out.trace
     assert torch.allclose(t.weight_grad("inner.fc2"), out.objects["model"].inner.fc2.weight.grad, atol=1e-6)
@@ -296,7 +302,7 @@ OBSERVE = [
     ("dict_output", seq_build(lambda: Wrap(DictOut())), step, {}, check_dict),
     ("tuple_output", seq_build(TupleOut), tuple_step, {}, "exact"),
     ("tensor_kwargs", seq_build(KwargsCall), step, {},
-     lambda out: (_check_factors(out, "refuse"), check_notes("keyword arguments")(out))),
+     lambda out: (_check_factors(out, "exact"), check_kwargs_input(out))),
     ("multihead_attention_train", seq_build(Attention, x_shape=(2, 4, 6), y_shape=(2, 8)), step, {},
      check_notes("MultiheadAttention")),
     ("multihead_attention_eval_fast_path", seq_build(Attention, x_shape=(2, 4, 6), y_shape=(2, 8), train=False),

@@ -5,6 +5,7 @@ PyTorch (a deep copy of the model and optimizer), autograd's .grad, torch.func."
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import random
 import threading
@@ -422,3 +423,44 @@ def test_a_keyboard_interrupt_at_any_registration_step_leaves_no_hook(monkeypatc
             assert regs.take() == before, (name, n)
             assert not optim_mod._global_optimizer_pre_hooks
     assert interrupted >= 3
+
+
+# -- inputs and outputs as Hugging Face passes them --------------------------------------------
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+class KeywordModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, *, features):
+        h = torch.tanh(self.embed(input=features))
+        return Output(logits=self.head(h), hidden=h)
+
+
+@pytest.mark.parametrize("per_module", [False, True])
+def test_keyword_inputs_and_dataclass_outputs_are_seen(per_module):
+    torch.manual_seed(0)
+    model = KeywordModel()
+    x, y = data()
+    seen = {}
+    # the reference: hand-written hooks with kwargs on the model, a tensor hook on its logits
+    h1 = model.register_forward_pre_hook(lambda m, args, kw: seen.update(a=kw["features"].clone()), with_kwargs=True)
+
+    def on_logits(m, args, out):
+        out.logits.register_hook(lambda g: seen.update(d=g))
+
+    h2 = model.register_forward_hook(on_logits)
+    F.cross_entropy(model(features=x).logits, y, reduction="sum").backward()
+    h1.remove(), h2.remove()
+    model.zero_grad()
+    t = hw.trace(lambda: F.cross_entropy(model(features=x).logits, y, reduction="sum").backward(),
+                 modules=model if per_module else None)
+    root = next(n for n, layer in t.layers.items() if layer.module is model)
+    assert torch.equal(t.layers[root].a, seen["a"])
+    assert torch.equal(t.layers[root].delta, seen["d"])
+    assert torch.allclose(t.weight_grad("embed"), model.embed.weight.grad, atol=1e-6)
