@@ -8,6 +8,7 @@ import { createDiffView } from "./diffview.js";
 import { h } from "./dom.js";
 import { fmt } from "./format.js";
 import { createGraphView } from "./graph.js";
+import { createLeftPane, createOverview } from "./overview.js";
 import * as P from "./protocol.js";
 import { createStatusLine } from "./status.js";
 import { installStyles } from "./styles.js";
@@ -28,15 +29,19 @@ export function render({ model, el, nonce }) {
   const diffView = createDiffView();
   const graph = createGraphView({ onSelect: select, onStatus: (state, text) => status.set(state, text) });
   const tree = createTreeView({ onSelect: select, onClear: clear });
+  const overview = createOverview({ onSelect: select, onClear: clear });
+  const left = createLeftPane(tree.el, overview);
   const banner = h("div", { class: "hw-banner", "data-testid": "notes" });
   const root = h("div", { class: "hw-root" + (readonly ? " hw-readonly" : "") },
-    banner, tree.el, graph.el, h("div", { class: "hw-side" }, detail.el, controls.el), diffView.el, status.el);
+    banner, left.el, graph.el, h("div", { class: "hw-side" }, detail.el, controls.el), diffView.el, status.el);
   installStyles(root, nonce);
   el.replaceChildren(root);
   root.addEventListener("keydown", (e) => { if (e.key === "Escape" && !e.target.closest?.("input")) clear(); });
 
   graph.setSummary(summary);
   tree.setSummary(summary);
+  overview.setSummary(summary);
+  left.update();
   controls.render(null, summary, readonly);
   renderBanner();
   if (lastDiff) { diffView.render(lastDiff); graph.setChanged(lastDiff.changed_nodes, lastDiff.changed_modules); tree.setSummary(summary, new Set(lastDiff.changed_modules)); }
@@ -70,6 +75,7 @@ export function render({ model, el, nonce }) {
     selected = null;
     graph.select(null);
     tree.select(null);
+    overview.select(null);
     controls.render(null, summary, readonly);
     detail.clear();
   }
@@ -78,6 +84,7 @@ export function render({ model, el, nonce }) {
     selected = sel;
     graph.select(sel);
     tree.select(sel);
+    overview.select(sel);
     if (sel.kind === "module") graph.expandTo(sel.target);
     graph.focus(sel);
     controls.render(sel, summary, readonly);
@@ -148,7 +155,9 @@ export function render({ model, el, nonce }) {
     generation++;
     graph.setSummary(summary, { keepView: true });
     tree.setSummary(summary, new Set(lastDiff?.changed_modules || []));
-    if (selected) { graph.select(selected); tree.select(selected); }
+    overview.setSummary(summary);
+    left.update();
+    if (selected) { graph.select(selected); tree.select(selected); overview.select(selected); }
     if (lastDiff) graph.setChanged(lastDiff.changed_nodes, lastDiff.changed_modules);
     controls.render(selected, summary, readonly);
     renderBanner();

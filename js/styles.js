@@ -106,6 +106,30 @@ body.hw-page { margin: 8px; }
 .hw-param input { width: 64px; font: inherit; color: var(--hw-fg); background: var(--hw-bg2); border: 1px solid var(--hw-border); }
 .hw-param input.invalid { border-color: var(--hw-error); }
 .hw-note { color: var(--hw-dim); font-style: italic; margin: 2px 0 4px; }
+.hw-left { grid-area: tree; display: flex; flex-direction: column; min-height: 0; min-width: 0; max-width: min(420px, 26vw); gap: 4px; }
+.hw-left.layers { max-width: min(600px, 40vw); }
+.hw-left > .hw-tree { max-width: none; flex: 1 1 auto; }
+.hw-left > [hidden] { display: none; }
+.hw-tabs { display: flex; gap: 2px; border-bottom: 1px solid var(--hw-border); }
+.hw-tab { font: inherit; color: var(--hw-dim); background: none; border: 1px solid transparent; border-bottom: none; border-radius: 3px 3px 0 0; padding: 1px 8px; cursor: pointer; }
+.hw-tab.on { color: var(--hw-fg); font-weight: 600; border-color: var(--hw-border); background: var(--hw-bg2); }
+.hw-overview { flex: 1 1 auto; overflow: auto; min-height: 0; }
+.hw-ov-legend { display: flex; align-items: center; gap: 4px; flex-wrap: wrap; margin: 2px 0; }
+.hw-ov-bar { display: inline-flex; border: 1px solid var(--hw-border); }
+.hw-ov-step { width: 9px; height: 10px; display: inline-block; }
+.hw-ov-table { font-size: 11px; margin: 0; }
+.hw-ov-table thead th { position: sticky; top: 0; background: var(--hw-bg); z-index: 1; }
+.hw-ov-table th.hw-ov-num, .hw-ov-norm { text-align: right; }
+.hw-ov-table td { padding: 1px 4px; overflow-wrap: normal; white-space: nowrap; }
+.hw-ov-row { cursor: pointer; }
+.hw-ov-row:hover td:not([data-t]) { background: var(--hw-bg2); }
+.hw-ov-row.selected td { box-shadow: inset 0 2px 0 var(--hw-selected), inset 0 -2px 0 var(--hw-selected); }
+.hw-ov-row:focus { outline: 2px dotted var(--hw-selected); }
+.hw-ov-name { max-width: 150px; }
+@media (min-width: 1400px) { .hw-ov-name { max-width: 230px; } }
+.hw-ov-clip { display: block; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; text-align: left; }
+.hw-ov-cls { max-width: 66px; overflow: hidden; text-overflow: ellipsis; color: var(--hw-dim); }
+.hw-ov-norm.nonfinite { background: var(--hw-error); color: #fff; font-weight: 600; }
 .hw-status { grid-area: status; padding: 3px 6px; border-radius: 3px; background: var(--hw-bg2); white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .hw-status[data-state="error"] { color: var(--hw-error); }
 .hw-status[data-state="running"] { color: var(--hw-selected); }

@@ -214,3 +214,18 @@ def test_diff_rel_change_new_where_before_is_zero_and_hooked_marked(seed_mlp):
         rel_change, before, after = float("inf"), 0.0, 1.0
 
     assert payload._rel(P) == "new"
+
+
+def test_module_rows_carry_the_layer_overviews_norms(traced):
+    """The layer overview (js/overview.js) reads, before any click: own parameters, ‖W.grad‖₂ of them,
+    ‖a‖₂ and ‖δ‖₂ of the first call, and the health flags."""
+    model, _, t = traced
+    rows = {r["name"]: r for r in payload.summary(t)["modules"]}
+    with_params = [n for n, r in rows.items() if r["own_params"]]
+    assert with_params == [n for n in t.layers if any(True for _ in t.layers[n].module.parameters(recurse=False))]
+    assert rows["SeedMLP"]["own_params"] == [] and rows["SeedMLP"]["grad_norm"] is None
+    c = t.layers["fc2"].calls[0]
+    assert rows["fc2"]["a"]["norm"] == pytest.approx(float(c.a.norm()), rel=1e-6)
+    assert rows["fc2"]["delta"]["norm"] == pytest.approx(float(c.delta.norm()), rel=1e-6)
+    assert rows["fc2"]["grad_norm"] == pytest.approx(float(model.fc2.weight.grad.norm()), rel=1e-6)
+    assert all(isinstance(r["flags"], list) for r in rows.values())

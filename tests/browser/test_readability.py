@@ -72,7 +72,9 @@ def test_gpt2_shaped_default_view_is_readable(browser, gpt2_page, width, img_dir
         # The graph uses the page's height.
         svg_h = pg.evaluate("document.querySelector('.hw-svg').getBoundingClientRect().height")
         assert svg_h >= 0.6 * 800, svg_h
-        # Tree names are whole: every name fits its row, and the blocks are told apart.
+        # Tree names are whole: every name fits its row, and the blocks are told apart (the tree is the
+        # second tab: a model this deep opens on the layer overview).
+        pg.locator('[data-tab="tree"]').click()
         clipped = pg.evaluate("""() => [...document.querySelectorAll('.hw-tree-name')]
             .filter(n => n.scrollWidth > n.clientWidth + 1
                       || n.getBoundingClientRect().right > n.closest('.hw-tree').getBoundingClientRect().right + 1)
@@ -101,10 +103,58 @@ def test_gpt2_shaped_default_view_is_readable(browser, gpt2_page, width, img_dir
         ctx.close()
 
 
+@pytest.fixture(scope="module")
+def gpt2_param_layers():
+    """Names of the GPT-2-shaped model's layers that hold parameters of their own, in module order."""
+    model, _ = gpt2_step()
+    return [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_gpt2_shaped_layer_overview_is_visible_first(browser, gpt2_page, gpt2_param_layers, width, img_dir):
+    """Issue 16: a deep model opens on a sortable table of its layers, one row per layer with parameters,
+    in view without scrolling; its norm cells share one colour scale; a row click selects the layer."""
+    path, _ = gpt2_page
+    ctx, pg = _open(browser, path, width)
+    try:
+        ov = pg.locator('[data-testid="overview"]')
+        assert ov.is_visible()
+        rows = ov.locator("tr[data-layer-row]")
+        assert [r.get_attribute("data-layer-row") for r in rows.all()] == gpt2_param_layers
+        assert len(gpt2_param_layers) == 76
+        # In view without scrolling: the table's header and first rows, every column inside the page.
+        box = ov.bounding_box()
+        assert box["y"] < 120 and box["x"] + box["width"] <= width, box
+        for col in ("name", "delta", "grad", "a", "flags"):
+            b = ov.locator(f'[data-layer-sort="{col}"]').bounding_box()
+            assert b and box["x"] <= b["x"] and b["x"] + b["width"] <= box["x"] + box["width"], (col, b)
+            assert b["y"] + b["height"] <= 800, (col, b)
+        first = rows.first.bounding_box()
+        assert first["y"] + first["height"] <= 800
+        assert pg.locator(".hw-svg").bounding_box()["width"] >= 250  # the graph keeps its room
+        assert ov.locator("td[data-t]").count() >= 3 * 70
+        pg.screenshot(path=str(img_dir / f"gpt2_overview_{width}.png"))
+        # Sort by ‖W.grad‖₂, largest first; a row click selects the layer (detail, tree, graph).
+        ov.locator('[data-layer-sort="grad"]').click()
+        assert ov.locator('[data-layer-sort="grad"]').get_attribute("aria-sort") == "descending"
+        row = rows.first
+        name = row.get_attribute("data-layer-row")
+        row.click()
+        pg.wait_for_selector('[data-testid="detail-target"]')
+        assert pg.locator('[data-testid="detail-target"]').inner_text() == name
+        assert "selected" in row.get_attribute("class")
+        pg.locator(f'.hw-nodes [data-module="{name}"]').wait_for()
+        pg.screenshot(path=str(img_dir / f"gpt2_overview_selected_{width}.png"))
+        assert pg.errors == []
+    finally:
+        ctx.close()
+
+
 def test_keyboard_moves_selects_and_clears(browser, gpt2_page):
     path, _ = gpt2_page
     ctx, pg = _open(browser, path, 1500)
     try:
+        pg.locator('[data-tab="tree"]').click()
         pg.locator(".hw-tree-row").first.focus()
         pg.keyboard.press("ArrowDown")
         pg.keyboard.press("ArrowDown")
