@@ -1225,11 +1225,105 @@ NB04 = [
 ]
 
 
+# ---------------------------------------------------------------------------------------------
+NB05 = [
+    md("""
+    # Watching a training run until it diverges
+
+    This notebook trains a small network with a learning rate that is too large, under `hw.watch`:
+    per-layer gradient statistics every step at little cost, the step where the loss turns
+    non-finite located, and that step kept as a full Trace to look into.
+    """),
+    code(SETUP),
+    md("""
+    A deep tanh MLP, SGD with momentum, and a learning rate that makes it blow up after a few dozen
+    steps. The loop is plain PyTorch; the only change is the `with hw.watch(model) as w:` around it.
+    """),
+    code("""
+    torch.manual_seed(0)
+    width = 32 if SMOKE else 128
+    model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.9, momentum=0.9)
+    x, y = torch.randn(256, 16), torch.randn(256, 1) * 10
+    steps = 60 if SMOKE else 200
+
+    with hw.watch(model) as w:
+        for step in range(steps):
+            xb, yb = x[(step * 32) % 256:][:32], y[(step * 32) % 256:][:32]
+            opt.zero_grad()
+            F.mse_loss(model(xb), yb).backward()
+            opt.step()
+
+    print(f"{len(w.steps)} steps recorded, {len(w.layer_names)} layers × {len(w.stat_names)} statistics")
+    print("statistics:", ", ".join(w.stat_names))
+    """),
+    md("""
+    `w.series(layer, stat)` is one statistic over the steps. The loss and the update ratio
+    ‖ΔW‖/‖W‖ (how much each step moves the weights relative to their size; around 1e-3 is healthy)
+    tell the story: the updates grow until the weights explode.
+    """),
+    code("""
+    import math
+
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
+    axes[0].semilogy(w.steps, w.series("loss").abs().clamp_min(1e-12))
+    axes[0].set_title("|loss|")
+    for name in w.layer_names:
+        axes[1].semilogy(w.steps, w.series(name, "update_ratio"), label=name)
+    axes[1].set_title("update ratio ‖ΔW‖/‖W‖")
+    axes[1].legend()
+    for ax in axes:
+        ax.set_xlabel("step")
+    plt.show()
+    """),
+    md("""
+    `w.anomalies` lists what the watch flagged: spikes of the loss or of the global gradient norm
+    against the steps before, and non-finite values, each with where it was found first.
+    """),
+    code("""
+    for a in w.anomalies[:8]:
+        print(a)
+    first_bad = next((a.step for a in w.anomalies if "non-finite" in a.reason or "nan" in a.reason.lower()), None)
+    print("first non-finite step:", first_bad)
+    print("kept steps (full Traces):", w.kept)
+    """),
+    md("""
+    The first anomalous step is kept as a full Trace: everything `hw.trace` gives, for that one step.
+    Here the loss is already infinite while every gradient is still finite: the weights grew so
+    large (the update ratio above) that the squared error overflowed float32. Two steps later δ itself
+    turns NaN, first at layer `2` in backward order, as `w.anomalies` says.
+    """),
+    code("""
+    k = first_bad
+    t = w.trace(k)
+    row = list(w.steps).index(k)
+    print(f"step {k}: loss {t.loss:.4g}")
+    print(t.health())
+    print("‖W‖₂ then:", {n: f"{float(w.series(n, 'weight_norm')[row]):.3g}" for n in w.layer_names},
+          "at step 0:", {n: f"{float(w.series(n, 'weight_norm')[0]):.3g}" for n in w.layer_names})
+    t
+    """),
+    md("""
+    ## What to try next
+
+    - Lower the learning rate to 0.01 and watch again: `w.anomalies` stays empty, the update ratio
+      stays near 1e-3.
+    - `hw.watch(model, keep=lambda step, stats: stats["global_grad_norm"] > 100)` keeps the steps your
+      own rule picks.
+    - Add `torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)` before `opt.step()`: the loss
+      still rises, but the updates stay bounded.
+    """),
+]
+
+
 def main() -> None:
     write("01_hooks_explained.ipynb", NB01)
     write("02_per_sample_gradients.ipynb", NB02)
     write("03_debugging_gradients.ipynb", NB03)
     write("04_transformer.ipynb", NB04)
+    write("05_watch_training.ipynb", NB05)
 
 
 if __name__ == "__main__":
