@@ -330,16 +330,20 @@ def stats(t: torch.Tensor) -> dict:
     n = x.numel()
     if n == 0:
         return {"numel": 0, "min": None, "max": None, "mean": None, "std": None, "norm": 0.0, "nan": 0, "inf": 0}
-    nan = int(torch.isnan(x).sum())
-    inf = int(torch.isinf(x).sum())
-    f = x[torch.isfinite(x)] if nan or inf else x.reshape(-1)
-    if f.numel() == 0:
-        return {"numel": n, "min": None, "max": None, "mean": None, "std": None, "norm": _num(_norm(x)),
-                "nan": nan, "inf": inf}
+    lo, hi = torch.aminmax(x.reshape(-1))  # NaN propagates: both finite means every entry is
+    if math.isfinite(float(lo)) and math.isfinite(float(hi)):
+        nan = inf = 0
+        f = x.reshape(-1)
+    else:  # count them, and describe the finite entries
+        nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+        f = x[torch.isfinite(x)]
+        if f.numel() == 0:
+            return {"numel": n, "min": None, "max": None, "mean": None, "std": None, "norm": _num(_norm(x)),
+                    "nan": nan, "inf": inf}
+        lo, hi = torch.aminmax(f)
     # float64 for small tensors; float32 (torch sums pairwise) past 65,536 entries, where a float64 copy
     # of an embedding's gradient would cost more than the rest of the detail.
     std, mean = torch.std_mean(f.double() if f.numel() <= 65_536 else f.float(), unbiased=False)
-    lo, hi = torch.aminmax(f)
     return {"numel": int(n), "min": _num(float(lo)), "max": _num(float(hi)), "mean": _num(float(mean)),
             "std": _num(float(std)), "norm": _num(_norm(x)), "nan": nan, "inf": inf}
 

@@ -229,3 +229,16 @@ def test_module_rows_carry_the_layer_overviews_norms(traced):
     assert rows["fc2"]["delta"]["norm"] == pytest.approx(float(c.delta.norm()), rel=1e-6)
     assert rows["fc2"]["grad_norm"] == pytest.approx(float(model.fc2.weight.grad.norm()), rel=1e-6)
     assert all(isinstance(r["flags"], list) for r in rows.values())
+
+
+def test_full_tensor_statistics_count_nan_and_inf_and_describe_the_finite_entries():
+    t = torch.tensor([[1.0, -2.0, float("nan")], [float("inf"), 4.0, 0.5]])
+    s = payload.stats(t)
+    finite = t[torch.isfinite(t)].double()
+    assert (s["nan"], s["inf"], s["numel"]) == (1, 1, 6)
+    assert (s["min"], s["max"]) == (float(finite.min()), float(finite.max()))
+    assert s["mean"] == pytest.approx(float(finite.mean()))
+    assert s["std"] == pytest.approx(float(finite.std(unbiased=False)))
+    clean = payload.stats(torch.arange(6.0).reshape(2, 3))
+    assert (clean["nan"], clean["inf"], clean["min"], clean["max"]) == (0, 0, 0.0, 5.0)
+    assert clean["norm"] == pytest.approx(float(torch.arange(6.0).norm()))
