@@ -144,8 +144,8 @@ def code_scope(fn, namespace=None, code=None) -> dict:
 
 
 def related_objects(scope: dict) -> list:
-    """Objects of the code's scope that a rerun must restore: modules, optimizers, schedulers,
-    scalers, iterators."""
+    """Objects of the code's scope that a rerun must restore: modules, schedulers, scalers, iterators
+    (optimizers are taken when they step)."""
     out, seen = [], set()
     for obj in scope.values():
         if id(obj) not in seen and _worth_restoring(obj):
@@ -163,7 +163,9 @@ def _names(code) -> list:
 
 
 def _worth_restoring(obj) -> bool:
-    return (isinstance(obj, (nn.Module, torch.optim.Optimizer)) or _has_state(obj)
+    """Modules (their buffers), schedulers, scalers, iterators. Not optimizers: the global pre-step hook
+    copies an optimizer's state and parameters only if it steps, which a copy up front would double."""
+    return (isinstance(obj, nn.Module) or _has_state(obj)
             or isinstance(obj, Iterator) and not isinstance(obj, (torch.Tensor, str, bytes)))
 
 
