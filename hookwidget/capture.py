@@ -196,12 +196,6 @@ class Tracer:
                 del hooks[key]
 
     # -- forward -------------------------------------------------------------------------------
-    def _records_here(self) -> bool:
-        """Whether a module call now belongs to this trace: its own thread (or autograd's, rerunning
-        forward for a checkpoint), not compiling, not inside a torch.func transform."""
-        return (self.active and (_get_ident() == self.thread or _current_node() is not None)
-                and not _is_compiling())
-
     def _pre_hook(self, module, inputs, kwargs=None):
         if not self.active or _get_ident() != self.thread and _current_node() is None or _is_compiling():
             return
@@ -229,15 +223,6 @@ class Tracer:
         if isinstance(module, nn.parallel.DistributedDataParallel):
             self._ddp = True
         return rec
-
-    def _unseen(self, module) -> bool:
-        """Calls whose tensors hooks must not touch: inside torch.func transforms and compiled models."""
-        if _in_functorch():
-            self._saw("func", module)
-            return True
-        if "_orig_mod" in module._modules:
-            self._saw("compiled", module)
-        return False
 
     def _saw(self, what: str, module) -> None:
         self._seen.setdefault(what, {}).setdefault(type(module).__name__, None)

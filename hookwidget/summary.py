@@ -32,21 +32,6 @@ class TensorSummary:
         return self.nan == 0 and self.inf == 0
 
 
-def grad_norms_on_device(t: torch.Tensor) -> torch.Tensor | tuple[float, float]:
-    """[‖t‖₂, ‖t‖∞] on t's device, or as two floats for a CPU tensor (reading one is no host-device
-    sync, and saves the kernels that combine them). Both are fast float32 reductions; ‖t‖₂
-    overflows to inf past ~1.8e19 per entry (as torch.linalg.vector_norm does), so finiteness is
-    judged by ‖t‖∞."""
-    t = t.detach()
-    if t.numel() == 0:
-        return 0.0, 0.0
-    f = _dense(t if t.dtype in (torch.float32, torch.float64) else t.float())
-    if f.device.type == "cpu":
-        lo, hi = (v.item() for v in torch.aminmax(f))
-        return torch.linalg.vector_norm(f).item(), abs_max(lo, hi)
-    return torch.stack([torch.linalg.vector_norm(f), max_abs(f)])
-
-
 def abs_max(lo: float, hi: float) -> float:
     """‖t‖∞ from t's min and max read on the host; NaN if either is (Python's max would drop it)."""
     return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
@@ -188,8 +173,3 @@ def to_summaries(pending: list[tuple[tuple, torch.dtype, torch.Tensor | tuple]])
             name = dtype_names[dtype] = str(dtype).replace("torch.", "")
         out.append(TensorSummary(tuple(shape), name, norm, mn, mx, total / max(numel, 1), int(nan), int(inf)))
     return out
-
-
-def summarize(t: torch.Tensor) -> TensorSummary:
-    """Summary of one tensor, computed now (one host sync)."""
-    return to_summaries([(tuple(t.shape), t.dtype, stats_on_device(t))])[0]
