@@ -25,12 +25,14 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.optim import optimizer as optimizer_mod
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from . import autograd_calls
 from . import factors as fx
 from . import graph as graph_mod
 from .handles import Removing, Restoring
+from .layers import generic
 from .records import PREVIOUS, Call, ModuleRecord, Records, StepRecord
 from .summary import StatsBatch, abs_max, stats_on_device, to_summaries
 
@@ -44,6 +46,7 @@ VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBac
                         "CloneBackward0"})
 LAZY_NODE_NUMEL = 4096  # node gradients up to this size are kept until the graph is built (it may never be)
 LAZY_NODE_TOTAL = 1 << 18  # elements kept so at most per trace; larger ones are reduced when the trace ends
+BROADCASTS_MAX = 1024  # calls per step whose (1, ...) output may be added to a batch (see _hook_broadcasts)
 OUTER_CALLS_KEPT = 4  # forward passes whose graph a trace may hold before a backward (an eval loop holds none more)
 
 
@@ -65,6 +68,7 @@ class Tracer:
         # their norms from δ and .grad anyway (see _derive_node_norms).
         self.node_grads = False if capture == "norms" else node_grads
         self.norms_rule = norms_rule  # capture == "norms": per-sample norms as δ arrives (norms.py)
+        self._batches = Counter()  # this step's outermost calls: their inputs' leading dimensions (Call.batch)
         # Full module backward hooks show grad_input too, but raise when an in-place op follows a
         # module and add nodes to the graph: opt-in only.
         self.backward_hooks = backward_hooks
@@ -100,6 +104,8 @@ class Tracer:
         self._live: list = []  # calls whose out_node is set (since the last step ended)
         self._node_refs: dict = {}  # this step's graph: node index -> the gradient that arrived there
         self._ddp = False  # a DistributedDataParallel module ran (it averages .grad after backward)
+        self._snapshots: dict = {}  # id(parameter or buffer) -> (it, its version, copy): generic rule (_keep_call)
+        self._broadcasts: list = []  # calls of layers with parameters whose output is (1, ...): see _hook_broadcasts
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Tracer:
@@ -197,7 +203,7 @@ class Tracer:
 
     # -- forward -------------------------------------------------------------------------------
     def _pre_hook(self, module, inputs, kwargs=None):
-        if not self.active or _get_ident() != self.thread and _current_node() is None or _is_compiling():
+        if _is_compiling() or not self.active or _get_ident() != self.thread and _current_node() is None:
             return
         if _peek_transform() is not None:  # inside a torch.func transform: hooks would see wrapped tensors
             self._saw("func", module)
@@ -216,6 +222,9 @@ class Tracer:
         rec.needs_input = fx.needs_input(module)
         rec.stateful = fx.forward_state(module) is not None
         rec.compiled = "_orig_mod" in module._modules
+        rec.generic = self.capture != "summary" and fx.is_generic(module)
+        rec.broadcast = self.capture == "full" and fx.spec_for(module) is not None and any(
+            p.requires_grad for p in module.parameters())
         if self.capture == "norms":
             rec.norms = self.norms_rule is not None and self.norms_rule.wants(module)
         if self.state is not None:
@@ -242,12 +251,22 @@ class Tracer:
         if outer:
             outer[-1].append(call)
         a = _first_tensor(inputs) if inputs else _first_tensor(kwargs)
+        if self._open == 0 and a is not None and a.dim():
+            call.batch = a.shape[0]
+            self._batches[call.batch] += 1
+        if rec.generic and torch.is_grad_enabled() and self._keep_call(module, call, inputs, kwargs):
+            return call  # `a` is the kept copy of its first tensor
         if a is not None:
+            node = a.grad_fn
+            if node is not None and type(node) in _VIEW_NODES:  # samples may be folded into rows: see per_sample
+                lead = node._saved_self_sym_sizes[0] if node._saved_self_sym_sizes else None
+                if lead != (a.shape[0] if a.dim() else None):
+                    call.folded_from = lead
             self._keep_input(rec, call, a)
         return call
 
     def _forward_hook(self, module, inputs, kwargs, output):
-        if not self.active or _get_ident() != self.thread and _current_node() is None or _is_compiling():
+        if _is_compiling() or not self.active or _get_ident() != self.thread and _current_node() is None:
             return None
         if _peek_transform() is not None:
             return None
@@ -258,7 +277,10 @@ class Tracer:
             call = rec.open_calls.pop()
             if self._open > 0:
                 self._open -= 1
-            if not inputs and kwargs and self.targets is None:  # keywords only, which no global pre-hook sees
+            if rec.generic and call.inputs is not None:
+                if kwargs and not call.inputs[1] and self.targets is None:  # no global pre-hook sees keywords
+                    self._keep_kwargs(call, kwargs)
+            elif not inputs and kwargs and self.targets is None:  # keywords only, which no global pre-hook sees
                 a = _first_tensor(kwargs)
                 if a is not None:
                     self._keep_input(rec, call, a)
@@ -284,7 +306,126 @@ class Tracer:
                 self._live.append(call)
             if out.requires_grad:
                 _hook_output(self._handles, out, self._delta_hook(module, call))
+                if rec.broadcast and len(self._broadcasts) < BROADCASTS_MAX and _maybe_broadcast(call.a, out):
+                    self._broadcasts.append(call)
+        if rec.generic and call.inputs is not None:
+            self._hook_outputs(call, output, out)
         return replaced
+
+    # -- the generic rule's capture: every input, every output's δ, parameters as they were ------------
+    def _keep_call(self, module, call: Call, inputs, kwargs) -> bool:
+        """Keep all a generic-rule module's call needs (copy-on-write copies, within the budget)."""
+        kept = self._kept_tree((tuple(inputs), dict(kwargs or {})))
+        params = self._snapshot(module) if kept is not None else None
+        if params is None:
+            return False
+        call.inputs, call.params = kept, params
+        call.training = tuple(m.training for m in module.modules())
+        if self.capture == "full":
+            call.a = _first_tensor(kept[0]) if kept[0] else _first_tensor(kept[1])
+        return True
+
+    def _keep_kwargs(self, call: Call, kwargs) -> None:
+        kept = self._kept_tree(dict(kwargs))
+        if kept is None:
+            call.inputs = None
+            return
+        call.inputs = (call.inputs[0], kept)
+        if call.a is None and self.capture == "full":
+            call.a = _first_tensor(kept)
+
+    def _kept_tree(self, tree):
+        """tree with every tensor replaced by a copy-on-write copy, or None where the budget has no room."""
+        leaves, spec = tree_flatten(tree)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if tensors and not self._fits_bytes(sum(t.numel() * t.element_size() for t in tensors)):
+            return None
+        return tree_unflatten([_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+    def _snapshot(self, module) -> dict | None:
+        """The module's parameters and buffers by name as they are now (copy-on-write: an optimizer step or a
+        BatchNorm update later costs a copy then); calls that see the same versions share one copy."""
+        cache = self._snapshots
+        named = [*module.named_parameters(), *module.named_buffers()]
+        new = [t for _, t in named if (hit := cache.get(id(t))) is None or hit[0] is not t or hit[1] != t._version]
+        if new and not self._fits_bytes(sum(t.numel() * t.element_size() for t in new)):
+            return None
+        for t in new:
+            cache[id(t)] = (t, t._version, _copy(t))
+        return {name: cache[id(t)][2] for name, t in named}
+
+    def _hook_outputs(self, call: Call, output, out) -> None:
+        """A δ hook on every output tensor besides the first (whose δ is call.delta)."""
+        flat = generic.flat_outputs(output)
+        call.deltas, seen = [None] * len(flat), set()
+        for i, o in enumerate(flat):
+            if id(o) in seen:  # the same tensor twice: its gradient arrives once
+                continue
+            seen.add(id(o))
+            if o is out:
+                call.out_first = i
+            elif o.requires_grad:
+                _hook_output(self._handles, o, self._output_delta_hook(call, i))
+
+    def _output_delta_hook(self, call: Call, i: int):
+        def hook(grad):
+            if not self.active:
+                return
+            with self._lock:
+                if call.step is None and self._step is not None:
+                    call.step = self._step.index
+                deltas = call.deltas
+                if deltas is None:
+                    return
+                if deltas[i] is not None:
+                    deltas[i] = deltas[i] + grad.detach()
+                elif self._fits(grad):
+                    deltas[i] = grad.detach()
+                else:
+                    call.deltas = None  # over budget: the generic rule says so
+            return
+
+        return hook
+
+    def _hook_broadcasts(self) -> None:
+        """A position table called without a batch dimension gives (1, T, d) or (T, d), added to (B, T, d): each
+        sample's δ is the gradient arriving at that add, which autograd then sums into the table's δ. A pre-hook
+        on the add keeps it (call.bdelta; per_sample.py uses it only where it sums to δ)."""
+        calls, self._broadcasts = self._broadcasts, []
+        walk = self._walk
+        targets = {walk._index[c.out_node]: c for c in calls if c.out_node is not None and c.out_node in walk._index}
+        if not targets:
+            return
+        parents: dict = {}
+        for u, v in walk.edges:
+            if v in targets:
+                parents.setdefault(v, []).append(u)
+        for v, c in targets.items():
+            ps = parents.get(v, ())
+            if len(ps) == 1 and walk.names[ps[0]] == "AddBackward0":
+                self._node_handles.append(walk.nodes[ps[0]].register_prehook(self._broadcast_hook(c)))
+
+    def _broadcast_hook(self, call: Call):
+        def hook(grad_outputs):
+            g = grad_outputs[0] if self.active and grad_outputs else None
+            shape = call.output_shape
+            if g is not None and (g.dim() == len(shape) and tuple(g.shape[1:]) == shape[1:] and g.shape[0] > 1
+                                  or g.dim() == len(shape) + 1 and tuple(g.shape[1:]) == shape):
+                with self._lock:
+                    if call.bdelta is not None:
+                        call.bdelta = call.bdelta + g.detach()
+                    elif self._fits(g):
+                        call.bdelta = g.detach()
+            return None
+
+        return hook
+
+    def _fits_bytes(self, size: int) -> bool:
+        if self._kept_bytes + size > self.budget_bytes:
+            self._dropped += 1
+            return False
+        self._kept_bytes += size
+        return True
 
     def _backward_hook(self, module, grad_input, grad_output):
         rec = self._modules.get(module)
@@ -360,6 +501,8 @@ class Tracer:
             self._unhooked = []
             self._node_refs = {}  # the previous step's node gradients go: only the last step's graph is shown
         self._extend_walk(tensors)
+        if self._broadcasts and self._depth == 1:
+            self._hook_broadcasts()
 
     def on_backward_end(self) -> None:
         if self._depth == 0:
@@ -516,7 +659,9 @@ class Tracer:
         self._handles = [h for h in self._handles if h.hooks_dict_ref() is not None]  # outputs still alive
         self._note_output_nodes(step)
         if self.norms_rule is not None:
-            self.norms_rule.end_step(self._modules)
+            common = self._batches.most_common(1)
+            self.norms_rule.end_step(self._modules, common[0][0] if common else None)
+        self._batches = Counter()
         self._step = None
         self._outer.clear()
         for c in self._live:
@@ -663,6 +808,21 @@ class Tracer:
                     call.a = call.a.clone()
                 if call.delta is not None and not _sole_owner(call.delta):
                     call.delta = call.delta.clone()
+                if call.deltas is not None:
+                    self._own_deltas(call)
+                if call.bdelta is not None and not _sole_owner(call.bdelta):
+                    call.bdelta = call.bdelta.clone()
+        self._snapshots = {}
+
+    @staticmethod
+    def _own_deltas(call: Call) -> None:
+        """The generic rule's δ per output: the first one is call.delta; one kept as a summary makes them unusable."""
+        if call.out_first >= 0:
+            if call.delta is None and call.delta_summary is not None:
+                call.deltas = None
+                return
+            call.deltas[call.out_first] = call.delta
+        call.deltas = [d if d is None or _sole_owner(d) else d.clone() for d in call.deltas]
 
     def _drop_recomputed_calls(self) -> None:
         """torch.utils.checkpoint reruns forward during backward. Of a layer's calls, the ones that
@@ -807,12 +967,30 @@ def _outermost_outputs(records) -> list:
     return out
 
 
+def _maybe_broadcast(a, out: torch.Tensor) -> bool:
+    """Whether a layer's output may be a table added to a batch (see Tracer._hook_broadcasts): (1, T, d), or
+    (T, d) whose leading dimension its input does not have (positions (T,) or ids (B, T))."""
+    if out.dim() < 2:
+        return False
+    if out.shape[0] == 1:
+        return True
+    return a is not None and a.dim() >= 1 and (a.dim() == 1 or a.shape[0] != out.shape[0])
+
+
 def _sole_owner(t: torch.Tensor) -> bool:
     """Whether no other tensor shares t's memory (the temporary storage object counts one)."""
     try:
         return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
     except Exception:  # a tensor subclass without plain storage: assume shared
         return False
+
+
+def _view_nodes() -> tuple:
+    x = torch.zeros(2, 2, requires_grad=True) * 1
+    return type(x.view(4).grad_fn), type(x.t().reshape(4).grad_fn)
+
+
+_VIEW_NODES = _view_nodes()  # ViewBackward0, UnsafeViewBackward0: view/reshape/flatten (their saved input sizes)
 
 
 def _first_tensor(obj) -> torch.Tensor | None:

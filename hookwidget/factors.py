@@ -7,8 +7,9 @@ the summed gradient (W.grad), per-sample gradients, and per-sample gradient norm
 materialising them where the Gram ("ghost") form is cheaper:
 ‖Σ_t δ_t a_tᵀ‖² = Σ_{t,t'} (a_t·a_t')(δ_t·δ_t') (Li et al. 2022).
 
-A rule is applied only where it is exact: a subclass that overrides the layer's forward gets none,
-and unsupported_reason(module) says why.
+A rule is applied only where it is exact: a subclass that overrides the layer's forward gets none
+(exact_reason(module) says why) and falls back to the generic torch.func rule (layers/generic.py, kind
+"dense"), which per_sample.py checks against the step's gradient before it is used.
 
 Per-sample gradients are each sample's contribution to .grad (they sum to W.grad). With a
 mean-reduced loss each carries the 1/B factor: pass loss_reduction="mean" to undo it. Where samples
@@ -24,14 +25,17 @@ import torch
 from torch import nn
 
 from .layers import (  # noqa: F401  (the import surface)
+    GENERIC,
     KINDS,
     SPECS,
     ConvCall,
     ConvCalls,
     Factor,
     LayerSpec,
+    exact_reason,
     forward_state,
     gram_applies,
+    is_generic,
     needs_input,
     per_sample_meaning,
     register,
@@ -50,7 +54,7 @@ RULES: dict[type, Callable] = {t: s.rule for t, s in SPECS.items() if isinstance
 def rule_for(module: nn.Module):
     """The rule that is exact for this module, or None (see unsupported_reason)."""
     spec = spec_for(module)
-    return None if spec is None else spec.rule
+    return None if spec is None or spec.generic else spec.rule
 
 
 # -- generic mathematics -----------------------------------------------------------------------

@@ -32,7 +32,8 @@ class StreamingNorms:
     def wants(self, module) -> bool:
         w = self._wants.get(module)
         if w is None:  # asked on every forward call: answer once per module and trace
-            w = self._wants[module] = fx.unsupported_reason(module) is None and any(
+            # a generic-rule module is not streamed: capture keeps its calls, per_sample.py adds its norms when asked
+            w = self._wants[module] = fx.unsupported_reason(module) is None and not fx.is_generic(module) and any(
                 p.requires_grad for p in module.parameters(recurse=False))
         return w
 
@@ -45,8 +46,9 @@ class StreamingNorms:
         if pending and all(c.delta is not None for c in pending):  # else wait for the last call's δ
             self._consume(module, pending, modules)
 
-    def end_step(self, modules) -> None:
-        """The backward pass ended: count the calls that got a δ, forget those that did not."""
+    def end_step(self, modules, model_batch: int | None = None) -> None:
+        """The backward pass ended: count the calls that got a δ, forget those that did not. model_batch: the
+        leading dimension of the model's input this step (see per_sample.model_batches), where known."""
         for module, calls in list(self._open.items()):
             pending = [c for c in calls if c.a is not None]
             got = [c for c in pending if c.delta is not None]
@@ -54,10 +56,11 @@ class StreamingNorms:
                 self._consume(module, got, modules)
             for c in pending:
                 c.a = c.delta = None
-        for pairs in self._shared.values():
-            if len({f.D.shape[0] for _, f in pairs}) == 1:
+        for p, pairs in self._shared.items():
+            # counted only where every module holding it contributed (else its per-sample gradient is partial)
+            if len({f.D.shape[0] for _, f in pairs}) == 1 and len({id(m) for m, _ in pairs}) == self._owners[id(p)]:
                 self._add(pairs[0][0], sum(fx.per_sample_grad(f) for _, f in pairs).flatten(1).pow(2).sum(1))
-        self._steps.append(self._step_result())
+        self._steps.append(self._step_result(model_batch))
         self._sq, self._layers, self._shared, self._readers, self._grams = {}, {}, {}, None, {}
         self._open = {}
 
@@ -121,12 +124,12 @@ class StreamingNorms:
         self._sq[b] = self._sq[b] + sq if b in self._sq else sq
         self._layers.setdefault(b, []).append(module)
 
-    def _step_result(self):
-        """(B,) squared norms for the batch size most layers agree on, and the modules left out
-        because their inputs had another leading dimension (their gradient is summed over the batch)."""
+    def _step_result(self, model_batch: int | None):
+        """(B,) squared norms for the model's batch size (else the one most layers agree on), and the modules
+        left out because their inputs had another leading dimension (a position table, samples folded into rows)."""
         if not self._sq:
             return None, []
-        batch = max(self._layers, key=lambda b: len(self._layers[b]))
+        batch = model_batch if model_batch in self._layers else max(self._layers, key=lambda b: len(self._layers[b]))
         left_out = [m for b, ms in self._layers.items() if b != batch for m in ms]
         return self._sq[batch], left_out
 

@@ -4,15 +4,22 @@ A layer's calls are grouped by the backward pass (step) that brought them their 
 step see the same samples (a layer reused inside one forward adds tokens); calls of different
 steps see different samples (micro-batches), so per-sample rows are stacked step after step.
 Calls that got no δ (a forward-only call) belong to no step and take part in nothing.
+
+A layer without an exact (a, δ) rule gets the generic torch.func rule (layers/generic.py): its per-sample
+gradients are used only after they add up to the gradient the step made (generic_rows); coverage_gap is
+the one place that decides whether a parameter's per-sample gradients are whole, for the norms and for
+the note that names what they leave out.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import Counter, defaultdict
 
 import torch
 
 from . import factors as fx
+from .layers import generic
 
 
 def step_indices(trace, step: int | None) -> list[int]:
@@ -33,21 +40,27 @@ def step_indices(trace, step: int | None) -> list[int]:
 
 
 def call_groups(trace, name: str, step: int | None) -> list[list]:
-    """The layer's calls per selected step, steps in order, checked for a and δ."""
+    """The layer's calls per selected step, steps in order, checked for what its rule needs."""
     layer = trace.layer(name)
     reason = fx.unsupported_reason(layer.module)
     if reason:
         supported = ", ".join(fx.supported_types())
-        raise ValueError(f"layer {name!r}: {reason}; supported types: {supported}")
+        raise ValueError(f"layer {name!r}: {reason}; supported types: {supported} (and, with capture='full', "
+                         "the generic torch.func rule for other modules with parameters)")
     if trace._no_factors:
         raise ValueError(f"layer {name!r}: {trace._no_factors}")
+    is_generic = fx.is_generic(layer.module)
     groups = []
     for k in step_indices(trace, step):
         calls = [c for c in layer.calls if c.step == k]
-        missing = [c.index for c in calls if c.a is None or c.delta is None]
+        if is_generic:
+            missing = [c.index for c in calls if generic.missing(c)]
+        else:
+            missing = [c.index for c in calls if c.a is None or c.delta is None]
         if missing:
             why = "; ".join(trace.notes) or "not kept"
-            raise ValueError(f"layer {name!r}: a or δ not kept for call(s) {missing} ({why})")
+            what = "inputs, parameters or output gradients" if is_generic else "a or δ"
+            raise ValueError(f"layer {name!r}: {what} not kept for call(s) {missing} ({why})")
         if calls:
             groups.append(calls)
     if not groups:
@@ -58,14 +71,94 @@ def call_groups(trace, name: str, step: int | None) -> list[list]:
 
 def param_factors(trace, name: str, param: str, step: int | None) -> list[fx.Factor]:
     """One Factor of `param` per selected step."""
-    module = trace.layer(name).module
     out = []
     for calls in call_groups(trace, name, step):
-        f = next((f for f in fx.factors(module, calls) if f.param == param), None)
+        f = next((f for f in layer_factors(trace, name, calls) if f.param == param), None)
         if f is None:
-            raise ValueError(f"layer {name!r} has no trainable {param}")
+            have = ", ".join(owned_params(trace, name)) or "none"
+            raise ValueError(f"layer {name!r} has no trainable {param} (its trainable parameters: {have})")
         out.append(f)
     return out
+
+
+def layer_factors(trace, name: str, calls: list) -> list[fx.Factor]:
+    """The factors of every parameter the layer answers for, from its calls of one step: its exact (a, δ)
+    rule's, or the generic rule's per-sample gradients (kind "dense"), once they passed the check."""
+    module = trace.layers[name].module
+    if not fx.is_generic(module):
+        return fx.factors(module, [_batched(trace, c, module) for c in calls])
+    rows = generic_rows(trace, name, calls[0].step)
+    if isinstance(rows, str):
+        raise ValueError(f"layer {name!r} ({type(module).__name__}, generic torch.func rule): {rows}")
+    owned = owned_params(trace, name)
+    return [fx.Factor(n, "dense", g.to(owned[n].dtype), None, tuple(owned[n].shape)) for n, g in rows.items()]
+
+
+def _batched(trace, call, module=None):
+    """The call as its samples saw it: a position table's (1, ...) output added to a batch gets each sample's δ
+    (call.bdelta) and its input repeated per sample; samples folded into rows are unfolded; any other call as
+    it is."""
+    bd = broadcast_delta(trace, call)
+    if bd is None:
+        B = _fold(trace, call, module)
+        if B is None:
+            return call
+        out = copy.copy(call)
+        out.a = call.a.reshape(B, -1, *call.a.shape[1:])
+        out.delta = call.delta.reshape(B, -1, *call.delta.shape[1:])
+        return out
+    out = copy.copy(call)
+    out.delta = bd
+    if call.a is not None and bd.dim() > call.delta.dim():  # (T, d) added to (B, T, d): a new leading dimension
+        out.a = call.a.expand(bd.shape[0], *call.a.shape)
+    elif call.a is not None and call.a.dim() and call.a.shape[0] == 1:
+        out.a = call.a.expand(bd.shape[0], *call.a.shape[1:])
+    if call.deltas is not None and call.out_first >= 0:
+        out.deltas = list(call.deltas)
+        out.deltas[call.out_first] = bd
+    return out
+
+
+def broadcast_delta(trace, call):
+    """Each sample's δ of a call whose output (1, ...) was added to a batch, where autograd's sum of it over
+    the samples is the call's δ (so the rows are exact), else None."""
+    if call.bdelta is None or call.delta is None:
+        return None
+    cache = _cache(trace)
+    key = ("bdelta", id(call))
+    if key not in cache:
+        summed = call.bdelta.sum(0, keepdim=call.bdelta.dim() == call.delta.dim())
+        cache[key] = call.bdelta if _close(summed, call.delta) else None
+    return cache[key]
+
+
+def _fold(trace, call, module) -> int | None:
+    """The batch size B where the call's input is the model's batch folded into rows ((B, T, d) viewed as
+    (B·T, d), as OPT and MobileViT do) and the layer's rule treats rows as tokens: a view keeps row-major
+    order, so sample b owns rows b·n/B … (b+1)·n/B − 1, exactly. Else None."""
+    B = call.folded_from
+    if B is None or module is None or call.a is None or call.delta is None or not call.a.dim():
+        return None
+    n = call.a.shape[0]
+    if n % B or call.delta.shape[:1] != (n,) or B != model_batches(trace).get(call.step):
+        return None
+    spec = fx.spec_for(module)
+    return B if spec is not None and spec.tokens else None
+
+
+def _lead(trace, call, module=None) -> int | None:
+    """The leading dimension of the call's input as its samples saw it (see _batched)."""
+    bd = broadcast_delta(trace, call) if call.bdelta is not None else None
+    if bd is not None:
+        return bd.shape[0]
+    B = _fold(trace, call, module) if call.folded_from is not None else None
+    if B is not None:
+        return B
+    return call.a.shape[0] if call.a.dim() else None
+
+
+def _param(trace, name: str, pname: str):
+    return owned_params(trace, name)[pname]
 
 
 def summed_grad(trace, name: str, param: str, step: int | None) -> torch.Tensor:
@@ -80,8 +173,13 @@ def per_sample_grad(trace, name: str, param: str, step: int | None) -> torch.Ten
 def per_sample_norms(trace, name: str | None, step: int | None) -> torch.Tensor:
     """(N,) per-sample gradient norms, N the samples of every selected step, in order."""
     steps = step_indices(trace, step)
-    if name is None and trace._norms is not None:
-        rows = [trace._norms[k][0] for k in steps if trace._norms[k][0] is not None]
+    if name is None and trace._norms is not None:  # capture="norms": streamed, plus the generic rule's layers
+        rows = []
+        for k in steps:
+            sq, extra = trace._norms[k][0], _generic_norm_sq(trace, k)
+            sq = extra if sq is None else sq if extra is None else sq + extra
+            if sq is not None:
+                rows.append(sq)
         if not rows:
             raise ValueError("no per-sample norms in this trace: " + ("; ".join(trace.notes) or "no backward ran"))
         return torch.cat(rows).sqrt()
@@ -98,20 +196,40 @@ def per_sample_norms(trace, name: str | None, step: int | None) -> torch.Tensor:
     return torch.cat(rows).sqrt()
 
 
+def _generic_norm_sq(trace, k: int) -> torch.Tensor | None:
+    """capture="norms": squared per-sample norms of the generic-rule layers of step k (capture streamed the
+    others), over the parameters each is the only holder of (left_out names the rest)."""
+    holders, sq = _holders(trace), None
+    for n, layer in trace.layers.items():
+        calls = [c for c in layer.calls if c.step == k]
+        if not calls or not fx.is_generic(layer.module) or not owned_params(trace, n) or trace._no_factors:
+            continue
+        if not isinstance(generic_rows(trace, n, k), dict):
+            continue
+        for f in layer_factors(trace, n, calls):
+            p = _param(trace, n, f.param)
+            if holders.get(id(p)) == [n] and coverage_gap(trace, p, k, {n: None}, lambda ok, f=f: [f]) is None:
+                part = fx.per_sample_norm_sq(f)
+                sq = part if sq is None else sq + part
+    return sq
+
+
 def _norm_sq(trace, names: list, k: int) -> torch.Tensor:
     """Squared norms over `names` in step k; a parameter shared by several layers counted once, and
-    only when every layer that holds it is among `names` (else its per-sample gradient is partial)."""
-    by_param = defaultdict(list)
+    only where coverage_gap says its per-sample gradients are whole (else they are partial)."""
+    by_param, holder_of = defaultdict(list), {}
     for n in names:
-        module = trace.layers[n].module
-        for f in fx.factors(module, [c for c in trace.layers[n].calls if c.step == k]):
-            by_param[getattr(module, f.param)].append(f)
-    covered = set(names)
+        for f in layer_factors(trace, n, [c for c in trace.layers[n].calls if c.step == k]):
+            p = _param(trace, n, f.param)
+            by_param[id(p)].append(f)
+            holder_of[id(p)] = p
+    asked = set(names)
     holders = _holders(trace)
-    by_param = {p: fs for p, fs in by_param.items()
-                if all(h in covered for h in holders.get(id(p), ())) or _complete(trace, p, fs, k)}
     sq = 0
-    for fs in by_param.values():
+    for pid, fs in by_param.items():
+        reasons = {h: None if h in asked else "not among the layers asked" for h in holders.get(pid, ())}
+        if coverage_gap(trace, holder_of[pid], k, reasons, lambda ok, fs=fs: fs) is not None:
+            continue
         if len(fs) == 1:
             sq = sq + fx.per_sample_norm_sq(fs[0])
         else:
@@ -119,10 +237,32 @@ def _norm_sq(trace, names: list, k: int) -> torch.Tensor:
     return sq
 
 
+def coverage_gap(trace, p, k: int, reasons: dict, factors_of) -> str | None:
+    """The one decision of whether per-sample gradients of parameter p in step k are whole (None) or why not.
+
+    reasons: holder layer -> why it is not covered, or None. Whole: every holder is covered by an exact (a, δ)
+    rule; or the covered holders' factors (factors_of(covered names)) rebuild all of the .grad step k made
+    (a holder that only holds p, as BERT's prediction head holds its decoder's bias; a generic-rule holder,
+    whose parameter may also be used outside its calls)."""
+    bad = [f"{h}: {r}" for h, r in reasons.items() if r is not None]
+    ok = [h for h, r in reasons.items() if r is None]
+    if not ok:
+        return "; ".join(bad) or "no layer holds it"
+    if not bad and not any(fx.is_generic(trace.layers[h].module) for h in ok):
+        return None
+    try:
+        fs = factors_of(ok)
+    except ValueError:  # a covered holder's a or δ was not kept in that step
+        fs = []
+    if fs and _complete(trace, p, fs, k):
+        return None
+    return "; ".join(bad) or (f"its .grad in step {k} is more than what {', '.join(ok)} give (it is used outside "
+                              "their calls too)")
+
+
 def _complete(trace, p, fs: list, k: int) -> bool:
-    """Whether the factors of a parameter also held by a layer without a rule still rebuild all of the
-    .grad step k made (that layer may only hold it, as BERT's prediction head holds its decoder's
-    bias); where they do not (a tied embedding that scales its rows), the parameter is left out."""
+    """Whether the factors of a parameter rebuild all of the .grad step k made (where they do not, say a tied
+    embedding that scales its rows, the parameter is left out)."""
     name = next((n for n, q in trace.params.items() if q is p), None)
     try:
         made = trace.steps[k].grad(name)
@@ -131,25 +271,163 @@ def _complete(trace, p, fs: list, k: int) -> bool:
     if made is None:
         return False
     rebuilt = sum(fx.summed_grad(f) for f in fs)
-    return bool(torch.allclose(rebuilt, made, rtol=1e-4, atol=1e-6 * float(made.abs().max()) + 1e-12))
+    return _close(rebuilt, made)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if want.is_sparse:
+        want = want.to_dense()
+    got = got.to(want.dtype).reshape(want.shape)
+    return bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 1e-12))
+
+
+# -- who answers for which parameter -----------------------------------------------------------------
+def _cache(trace) -> dict:
+    cache = getattr(trace, "_generic", None)
+    if cache is None:
+        cache = trace._generic = {}
+    return cache
+
+
+def owned_params(trace, name: str) -> dict:
+    """Parameter name -> trainable parameter the layer answers for: its own (an exact rule's), or with the
+    generic rule also those of descendants no call of the trace reached (MultiheadAttention's out_proj, a
+    weight-normed conv's parametrizations). A parametrization container answers for none: its module does."""
+    cache = _cache(trace)
+    key = ("owned", name)
+    if key not in cache:
+        module = trace.layers[name].module
+        if generic.is_parametrization(module):
+            cache[key] = {}
+        elif fx.is_generic(module):
+            called = cache.get("called")
+            if called is None:
+                called = cache["called"] = {id(layer.module) for layer in trace.layers.values() if layer.calls}
+            cache[key] = generic.owned(module, called)
+        else:
+            cache[key] = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
+    return cache[key]
 
 
 def _holders(trace) -> dict:
-    """id(parameter) -> names of the called layers that hold it as their own (tied weights: several)."""
+    """id(parameter) -> names of the called layers that answer for it (tied weights: several)."""
     out = defaultdict(list)
     for n, layer in trace.layers.items():
         if layer.calls and any(c.step is not None for c in layer.calls):
-            for p in layer.module._parameters.values():
-                if p is not None and p.requires_grad:
+            seen = set()
+            for p in [*owned_params(trace, n).values(), *layer.module._parameters.values()]:
+                if p is not None and p.requires_grad and id(p) not in seen:  # its own, answered for or not
+                    seen.add(id(p))
                     out[id(p)].append(n)
     return out
+
+
+# -- the generic rule, checked: exact or absent ------------------------------------------------------
+def generic_rows(trace, name: str, k: int):
+    """Parameter name -> (B, *shape) per-sample gradients of a generic-rule layer in step k, or why not (a
+    str). Used only after the check: their sum over samples and calls equals the gradient the step made
+    (the step's .grad where the layer is the parameter's only holder and that matches, else a full-batch vjp
+    of the same calls). Cached per (layer, step)."""
+    cache = _cache(trace)
+    key = ("rows", name, k)
+    if key not in cache:
+        cache[key] = _generic_rows(trace, name, k)
+    return cache[key]
+
+
+def _generic_rows(trace, name: str, k: int):
+    module = trace.layers[name].module
+    calls = [c for c in trace.layers[name].calls if c.step == k]
+    if not calls:
+        return f"no backward reached it in step {k}"
+    calls = [_batched(trace, c) for c in calls]
+    why = next((generic.missing(c) for c in calls if generic.missing(c)), None)
+    if why:
+        return why
+    owned = owned_params(trace, name)
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    names = {pn: canonical[id(p)] for pn, p in owned.items()}
+    B = _batch_size(trace, k) or generic.batch_size_hint(module, calls[0].inputs)
+    if not B:
+        return "its inputs have no batch dimension"
+    size = B * sum(p.numel() * p.element_size() for p in owned.values())
+    budget = _budget_bytes(trace)
+    if size > budget:
+        return (f"its per-sample gradients would take {size / 2**20:.0f} MB (batch {B}), over budget_mb="
+                f"{budget / 2**20:g}; raise budget_mb to have them")
+    try:
+        rows = _sum_calls(generic.per_sample(module, c, list(names.values()), B) for c in calls)
+        rows = {pn: rows[cn] for pn, cn in names.items()}
+        holders = _holders(trace)
+        full = None
+        for pn, g in rows.items():
+            summed = g.sum(0)
+            if holders.get(id(owned[pn])) == [name] and _step_grad_matches(trace, owned[pn], k, summed):
+                continue
+            if full is None:
+                full = _sum_calls(generic.full_batch(module, c, list(names.values()), B) for c in calls)
+            want = full[names[pn]]
+            if not _close(summed, want):
+                rel = float((summed - want).abs().max() / want.abs().max().clamp_min(1e-30))
+                return (f"{type(module).__name__} {generic.MIXES} (their sum differs from the batch's gradient of "
+                        f"{pn} by {rel:.1e} relative)")
+    except generic.Refused as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001  (the module changed since the call, say: named, never raised at attach)
+        return f"the generic rule could not rerun it: {generic.first_line(e)}"
+    return rows
+
+
+def _budget_bytes(trace) -> float:
+    try:
+        return float(trace.session.options.budget_mb) * 2**20
+    except AttributeError:  # a trace without a session (built by hand)
+        return float("inf")
+
+
+def _sum_calls(parts) -> dict:
+    total = None
+    for g in parts:
+        total = dict(g) if total is None else {n: total[n] + g[n] for n in total}
+    return total
+
+
+def _step_grad_matches(trace, p, k: int, summed: torch.Tensor) -> bool:
+    name = next((n for n, q in trace.params.items() if q is p), None)
+    try:
+        made = trace.steps[k].grad(name)
+    except (KeyError, ValueError):
+        return False
+    return made is not None and _close(summed, made)
+
+
+def _batch_size(trace, k: int) -> int | None:
+    """The batch size the exact-rule layers of step k agree on (the most common leading dimension; with
+    capture="norms", the one the streamed norms have)."""
+    if trace._norms is not None:
+        sq = trace._norms[k][0] if k < len(trace._norms) else None
+        return None if sq is None else sq.shape[0]
+    return _batch_of(_leads(trace, k), model_batches(trace).get(k))
+
+
+def supports(trace, name: str) -> bool:
+    """Whether the layer's parameter gradients rebuild: an exact (a, δ) rule, or the generic rule passing its
+    check in the last step that reached the layer."""
+    module = trace.layer(name).module
+    if fx.unsupported_reason(module) is not None:
+        return False
+    if not fx.is_generic(module):
+        return True
+    steps = [c.step for c in trace.layers[name].calls if c.step is not None]
+    return bool(steps) and not trace._no_factors and isinstance(generic_rows(trace, name, max(steps)), dict)
 
 
 def left_out(trace) -> dict:
     """Parameters with a gradient that per-sample norms over the whole model leave out -> why: nothing
     is dropped without a note that names it."""
     holders = _holders(trace)
-    if trace._norms is not None:
+    norms_mode = trace._norms is not None
+    if norms_mode:
         odd = {m for _, modules in trace._norms for m in modules}
         unbatched_names = {n for n, layer in trace.layers.items() if layer.module in odd}
     else:
@@ -159,57 +437,108 @@ def left_out(trace) -> dict:
         if trace.param_grads.get(name) is None:
             continue
         hs = holders.get(id(p), [])
-        why = [f"{h}: {fx.unsupported_reason(trace.layers[h].module)}" for h in hs
-               if fx.unsupported_reason(trace.layers[h].module)]
-        why += [f"{h}: its input has no batch dimension (its gradient is already summed over the batch)"
-                for h in hs if h in unbatched_names]
         if trace._no_factors:
-            why = [trace._no_factors]
+            why = trace._no_factors
         elif not hs:
-            why = ["no layer called as a module holds it (used as a plain function, e.g. MultiheadAttention's "
-                   "out_proj, or a parameter of a module that was not called)"]
-        elif why and len(why) < len(hs) and trace._norms is None and _complete_in_last_step(trace, p, hs, why):
-            why = []  # the covered holders' factors rebuild all of its .grad: the others only hold it
+            why = ("no layer called as a module holds it (used as a plain function, or a parameter of a module "
+                   "that was not called)")
+        else:
+            k = max(c.step for h in hs for c in trace.layers[h].calls if c.step is not None)
+            reasons = {h: _layer_reason(trace, h, k, unbatched_names, norms_mode)
+                       if any(q is p for q in owned_params(trace, h).values()) else _ONLY_HOLDS for h in hs}
+            generic_holders = [h for h in hs if fx.is_generic(trace.layers[h].module)]
+            if norms_mode and generic_holders and len(hs) > 1:
+                why = "; ".join(f"{h}: {r}" for h, r in reasons.items() if r is not None) or (
+                    f"shared by {', '.join(hs)}: with capture='norms' a parameter that a generic-rule layer shares "
+                    "is left out; capture='full' counts it")
+            elif norms_mode and not generic_holders:  # capture="norms" counted it as it streamed: all holders or none
+                why = "; ".join(f"{h}: {r}" for h, r in reasons.items() if r is not None) or None
+            else:
+                why = coverage_gap(trace, p, k, reasons, lambda ok, p=p, k=k: _factors_of(trace, p, ok, k))
         if why:
-            out[name] = "; ".join(why)
+            out[name] = why
     return out
 
 
-def _complete_in_last_step(trace, p, holders: list, why: list) -> bool:
-    covered = [h for h in holders if not any(w.startswith(f"{h}: ") for w in why)]
-    k = max((c.step for h in covered for c in trace.layers[h].calls if c.step is not None), default=None)
-    if k is None:
-        return False
+_ONLY_HOLDS = "it only holds it (a layer inside it uses it and answers for it)"
+
+
+def _layer_reason(trace, name: str, k: int, unbatched_names, norms_mode: bool) -> str | None:
+    """Why the layer's per-sample gradients in step k are not counted, or None."""
+    module = trace.layers[name].module
+    reason = fx.unsupported_reason(module)
+    if reason:
+        return reason
+    if name in unbatched_names:
+        return ("its input's leading dimension is not the batch size: a table called on positions (its gradient "
+                "is already summed over the batch), or samples folded into rows other than by a view")
+    if fx.is_generic(module):
+        if any(c.step == k for c in trace.layers[name].calls):
+            rows = generic_rows(trace, name, k)
+            if isinstance(rows, str):
+                exact = fx.exact_reason(module) or ""
+                why = "" if exact.startswith("no factor rule for") else f" (no exact rule: {exact})"
+                return f"{type(module).__name__}, generic torch.func rule: {rows}{why}"
+    return None
+
+
+def _factors_of(trace, p, names: list, k: int) -> list:
     fs = []
-    for h in covered:
-        module = trace.layers[h].module
+    for h in names:
         calls = [c for c in trace.layers[h].calls if c.step == k]
-        if not calls or any(c.a is None or c.delta is None for c in calls):
-            return False
-        fs += [f for f in fx.factors(module, calls) if getattr(module, f.param) is p]
-    return bool(fs) and _complete(trace, p, fs, k)
+        if calls:
+            fs += [f for f in layer_factors(trace, h, calls) if _param(trace, h, f.param) is p]
+    return fs
 
 
 def factor_layers(trace, k: int | None = None) -> list[str]:
-    """Layers whose parameter gradients (a, δ) rebuild in step k (or in any step)."""
+    """Layers whose parameter gradients rebuild in step k (or in any step): an exact (a, δ) rule with a and δ
+    kept, or the generic rule passing its check (in step k, or in the last step that reached the layer)."""
+    if trace._no_factors:
+        return []
     out = []
     for n, layer in trace.layers.items():
-        if not _has_own_params(layer.module) or fx.unsupported_reason(layer.module) or trace._no_factors:
+        module = layer.module
+        if fx.unsupported_reason(module) or not owned_params(trace, n):
             continue
         calls = [c for c in layer.calls if c.step is not None and (k is None or c.step == k)]
+        if not calls:
+            continue
+        if fx.is_generic(module):
+            if isinstance(generic_rows(trace, n, k if k is not None else max(c.step for c in calls)), dict):
+                out.append(n)
+        elif all(c.a is not None and c.delta is not None for c in calls):
+            out.append(n)
+    return out
+
+
+def _exact_layers(trace, k: int) -> list[str]:
+    """factor_layers(trace, k) of exact (a, δ) rules only (no generic check runs)."""
+    if trace._no_factors:
+        return []
+    out = []
+    for n, layer in trace.layers.items():
+        module = layer.module
+        if fx.unsupported_reason(module) or fx.is_generic(module) or not owned_params(trace, n):
+            continue
+        calls = [c for c in layer.calls if c.step == k]
         if calls and all(c.a is not None and c.delta is not None for c in calls):
             out.append(n)
     return out
 
 
+def _leads(trace, k: int) -> dict:
+    """Exact-rule layer -> the leading dimension of its first input in step k."""
+    lead = {}
+    for n in _exact_layers(trace, k):
+        lead[n] = _lead(trace, next(c for c in trace.layers[n].calls if c.step == k), trace.layers[n].module)
+    return lead
+
+
 def unbatched(trace, k: int) -> dict:
     """Layers whose input's leading dimension in step k is not the batch size most layers agree on,
     e.g. a positional embedding called on arange(T): their gradient is already summed over the batch."""
-    lead = {}
-    for n in factor_layers(trace, k):
-        a = next(c.a for c in trace.layers[n].calls if c.step == k)
-        lead[n] = a.shape[0] if a.dim() else None
-    return _odd_ones(lead)
+    return _odd_ones(_leads(trace, k), model_batches(trace).get(k))
 
 
 def unbatched_by_step(trace, eligible=None) -> dict:
@@ -220,8 +549,8 @@ def unbatched_by_step(trace, eligible=None) -> dict:
         return {}
     layers = trace.layers
     if eligible is None:
-        eligible = [n for n, layer in layers.items()
-                    if _has_own_params(layer.module) and not fx.unsupported_reason(layer.module)]
+        eligible = [n for n, layer in layers.items() if _has_own_params(layer.module)
+                    and not fx.unsupported_reason(layer.module) and not fx.is_generic(layer.module)]
     lead: dict = defaultdict(dict)  # step -> layer -> leading dimension of its first call's input
     for n in eligible:
         calls = layers[n].calls
@@ -234,17 +563,39 @@ def unbatched_by_step(trace, eligible=None) -> dict:
                     by_step.setdefault(c.step, []).append(c)
         for k, cs in by_step.items():
             if all(c.a is not None and c.delta is not None for c in cs):
-                shape = cs[0].a.shape
-                lead[k][n] = shape[0] if shape else None
-    out = {k: _odd_ones(ls) for k, ls in lead.items()}
+                lead[k][n] = _lead(trace, cs[0], layers[n].module)
+    model = model_batches(trace)
+    out = {k: _odd_ones(ls, model.get(k)) for k, ls in lead.items()}
     return {k: v for k, v in out.items() if v}
 
 
-def _odd_ones(lead: dict) -> dict:
+def model_batches(trace) -> dict:
+    """Step -> the batch size the model was called with: the leading dimension of the first input of the
+    outermost module calls that step reached (most common, where the cell calls several)."""
+    cache = _cache(trace)
+    if "model_batches" not in cache:
+        counts: dict = defaultdict(Counter)
+        for layer in trace.layers.values():
+            for c in layer.calls:
+                if c.batch is not None and c.step is not None:
+                    counts[c.step][c.batch] += 1
+        cache["model_batches"] = {k: cs.most_common(1)[0][0] for k, cs in counts.items()}
+    return cache["model_batches"]
+
+
+def _batch_of(lead: dict, model_batch: int | None) -> int | None:
+    """The batch size: the model's input's, where some layer sees it (a model that folds samples into rows,
+    as MobileViT's patches, has more layers at B·k than at B); else the leading dimension most layers share."""
+    if model_batch is not None and model_batch in lead.values():
+        return model_batch
     counts = Counter(v for v in lead.values() if v is not None)
-    if not counts:
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _odd_ones(lead: dict, model_batch: int | None = None) -> dict:
+    batch = _batch_of(lead, model_batch)
+    if batch is None:
         return {}
-    batch = counts.most_common(1)[0][0]
     return {n: (b, batch) for n, b in lead.items() if b != batch}
 
 
@@ -253,8 +604,8 @@ def check_batched(trace, name: str, step: int | None) -> None:
         bad = unbatched(trace, k).get(name)
         if bad:
             raise ValueError(f"layer {name!r}: its input's leading dimension is {bad[0]}, not the batch size {bad[1]} "
-                             "of the other layers (e.g. an embedding called on arange(T)): its gradient is already "
-                             "summed over the batch, so per-sample gradients cannot be separated")
+                             "(an embedding called on arange(T): its gradient is already summed over the batch; or "
+                             "samples folded into rows other than by a view): its rows are not samples")
 
 
 def _has_own_params(m) -> bool:

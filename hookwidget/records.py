@@ -27,12 +27,22 @@ class Call:
     delta_summary: TensorSummary | None = None
     grad_input: torch.Tensor | None = None  # backward_hooks=True: what a full backward hook sees
     step: int | None = None  # the backward pass (step) that brought this call its δ; None: no gradient reached it
+    folded_from: int | None = None  # its input is a view of a tensor of this leading dimension ((B, T, d) as (B·T, d))
+    batch: int | None = None  # an outermost call (the model's): its first input's leading dimension, the batch size
     seq_start: int = field(default=0, repr=False)  # autograd sequence numbers created during the call
     seq_end: int = field(default=0, repr=False)
     out_node: Any = field(default=None, repr=False)  # the output's grad_fn, until the trace ends
     recomputed: bool = field(default=False, repr=False)  # run again by backward (torch.utils.checkpoint)
     state: Any = field(default=None, repr=False)  # what the layer's rule needs from forward time (fx.forward_state)
     _a_version: int = field(default=-1, repr=False)  # a kept by reference: its version then (an in-place change shows)
+    # modules the generic torch.func rule serves (layers/generic.py), capture "full" and "norms":
+    inputs: Any = field(default=None, repr=False)  # (args, kwargs), tensors copied (copy-on-write)
+    params: dict | None = field(default=None, repr=False)  # its parameters and buffers by name, as they were
+    training: tuple | None = field(default=None, repr=False)  # .training of the module and its submodules
+    deltas: list | None = field(default=None, repr=False)  # δ per output tensor (generic.flat_outputs), None: none
+    out_first: int = field(default=-1, repr=False)  # the output whose δ is `delta` (the first tensor)
+    # an output (1, ...) added to a batch (a position table): the gradient arriving at that add, per sample
+    bdelta: torch.Tensor | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -45,6 +55,8 @@ class ModuleRecord:
     compiled: bool = field(default=False, repr=False)  # a torch.compile wrapper
     norms: bool = field(default=False, repr=False)  # capture="norms": its factors are wanted
     stateful: bool = field(default=False, repr=False)  # its rule needs forward-time state (BatchNorm's mode)
+    generic: bool = field(default=False, repr=False)  # served by the generic rule: keep every input, output δ
+    broadcast: bool = field(default=False, repr=False)  # a rule answers for it: an output (1, ...) may be broadcast
 
 
 PREVIOUS = "previous"  # a step's .grad started where the previous step's ended (gradient accumulation)

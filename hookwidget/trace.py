@@ -140,6 +140,7 @@ class Trace:
         self._graph_inputs = None  # what graph.build needs; the graph is built on first access
         self._norms = None  # capture="norms": per step (squared norms, modules left out)
         self._no_factors = ""
+        self._generic: dict = {}  # per_sample.py's cache: parameters each layer answers for, generic-rule results
 
     @property
     def options(self) -> dict:
@@ -209,7 +210,7 @@ class Trace:
 
     def _attach_factor_notes(self) -> None:
         reasons = {n: fx.unsupported_reason(layer.module) for n, layer in self.layers.items()
-                   if ps._has_own_params(layer.module)}
+                   if ps.owned_params(self, n)}
         unsupported = sorted({f"{n} ({why})" for n, why in reasons.items() if why})
         if unsupported:
             self.notes.append("no (a, δ) factor rule, so no weight_grad / per-sample gradients for: "
@@ -246,8 +247,9 @@ class Trace:
         return self.layers[name]
 
     def supports(self, name: str) -> bool:
-        """Whether (a, δ) rebuild this layer's parameter gradients."""
-        return fx.unsupported_reason(self.layer(name).module) is None
+        """Whether this layer's parameter gradients rebuild: an exact (a, δ) rule, or the generic torch.func
+        rule where it passed its check."""
+        return ps.supports(self, name)
 
     def weight_grad(self, name: str, step: int | None = None) -> torch.Tensor:
         """W.grad of the layer rebuilt from its factors: what backward pass `step` added to .grad, or,
@@ -282,7 +284,7 @@ class Trace:
     def storage(self, name: str) -> dict:
         """Floats needed to store W.grad vs its (a, δ) factors (seed 003's figures)."""
         tokens = 0
-        if name in self.factor_layers:
+        if name in self.factor_layers and not fx.is_generic(self.layer(name).module):
             f = ps.param_factors(self, name, "weight", self.steps[-1].index if not self.accumulates else None)[0]
             tokens = f.D.shape[0] * f.D.shape[1]
         return fx.storage(self.layer(name).module, tokens)

@@ -146,13 +146,28 @@ def test_tied_weights_count_once():
 
 def test_unsupported_layers_are_listed_not_skipped():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.PReLU(), nn.Linear(4, 1))
+    model = nn.Sequential(nn.Linear(4, 3), nn.SyncBatchNorm(3), nn.Linear(3, 1)).eval()
     x = torch.randn(8, 4)
     t = hw.trace(lambda: model(x).sum().backward())
-    assert any("1 (no factor rule for PReLU)" in n for n in t.notes)
+    assert any("1 (no factor rule for SyncBatchNorm: its statistics span every process" in n for n in t.notes)
     assert not t.supports("1")
-    with pytest.raises(ValueError, match="no factor rule for PReLU; supported types:"):
+    with pytest.raises(ValueError, match="no factor rule for SyncBatchNorm: .*; supported types:"):
         t.weight_grad("1")
+    assert any("1.weight (1: no factor rule for SyncBatchNorm" in n for n in t.notes)
+
+
+def test_a_layer_without_an_exact_rule_gets_the_generic_one():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.PReLU(), nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+    t = hw.trace(lambda: model(x).pow(2).sum().backward())
+    assert t.supports("1") and "1" in t.factor_layers and not t.per_sample_left_out
+    assert torch.allclose(t.weight_grad("1"), model[1].weight.grad, atol=1e-6)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ref = vmap(grad(lambda p, xi: functional_call(model, p, (xi[None],)).pow(2).sum()), in_dims=(None, 0))(params, x)
+    assert torch.allclose(t.per_sample_grads("1"), ref["1.weight"], atol=1e-6)
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    assert torch.allclose(t.per_sample_grad_norms(), norms, rtol=1e-4)
 
 
 class WithPositions(nn.Module):
@@ -166,21 +181,45 @@ class WithPositions(nn.Module):
         return self.out(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
 
 
-@pytest.mark.parametrize("capture", ["full", "norms"])
-def test_an_unbatched_embedding_is_left_out_and_said(capture):
-    torch.manual_seed(0)
-    model, idx = WithPositions(), torch.randint(0, 9, (5, 4))
-    t = hw.trace(lambda: model(idx).pow(2).sum().backward(), capture=capture)
+def _position_reference(model, idx):
     params = {k: v.detach() for k, v in model.named_parameters()}
 
     def one(p, i):
         return functional_call(model, p, (i[None],)).pow(2).sum()
 
-    ref = vmap(grad(one), in_dims=(None, 0))(params, idx)
+    return vmap(grad(one), in_dims=(None, 0))(params, idx)
+
+
+def test_positions_added_to_the_batch_get_each_samples_delta():
+    """pos(arange(T)) is (T, d), added to (B, T, d): each sample's δ is what arrives at that add (exact)."""
+    torch.manual_seed(0)
+    model, idx = WithPositions(), torch.randint(0, 9, (5, 4))
+    t = hw.trace(lambda: model(idx).pow(2).sum().backward())
+    ref = _position_reference(model, idx)
+    assert not t.per_sample_left_out
+    assert torch.allclose(t.per_sample_grads("pos"), ref["pos.weight"], atol=1e-5)
+    assert torch.allclose(t.weight_grad("pos"), model.pos.weight.grad, atol=1e-5)
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    assert torch.allclose(t.per_sample_grad_norms(), norms, rtol=1e-4)
+
+
+class ScaledByPositions(WithPositions):
+    def forward(self, idx):
+        return self.out(self.tok(idx) * self.pos(torch.arange(idx.shape[1])))
+
+
+@pytest.mark.parametrize("model_type, capture", [(WithPositions, "norms"), (ScaledByPositions, "full"),
+                                                 (ScaledByPositions, "norms")])
+def test_an_unbatched_embedding_is_left_out_and_said(model_type, capture):
+    """Positions that are not added to the batch (multiplied), or capture="norms": left out, by name."""
+    torch.manual_seed(0)
+    model, idx = model_type(), torch.randint(0, 9, (5, 4))
+    t = hw.trace(lambda: model(idx).pow(2).sum().backward(), capture=capture)
+    ref = _position_reference(model, idx)
     ref = torch.cat([g.flatten(1) for k, g in ref.items() if not k.startswith("pos.")], 1).norm(dim=1)
     assert torch.allclose(t.per_sample_grad_norms(), ref, rtol=1e-4)
-    assert any("per-sample gradient norms leave out 1 parameters" in n and "pos.weight (pos: its input has no batch"
-               in n for n in t.notes)
+    assert any("per-sample gradient norms leave out 1 parameters" in n
+               and "pos.weight (pos: its input's leading dimension is not the batch size" in n for n in t.notes)
     if capture == "full":
         with pytest.raises(ValueError, match="'pos': its input's leading dimension is 4, not the batch size 5"):
             t.per_sample_grads("pos")

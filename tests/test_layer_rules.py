@@ -1,5 +1,6 @@
 """Layer specs: every rule against autograd's .grad and torch.func's per-sample gradients and norms;
-subclasses that change forward, and other layers no rule is exact for, get none and a reason."""
+subclasses that change forward, and other layers no rule is exact for, get no exact rule, a reason, and
+the generic torch.func rule (tests/test_generic_rule.py)."""
 
 from types import SimpleNamespace
 
@@ -318,52 +319,42 @@ class LayerNorm2d(nn.LayerNorm):
         return x.permute(0, 3, 1, 2)
 
 
-class WhisperPositionalEmbedding(nn.Embedding):
-    """A copy of transformers' WhisperPositionalEmbedding: forward indexes the table by position."""
-
-    def forward(self, input_ids, past_key_values_length=0, position_ids=None):
-        if position_ids is None:
-            return self.weight[past_key_values_length: past_key_values_length + input_ids.shape[1]]
-        return self.weight[position_ids]
-
-
 OVERRIDES = [
     ("StdConv2d", "Conv2d", lambda: StdConv2d(3, 4, 3, padding=1), lambda: torch.randn(B, 3, 6, 6)),
     ("Conv2dSame", "Conv2d", lambda: Conv2dSame(3, 4, 4, stride=2), lambda: torch.randn(B, 3, 7, 7)),
     ("LayerNorm2d", "LayerNorm", lambda: LayerNorm2d(3), lambda: torch.randn(B, 3, 4, 4)),
-    ("WhisperPositionalEmbedding", "Embedding", lambda: WhisperPositionalEmbedding(8, 4),
-     lambda: torch.randint(0, 8, (B, 5))),
 ]
 
 
 @pytest.mark.parametrize("name, base, make, data", OVERRIDES, ids=[o[0] for o in OVERRIDES])
-def test_a_subclass_that_overrides_forward_gets_no_rule(name, base, make, data):
+def test_a_subclass_that_overrides_forward_gets_the_generic_rule(name, base, make, data):
     torch.manual_seed(0)
     m, x = make(), data()
-    reason = fx.unsupported_reason(m)
+    reason = fx.exact_reason(m)
     assert isinstance(reason, str) and reason.startswith(f"{name} overrides {base}.forward: no exact (a, δ) rule")
-    assert fx.rule_for(m) is None and fx.spec_for(m) is None and not fx.needs_input(m)
-    assert fx.per_sample_meaning(m) is None and fx.forward_state(m) is None
-    with pytest.raises(ValueError, match=f"{name} is not supported: {name} overrides {base}.forward"):
+    assert fx.unsupported_reason(m) is None and fx.is_generic(m) and fx.spec_for(m) is fx.GENERIC
+    assert fx.rule_for(m) is None and not fx.needs_input(m) and fx.forward_state(m) is None
+    with pytest.raises(ValueError, match="the generic rule reruns the module's forward"):
         fx.factors(m, [SimpleNamespace(a=x, delta=None)])
     model = nn.Sequential(m, nn.Flatten(), nn.LazyLinear(2))
     model(x)  # materialise the lazy layer
     t = hw.trace(lambda: model(x).pow(2).sum().backward())
-    assert not t.supports("0")
-    assert any(f"0 ({name} overrides {base}.forward" in n for n in t.notes), t.notes
-    t.per_sample_grad_norms()  # the others still answer
-    with pytest.raises(ValueError, match=f"overrides {base}.forward"):
-        t.weight_grad("0")
+    assert t.supports("0") and not t.per_sample_left_out
+    check(t.weight_grad("0"), m.weight.grad, f"{name} weight_grad")
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ref = vmap(grad(lambda p, xi: functional_call(model, p, (xi[None],)).pow(2).sum()), in_dims=(None, 0))(params, x)
+    check(t.per_sample_grads("0"), ref["0.weight"], f"{name} per-sample")
+    check(t.per_sample_grad_norms(), torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1), f"{name} norms")
 
 
-def test_a_forward_replaced_on_the_instance_gets_no_rule():
+def test_a_forward_replaced_on_the_instance_gets_no_exact_rule():
     m = nn.Linear(3, 2)
     plain = m.forward
     m.forward = lambda x: plain(x * 2)
-    assert fx.unsupported_reason(m).startswith("Linear.forward is replaced on this instance: no exact (a, δ) rule")
-    assert fx.rule_for(m) is None and not fx.needs_input(m)
+    assert fx.exact_reason(m).startswith("Linear.forward is replaced on this instance: no exact (a, δ) rule")
+    assert fx.rule_for(m) is None and not fx.needs_input(m) and fx.is_generic(m)
     del m.forward
-    assert fx.unsupported_reason(m) is None
+    assert fx.unsupported_reason(m) is None and fx.exact_reason(m) is None and not fx.is_generic(m)
 
 
 def test_the_base_rule_would_be_wrong_for_a_weight_standardising_subclass():
@@ -405,22 +396,27 @@ def test_a_conv1d_named_class_of_another_package_gets_no_rule():
             return x @ self.weight.T  # (out, in): not transformers' layout
 
     Other.__name__, Other.__module__ = "Conv1D", "mypackage.layers"
-    assert fx.unsupported_reason(Other()) == "no factor rule for Conv1D"
+    assert fx.exact_reason(Other()) == "no factor rule for Conv1D" and fx.is_generic(Other())
 
 
 @pytest.mark.parametrize("make, message", [
     (lambda: nn.Embedding(5, 3, sparse=True), "Embedding(sparse=True): .grad is a sparse tensor"),
     (lambda: nn.Embedding(5, 3, scale_grad_by_freq=True), "Embedding(scale_grad_by_freq=True): .grad divides"),
-    (lambda: nn.MultiheadAttention(4, 2), "no factor rule for MultiheadAttention: q, k and v are projected inside"),
+    (lambda: nn.MultiheadAttention(4, 2), "no factor rule for MultiheadAttention"),
     (lambda: nn.PReLU(), "no factor rule for PReLU"),
     (lambda: nn.SyncBatchNorm(3), "no factor rule for SyncBatchNorm: its statistics span every process"),
     (lambda: nn.utils.parametrizations.weight_norm(nn.Linear(3, 2)),
      "ParametrizedLinear.weight is computed (parametrize, weight_norm or spectral_norm), not a parameter"),
 ], ids=["sparse", "scale_grad_by_freq", "mha", "prelu", "syncbn", "weight_norm"])
-def test_refused_layers_say_why(make, message):
+def test_layers_without_an_exact_rule_say_why(make, message):
+    """No exact (a, δ) rule, and why; all but SyncBatchNorm fall back to the generic rule (checked per trace)."""
     m = make()
-    assert fx.unsupported_reason(m).startswith(message)
+    assert fx.exact_reason(m).startswith(message)
     assert fx.rule_for(m) is None and not fx.needs_input(m)
+    if isinstance(m, nn.SyncBatchNorm):
+        assert fx.unsupported_reason(m).startswith(message) and not fx.is_generic(m)
+    else:
+        assert fx.unsupported_reason(m) is None and fx.is_generic(m)
 
 
 def test_needs_input_and_supported_types_come_from_the_registry():

@@ -750,6 +750,12 @@ def _why(note: str) -> str:
     return note[:60]
 
 
+def _short(why: str) -> str:
+    """A left-out parameter's reason without the layer names before it, cut to fit a table cell."""
+    why = re.sub(r"^[\w.]+: ", "", why.split("; ")[0])
+    return why if len(why) <= 110 else why[:107] + "..."
+
+
 def _reason_for(module, name: str, notes: list) -> tuple[str | None, str]:
     """The note that names the module (by qualified name, else by class name): (short reason, how named)."""
     for note in notes:
@@ -825,9 +831,10 @@ def measure(key: str) -> dict:
         for qn, m in owners.get(id(p), [("?", None)]):
             pname = next(k for k, v in m._parameters.items() if v is p) if m is not None else "?"
             stated = next((why for n, why in t.per_sample_left_out.items() if t.params[n] is p), None)
-            reason, how = _reason_for(m, qn, t.notes) if m is not None else (None, "")
-            if reason is None and stated is not None and any(stated in note for note in t.notes):
-                reason, how = stated[:60], "parameter"
+            if stated is not None and any(stated in note for note in t.notes):  # the note names the parameter
+                reason, how = _short(stated), "parameter"
+            else:
+                reason, how = _reason_for(m, qn, t.notes) if m is not None else (None, "")
             left.append({"param": f"{qn}.{pname}" if qn else pname, "type": type(m).__name__, "numel": p.numel(),
                          "reason": reason, "named_by": how, "module": qn})
     out["left_out"] = left

@@ -1,11 +1,14 @@
 """Layer specs: one small module per layer family registers its exact (a, δ) rule (see registry.py)."""
 
-from . import conv, embedding, linear, norm  # noqa: F401  (each registers its specs)
+from . import conv, embedding, generic, linear, norm  # noqa: F401  (each registers its specs)
 from .base import KINDS, ConvCall, ConvCalls, Factor, Kind, gram_applies
 from .registry import (
+    GENERIC,
     SPECS,
     LayerSpec,
+    exact_reason,
     forward_state,
+    is_generic,
     lookup,
     needs_input,
     per_sample_meaning,
@@ -15,6 +18,6 @@ from .registry import (
     unsupported_reason,
 )
 
-__all__ = ["KINDS", "SPECS", "ConvCall", "ConvCalls", "Factor", "Kind", "LayerSpec", "forward_state", "gram_applies",
-           "lookup", "needs_input", "per_sample_meaning", "register", "spec_for", "supported_types",
-           "unsupported_reason"]
+__all__ = ["GENERIC", "KINDS", "SPECS", "ConvCall", "ConvCalls", "Factor", "Kind", "LayerSpec", "exact_reason",
+           "forward_state", "generic", "gram_applies", "is_generic", "lookup", "needs_input", "per_sample_meaning",
+           "register", "spec_for", "supported_types", "unsupported_reason"]

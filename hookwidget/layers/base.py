@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 
 class Factor:
-    """Token factors of one parameter. kind: outer (D, X), onehot (D, index), diag (D, X), sum (D), conv.
+    """Token factors of one parameter. kind: outer (D, X), onehot (D, index), diag (D, X), sum (D), conv,
+    dense (D: the per-sample gradients (B, *shape) of the generic rule; param may be dotted, "out_proj.weight").
 
     D: (B, T, o). X: (B, T, i) for outer/diag, (B, T) indices for onehot. rows: onehot's number of
     embeddings. A convolution's X (its unfolded input, k² times the input) is built only when asked
@@ -176,4 +177,6 @@ KINDS: dict[str, Kind] = {
     "diag": Kind(lambda f: (f.D * f.X).sum((0, 1)), lambda f: (f.D * f.X).sum(1)),
     "sum": Kind(lambda f: f.D.sum((0, 1)), lambda f: f.D.sum(1)),
     "conv": Kind(lambda f: f.conv.summed_weight_grad(), lambda f: f.conv.per_sample_weight_grad()),
+    # the generic torch.func rule: D holds the per-sample gradients themselves, (B, *shape)
+    "dense": Kind(lambda f: f.D.sum(0), lambda f: f.D),
 }

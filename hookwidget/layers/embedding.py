@@ -17,7 +17,7 @@ def _refuse(m: nn.Embedding) -> str | None:
     return None
 
 
-@register(nn.Embedding, refuse=_refuse, params=("weight",))
+@register(nn.Embedding, refuse=_refuse, params=("weight",), tokens=True)
 def embedding(m: nn.Embedding, idx, delta, state=None):
     B = idx.shape[0]
     idx, D = idx.reshape(B, -1), delta.reshape(B, -1, delta.shape[-1])

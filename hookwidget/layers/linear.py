@@ -21,7 +21,7 @@ def linear_norm_sq(fs: list, x_gram=None) -> torch.Tensor | None:
     return ((gx + 1) * torch.bmm(w.D, w.D.transpose(1, 2))).sum((1, 2))
 
 
-@register(nn.Linear, norm_sq=linear_norm_sq)
+@register(nn.Linear, norm_sq=linear_norm_sq, tokens=True)
 def linear(m: nn.Linear, a, delta, state=None):
     B = a.shape[0]
     A, D = a.reshape(B, -1, a.shape[-1]), delta.reshape(B, -1, delta.shape[-1])
@@ -31,7 +31,7 @@ def linear(m: nn.Linear, a, delta, state=None):
     return out
 
 
-@register("transformers.pytorch_utils.Conv1D")
+@register("transformers.pytorch_utils.Conv1D", tokens=True)
 def hf_conv1d(m, a, delta, state=None):
     """GPT-2's Conv1D: W.grad = Σ_t a_t δ_tᵀ, shape (in, out): an outer factor with the roles of a and δ
     swapped (so no transformers import is needed)."""

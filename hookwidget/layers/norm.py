@@ -36,7 +36,7 @@ def _diag(m, xhat, delta, channel_dim: int | None = None, per_sample: str = "exa
     return out
 
 
-@register(nn.LayerNorm)
+@register(nn.LayerNorm, tokens=True)
 def layer_norm(m: nn.LayerNorm, a, delta, state=None):
     if not m.elementwise_affine:
         return []
@@ -44,7 +44,7 @@ def layer_norm(m: nn.LayerNorm, a, delta, state=None):
     return _diag(m, F.layer_norm(a, m.normalized_shape, None, None, m.eps), delta)
 
 
-@register(nn.RMSNorm, params=("weight",))
+@register(nn.RMSNorm, params=("weight",), tokens=True)
 def rms_norm(m: nn.RMSNorm, a, delta, state=None):
     if m.weight is None:
         return []

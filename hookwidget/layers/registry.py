@@ -2,7 +2,9 @@
 
 Like Opacus' register_grad_sampler, but a rule is only ever applied where it is exact: a subclass
 that overrides the layer's forward (weight standardisation, its own padding, another layout) gets
-no rule, and unsupported_reason says why.
+no exact rule. Where no exact rule applies, lookup falls back to GENERIC, the torch.func rule of
+generic.py, for every module with trainable parameters (its result is checked before it is used);
+exact_reason says why no exact rule applied.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from . import generic
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,9 @@ class LayerSpec:
     forward_methods: methods a subclass must not override for the rule to stay exact.
     per_sample(module, state) -> "exact" | "contribution": what a per-sample row is.
     state(module): what the rule needs from forward time besides (a, δ) (BatchNorm: train/eval, statistics).
-    norm_sq(factors, x_gram) -> (B,) | None: a cheaper exact norm of all the layer's parameters together."""
+    norm_sq(factors, x_gram) -> (B,) | None: a cheaper exact norm of all the layer's parameters together.
+    tokens: every dimension of its input but the feature ones is a token (Linear, Embedding, LayerNorm), so
+    samples folded into the leading dimension ((B, T, d) reshaped to (B·T, d)) can be unfolded exactly."""
 
     name: str
     rule: Callable
@@ -35,14 +41,14 @@ class LayerSpec:
     state: Callable | None = None
     norm_sq: Callable | None = None
     types: tuple = field(default=())
+    tokens: bool = False
+    generic: bool = False  # the torch.func fallback: needs the call's kept inputs, outputs' δ and parameters
 
 
 SPECS: dict = {}  # type, or "module.ClassName" for layers of packages not imported here -> LayerSpec
 
 # layer types with parameters that no rule covers, and why (said after "no factor rule for <type>")
 NO_RULE = {
-    nn.MultiheadAttention: "q, k and v are projected inside its forward (one in_proj_weight), so its (a, δ) do not "
-                           "hold those gradients; write attention with nn.Linear projections to get them",
     nn.SyncBatchNorm: "its statistics span every process, which one process's (a, δ) do not hold",
 }
 
@@ -65,7 +71,25 @@ def _key(cls):
     return cls if cls in SPECS else f"{cls.__module__}.{cls.__name__}"
 
 
+def _no_generic_rule(m, a, delta, state=None):
+    raise ValueError(f"{type(m).__name__}: the generic rule reruns the module's forward from the call's kept "
+                     "inputs and parameters; ask the Trace (t.per_sample_grads), not its (a, δ)")
+
+
+# modules with parameters and no exact rule: per-sample gradients by torch.func, checked (generic.py)
+GENERIC = LayerSpec("generic (torch.func)", _no_generic_rule, keeps_input=lambda m: False, params=(), generic=True)
+
+
 def lookup(module: nn.Module):
+    """(spec, reason): the spec whose rule is exact for this module, else GENERIC where the generic rule may
+    serve it, and None; or None and why no rule applies."""
+    spec, reason = exact_lookup(module)
+    if spec is None and not any(c in NO_RULE for c in type(module).__mro__) and generic.may_serve(module):
+        return GENERIC, None
+    return spec, reason
+
+
+def exact_lookup(module: nn.Module):
     """(spec, reason): the spec whose rule is exact for this module and None, or None and why not."""
     mro = type(module).__mro__
     for i, cls in enumerate(mro):
@@ -96,8 +120,19 @@ def spec_for(module: nn.Module) -> LayerSpec | None:
     return lookup(module)[0]
 
 
+def is_generic(module: nn.Module) -> bool:
+    """Whether the generic torch.func rule (not an exact (a, δ) rule) answers for this module."""
+    return lookup(module)[0] is GENERIC
+
+
+def exact_reason(module: nn.Module) -> str | None:
+    """Why no exact (a, δ) rule applies to this module (the generic rule may still), or None."""
+    return exact_lookup(module)[1]
+
+
 def unsupported_reason(module: nn.Module) -> str | None:
-    """Why (a, δ) cannot rebuild this module's gradients exactly, or None when they can."""
+    """Why no rule answers for this module, or None: an exact (a, δ) rule does, or the generic rule may (its
+    check runs per trace; per_sample.left_out names a module it refuses)."""
     return lookup(module)[1]
 
 
@@ -112,7 +147,7 @@ def needs_input(module: nn.Module) -> bool:
 
 
 def supported_types() -> list[str]:
-    """Names of the layer types with an exact rule, for error messages."""
+    """Names of the layer types with an exact (a, δ) rule, for error messages."""
     return sorted({k.__name__ if isinstance(k, type) else k for k in SPECS})
 
 

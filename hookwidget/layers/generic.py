@@ -1,0 +1,291 @@
+"""The generic rule: per-sample gradients of any module's own parameters by torch.func, checked before use.
+
+For a module no exact (a, δ) spec covers (an LSTM, MultiheadAttention, an RMSNorm class of another package,
+a subclass that overrides forward, a weight-normed conv), capture keeps every tensor a call got (positional
+and keyword), every output's δ, the module's train/eval flags and its parameters and buffers as they were
+(copy-on-write). Per sample b the rule reruns the module's forward on that sample alone and pulls its δ back:
+vmap over the batch of the vjp of the forward (Opacus' and torch.func's way), or, where vmap cannot run
+(`.item()`, data-dependent control flow), a loop of vjps. Its result is used only after the check in
+per_sample.py: the per-sample gradients must add up to the gradient the step made; a module that mixes
+samples (BatchNorm in train mode) fails it and is named in a note, never used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize, stateless
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+MIXES = "mixes samples: per-sample gradients are not separable"
+_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+
+
+class Refused(Exception):
+    """The generic rule is not exact for this module here; the message says why, in one line."""
+
+
+# -- which parameters a module answers for -----------------------------------------------------------
+def is_parametrization(module: nn.Module) -> bool:
+    """A weight_norm / parametrize container: its parameters are its parametrized module's."""
+    return isinstance(module, parametrize.ParametrizationList)
+
+
+def owned(module: nn.Module, called=None) -> dict:
+    """name -> trainable parameter this module's rule answers for: its own, its parametrizations' (a
+    weight-normed conv owns original0/original1), and those of descendants never called as modules
+    (MultiheadAttention's out_proj, a ParameterList). `called`: ids of the modules the trace saw called;
+    without it, a static guess (used before any call is seen): only parametrizations, ParameterList /
+    ParameterDict and MultiheadAttention's out_proj count as never called."""
+    out = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
+    stack = [(n, c) for n, c in module._modules.items() if c is not None]
+    while stack:
+        prefix, child = stack.pop()
+        functional = (prefix == "parametrizations" and parametrize.is_parametrized(module)
+                      or isinstance(child, _CONTAINERS)
+                      or isinstance(module, nn.MultiheadAttention) and prefix == "out_proj")
+        if called is not None and id(child) in called and not functional:
+            continue
+        if called is None and not (functional or isinstance(child, (nn.ModuleList, nn.ModuleDict))):
+            continue
+        if functional:
+            out.update((f"{prefix}.{n}", p) for n, p in child.named_parameters() if p.requires_grad)
+            continue
+        out.update((f"{prefix}.{n}", p) for n, p in child._parameters.items() if p is not None and p.requires_grad)
+        stack += [(f"{prefix}.{n}", c) for n, c in child._modules.items() if c is not None]
+    if called is not None:  # a parameter a called layer inside holds too (a tied bias) is that layer's to answer for
+        inner = {id(p) for d in module.modules() if d is not module and id(d) in called
+                 and not isinstance(d, parametrize.ParametrizationList) for p in d._parameters.values()}
+        out = {n: p for n, p in out.items() if id(p) not in inner}
+    return out
+
+
+def may_serve(module: nn.Module) -> bool:
+    """Whether the generic rule may answer for this module (decided once per module, before its first call)."""
+    return not is_parametrization(module) and bool(owned(module))
+
+
+# -- what a call's tensors look like -------------------------------------------------------------------
+def flat_outputs(obj) -> list:
+    """Tensors of a module's output, in a fixed order: a tensor; the tensors of a tuple, list, dict
+    (Hugging Face ModelOutput), dataclass or namedtuple, one level of nesting included (LSTM's (out, (h, c)))."""
+    return _flat(obj, 2)
+
+
+def _flat(obj, depth: int) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth == 0:
+        return []
+    if isinstance(obj, (tuple, list)):
+        values = obj
+    elif isinstance(obj, dict):
+        values = obj.values()
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        values = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    else:
+        return []
+    return [t for v in values for t in _flat(v, depth - 1)]
+
+
+def _documented_in(module, key):
+    """The batch dimension of a 3-d input where the module documents one other than 0, else None."""
+    if isinstance(module, nn.RNNBase):
+        if key in (0, "input"):
+            return 0 if module.batch_first else 1
+        if key in (1, "hx"):
+            return 1  # h_0 / c_0: (layers * directions, B, H)
+    if isinstance(module, nn.MultiheadAttention) and key in (0, 1, 2, "query", "key", "value"):
+        return 0 if module.batch_first else 1
+    return None
+
+
+def _documented_out(module, i: int):
+    if isinstance(module, nn.RNNBase):
+        return (0 if module.batch_first else 1) if i == 0 else 1  # output, then h_n (and c_n)
+    if isinstance(module, nn.MultiheadAttention):
+        return (0 if module.batch_first else 1) if i == 0 else 0  # attn_output, then attn_weights (B, L, S)
+    return None
+
+
+def _dim(x, B: int, documented) -> int | None:
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return None
+    if documented is not None:
+        return documented if x.dim() == 3 and x.shape[documented] == B else None
+    return 0 if x.shape[0] == B else None
+
+
+def batch_size_hint(module, inputs) -> int | None:
+    """The batch size the module's first input says (its documented batch dimension)."""
+    args, kwargs = inputs
+    for key, value in [*enumerate(args), *kwargs.items()]:
+        for x in tree_flatten(value)[0]:
+            if isinstance(x, torch.Tensor) and x.dim():
+                d = _documented_in(module, key)
+                return int(x.shape[d if d is not None and x.dim() == 3 else 0])
+    return None
+
+
+# -- the per-sample computation ------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Prepared:
+    parts: list  # (key, spec) per positional / keyword argument
+    leaves: list  # every leaf of the arguments
+    batched: list  # indices of the leaves with a batch dimension
+    in_dims: list  # their batch dimensions
+    outs: list  # indices of the outputs with a δ
+    out_dims: list
+    cots: list  # their δ
+    frozen: dict  # name -> tensor: the other parameters and the buffers, as they were at the call
+    buffers: set  # the names of the buffers among them
+
+
+def _prepare(module, call, names: list, B: int) -> _Prepared:
+    args, kwargs = call.inputs
+    parts, leaves, dims = [], [], []
+    for key, value in [*enumerate(args), *kwargs.items()]:
+        flat, spec = tree_flatten(value)
+        parts.append((key, spec, len(flat)))
+        doc = _documented_in(module, key)
+        leaves += flat
+        dims += [_dim(x, B, doc) for x in flat]
+    deltas = call.deltas
+    outs, out_dims, cots = [], [], []
+    for i, d in enumerate(deltas):
+        if d is None:
+            continue
+        od = _documented_out(module, i)
+        od = (od if d.dim() == 3 and d.shape[od] == B else None) if od is not None else (
+            0 if d.dim() and d.shape[0] == B else None)
+        if od is None:
+            raise Refused(f"its output {i} of shape {tuple(d.shape)} has no batch dimension of size {B} (its "
+                          "gradient is already summed over the batch)")
+        outs.append(i)
+        out_dims.append(od)
+        cots.append(d)
+    if not outs:
+        raise Refused("no gradient reached its outputs")
+    batched = [i for i, d in enumerate(dims) if d is not None]
+    frozen = {n: t for n, t in call.params.items() if n not in names}
+    buffers = {n for n, _ in module.named_buffers()}
+    return _Prepared(parts, leaves, batched, [dims[i] for i in batched], outs, out_dims, cots, frozen, buffers)
+
+
+def _forward(module, prep: _Prepared, train: dict, batched: list, squeeze: bool) -> tuple:
+    """The module's outputs that have a δ, from the given parameters and batched arguments."""
+    leaves = list(prep.leaves)
+    for i, d, x in zip(prep.batched, prep.in_dims, batched):
+        leaves[i] = x.unsqueeze(d) if squeeze else x
+    args, kwargs, at = [], {}, 0
+    for key, spec, n in prep.parts:
+        value = tree_unflatten(leaves[at:at + n], spec)
+        at += n
+        if isinstance(key, int):
+            args.append(value)
+        else:
+            kwargs[key] = value
+    # module.forward, not module(): the module's own hooks (the user's, another trace's) do not run again
+    # buffers as fresh copies: a forward that updates them (BatchNorm's running statistics) writes to those
+    frozen = {n: t.clone() if n in prep.buffers else t for n, t in prep.frozen.items()}
+    with stateless._reparametrize_module(module, {**frozen, **train}, tie_weights=True, strict=False):
+        out = flat_outputs(module.forward(*args, **kwargs))
+    if len(out) <= max(prep.outs):
+        raise Refused("its forward returns other outputs than at the call")
+    return tuple(out[i].squeeze(d) if squeeze else out[i] for i, d in zip(prep.outs, prep.out_dims))
+
+
+def per_sample(module, call, names: list, B: int) -> dict:
+    """name -> (B, *shape): each sample's gradient of one call, by vmap of the vjp, or a loop of vjps where
+    vmap cannot run. Raises Refused with the reason where neither gives an answer."""
+    prep = _prepare(module, call, names, B)
+    train = {n: call.params[n] for n in names}
+    xs = [prep.leaves[i] for i in prep.batched]
+    with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)):
+        try:
+            return _vmapped(module, prep, train, xs)
+        except Refused:
+            raise
+        except Exception as e:  # noqa: BLE001  (vmap cannot run this forward: the loop below may)
+            if "randomness" in str(e):
+                raise Refused(f"{type(module).__name__} draws random numbers in its forward (dropout in train "
+                              "mode): per-sample gradients need the same random numbers; put it in eval mode") from e
+            first = e
+        try:
+            return _looped(module, prep, train, xs, B)
+        except Refused:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise Refused(f"torch.func cannot rerun its forward per sample: {first_line(e)} (vmap: "
+                          f"{first_line(first)})") from e
+
+
+def _vmapped(module, prep: _Prepared, train: dict, xs: list) -> dict:
+    def one(xs_b, cots_b):
+        _, vjp_fn = torch.func.vjp(lambda tr: _forward(module, prep, tr, xs_b, True), train)
+        return vjp_fn(tuple(cots_b))[0]
+
+    with warnings.catch_warnings():  # vmap's note that an op has no batching rule yet (LSTM): it is still exact
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        return torch.func.vmap(one, in_dims=(prep.in_dims, prep.out_dims), randomness="error")(xs, prep.cots)
+
+
+def _looped(module, prep: _Prepared, train: dict, xs: list, B: int) -> dict:
+    rows = []
+    for b in range(B):
+        xs_b = [x.narrow(d, b, 1) for x, d in zip(xs, prep.in_dims)]
+        cots_b = tuple(c.narrow(d, b, 1) for c, d in zip(prep.cots, prep.out_dims))
+        state = torch.get_rng_state()
+        _, vjp_fn = torch.func.vjp(lambda tr, xs_b=xs_b: _forward(module, prep, tr, xs_b, False), train)
+        if not torch.equal(state, torch.get_rng_state()):
+            raise Refused(f"{type(module).__name__} draws random numbers in its forward (dropout in train mode): "
+                          "per-sample gradients need the same random numbers; put it in eval mode")
+        rows.append(vjp_fn(cots_b)[0])
+    return {n: torch.stack([r[n] for r in rows]) for n in train}
+
+
+def full_batch(module, call, names: list, B: int) -> dict:
+    """name -> the gradient of the whole call (every sample at once): what the per-sample rows must add up to."""
+    prep = _prepare(module, call, names, B)
+    train = {n: call.params[n] for n in names}
+    xs = [prep.leaves[i] for i in prep.batched]
+    with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)):
+        _, vjp_fn = torch.func.vjp(lambda tr: _forward(module, prep, tr, xs, False), train)
+        return vjp_fn(tuple(prep.cots))[0]
+
+
+def missing(call) -> str | None:
+    """Why a call cannot be used by the generic rule, or None."""
+    if call.inputs is None or call.params is None or call.deltas is None:
+        return "its inputs, parameters or output gradients were not kept (memory budget, or capture mode)"
+    return None
+
+
+class _modes:
+    """The train/eval flags of the module and its submodules as they were at the call, for the recomputation."""
+
+    def __init__(self, module, flags):
+        self.modules = list(module.modules())
+        self.flags = flags
+
+    def __enter__(self):
+        self.before = [m.training for m in self.modules]
+        if self.flags is not None and len(self.flags) == len(self.modules):
+            for m, f in zip(self.modules, self.flags):
+                m.training = f
+
+    def __exit__(self, *exc):
+        for m, f in zip(self.modules, self.before):
+            m.training = f
+
+
+def _cuda_devices(call) -> list:
+    return sorted({t.device.index or 0 for t in call.params.values() if t.device.type == "cuda"})
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"

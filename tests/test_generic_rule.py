@@ -1,0 +1,573 @@
+"""The generic torch.func rule (issue 14, item 2): modules without an exact (a, δ) rule get per-sample gradients
+by rerunning their forward per sample, checked against the step's gradient before use.
+
+References are per-sample autograd loops (each sample run alone, .grad of its own loss), never hookwidget's
+numbers. Refusals (dropout in train mode, BatchNorm on batch statistics) must be named in a note."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hookwidget as hw
+from hookwidget import factors as fx
+
+B = 3
+
+
+def loop_reference(model, loss_of, n=B) -> dict:
+    """name -> (n, *shape): each sample's own gradient, by autograd on that sample alone."""
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    rows = {k: [] for k, _ in named}
+    for i in range(n):
+        gs = torch.autograd.grad(loss_of(i), [p for _, p in named], allow_unused=True)
+        for (k, p), g in zip(named, gs):
+            rows[k].append(torch.zeros_like(p) if g is None else g)
+    return {k: torch.stack(v) for k, v in rows.items()}
+
+
+def norms_of(ref: dict, skip=()) -> torch.Tensor:
+    return torch.cat([g.flatten(1) for k, g in ref.items() if not k.startswith(tuple(skip))], 1).norm(dim=1)
+
+
+def close(x, ref, tol=1e-4):
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    err = float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+    assert err < tol, err
+
+
+def traced(model, loss_full, **options):
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss_full().backward()
+
+    return hw.trace(step, model, **options)
+
+
+def check_layer(t, model, ref, layer: str):
+    """Every parameter the layer answers for: per-sample gradients equal the reference, and sum to .grad."""
+    module = model.get_submodule(layer)
+    names = [k for k, p in module.named_parameters() if p.requires_grad]
+    assert names
+    for k in names:
+        got = t.per_sample_grads(layer, k)
+        close(got, ref[f"{layer}.{k}"])
+        close(got.sum(0), module.get_parameter(k).grad)
+
+
+# -- recurrent layers ---------------------------------------------------------------------------------
+class Tagger(nn.Module):
+    """A 2-layer LSTM given (h0, c0), a head on its output, and a loss term on h_n."""
+
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.batch_first = batch_first
+        self.lstm = nn.LSTM(4, 5, num_layers=2, batch_first=batch_first)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x, h0, c0):
+        out, (h, c) = self.lstm(x, (h0, c0))
+        seq = out if self.batch_first else out.transpose(0, 1)  # the head sees the batch first
+        return self.head(seq).pow(2).sum() + (h * h.flip(-1)).sum() + c[-1].sum()
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_lstm_per_sample_gradients_equal_an_autograd_loop(batch_first):
+    torch.manual_seed(0)
+    model = Tagger(batch_first)
+    x = torch.randn(B, 6, 4) if batch_first else torch.randn(6, B, 4)
+    h0, c0 = torch.randn(2, B, 5), torch.randn(2, B, 5)
+    bd = 0 if batch_first else 1
+
+    def one(i):
+        return model(x.narrow(bd, i, 1), h0[:, i:i + 1], c0[:, i:i + 1])
+
+    t = traced(model, lambda: model(x, h0, c0))
+    ref = loop_reference(model, one)
+    assert t.supports("lstm") and "lstm" in t.factor_layers and not t.per_sample_left_out
+    check_layer(t, model, ref, "lstm")
+    close(t.per_sample_grad_norms(), norms_of(ref))
+    close(t.per_sample_grad_norms("lstm"), norms_of(ref, skip=("head",)))
+
+
+def test_gru_classifier():
+    torch.manual_seed(0)
+    gru, head = nn.GRU(4, 6, batch_first=True), nn.Linear(6, 2)
+    model = nn.ModuleDict({"gru": gru, "head": head})
+    x = torch.randn(B, 5, 4)
+
+    def loss(xb):
+        return head(gru(xb)[0][:, -1]).pow(2).sum()
+
+    t = traced(model, lambda: loss(x))
+    ref = loop_reference(model, lambda i: loss(x[i:i + 1]))
+    check_layer(t, model, ref, "gru")
+    close(t.per_sample_grad_norms(), norms_of(ref))
+
+
+# -- attention, embeddings, custom layers --------------------------------------------------------------
+def test_multihead_attention_sequence_first_with_weights_and_out_proj():
+    """batch_first=False: (T, B, E) in and out, attention weights (B, T, S); out_proj is used as a function,
+    never called, so MultiheadAttention answers for it."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2)
+    model = nn.ModuleDict({"mha": mha})
+    x, R = torch.randn(5, B, 8), torch.randn(B, 5, 5)
+    pad = torch.zeros(B, 5, dtype=torch.bool)
+    pad[0, -2:] = True
+
+    def loss(xb, pb, rb):
+        out, w = mha(xb, xb, xb, key_padding_mask=pb, need_weights=True)
+        return out.pow(2).sum() + (w * rb).sum()
+
+    t = traced(model, lambda: loss(x, pad, R))
+    ref = loop_reference(model, lambda i: loss(x[:, i:i + 1], pad[i:i + 1], R[i:i + 1]))
+    assert not t.per_sample_left_out, t.per_sample_left_out
+    check_layer(t, model, ref, "mha")  # in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias
+    close(t.per_sample_grad_norms(), norms_of(ref))
+
+
+def test_embedding_bag():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(20, 6, mode="mean"), nn.Linear(6, 2))
+    ids = torch.randint(0, 20, (B, 7))
+    t = traced(model, lambda: model(ids).pow(2).sum())
+    ref = loop_reference(model, lambda i: model(ids[i:i + 1]).pow(2).sum())
+    check_layer(t, model, ref, "0")
+    close(t.weight_grad("0"), model[0].weight.grad)
+    close(t.per_sample_grad_norms(), norms_of(ref))
+
+
+class HandRMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+
+
+class LoRA(nn.Module):
+    """A frozen Linear plus a trainable low-rank update: only A and B train."""
+
+    def __init__(self, base: nn.Linear, r=2):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.A = nn.Parameter(torch.randn(r, base.in_features) * 0.3)
+        self.B = nn.Parameter(torch.randn(base.out_features, r) * 0.3)
+
+    def forward(self, x):
+        return self.base(x) + x @ self.A.T @ self.B.T
+
+
+class ScaledBlock(nn.Module):
+    """An MLP block with a layer-scale Parameter of its own (ConvNeXt's, CaiT's)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.gamma = nn.Parameter(torch.full((d,), 0.5))
+
+    def forward(self, x):
+        return x + self.gamma * self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_rmsnorm_lora_and_layer_scale():
+    torch.manual_seed(0)
+    model = nn.Sequential(HandRMSNorm(6), LoRA(nn.Linear(6, 6)), ScaledBlock(6), nn.Linear(6, 2))
+    x = torch.randn(B, 4, 6)
+    t = traced(model, lambda: model(x).pow(2).sum())
+    ref = loop_reference(model, lambda i: model(x[i:i + 1]).pow(2).sum())
+    assert {"0", "1", "2", "2.fc1", "3"} <= set(t.factor_layers) and not t.per_sample_left_out
+    assert fx.is_generic(model[0]) and fx.is_generic(model[1]) and fx.is_generic(model[2])
+    for layer in ("0", "1", "2.fc1", "2.fc2", "3"):
+        check_layer(t, model, ref, layer)
+    close(t.per_sample_grads("2", "gamma"), ref["2.gamma"])  # the block answers for its own parameter only
+    close(t.weight_grad("0"), model[0].weight.grad)
+    close(t.per_sample_grad_norms(), norms_of(ref))
+
+
+def test_weight_norm_conv():
+    """weight_norm: the conv owns its parametrization's original0 / original1 (the container is no layer)."""
+    torch.manual_seed(0)
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(3, 4, 3, padding=1))
+    model = nn.Sequential(conv, nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8, 2))
+    x = torch.randn(B, 3, 8)
+    t = traced(model, lambda: model(x).pow(2).sum())
+    ref = loop_reference(model, lambda i: model(x[i:i + 1]).pow(2).sum())
+    assert not t.per_sample_left_out and not any("ParametrizationList" in n for n in t.notes), t.notes
+    check_layer(t, model, ref, "0")
+    assert set(t.per_sample_grads("0", "parametrizations.weight.original1").shape) == {B, 4, 3}
+    close(t.per_sample_grad_norms(), norms_of(ref))
+
+
+class ItemScale(nn.Module):
+    """Data-dependent control flow through .item(): vmap cannot run it, a per-sample loop can."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        scale = 2.0 if float(x.abs().sum().item()) > 0 else 1.0
+        return x * self.weight * scale
+
+
+def test_when_vmap_cannot_run_a_loop_of_vjps_is_exact():
+    torch.manual_seed(0)
+    model = nn.Sequential(ItemScale(5), nn.Linear(5, 2))
+    x = torch.randn(B, 5)
+    t = traced(model, lambda: model(x).pow(2).sum())
+    ref = loop_reference(model, lambda i: model(x[i:i + 1]).pow(2).sum())
+    check_layer(t, model, ref, "0")
+    close(t.per_sample_grad_norms(), norms_of(ref))
+
+
+@dataclass
+class Pair:
+    main: torch.Tensor
+    aux: torch.Tensor
+
+
+class KeywordGate(nn.Module):
+    """Called with keywords only (as Hugging Face calls its modules), returns a dict of two tensors."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gate = nn.Parameter(torch.randn(d))
+
+    def forward(self, *, hidden, mask):
+        return {"out": hidden * torch.sigmoid(self.gate) * mask[..., None], "gate_use": (hidden * self.gate).sum(-1)}
+
+
+class TwoHeads(nn.Module):
+    """Returns a dataclass whose both fields carry gradient."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(d))
+
+    def forward(self, h):
+        return Pair(h * self.scale, (h * self.scale).pow(2).mean(-1))
+
+
+@pytest.mark.parametrize("targeted", [False, True])
+def test_keyword_inputs_and_dict_and_dataclass_outputs(targeted):
+    torch.manual_seed(0)
+    gate, heads, lin = KeywordGate(4), TwoHeads(4), nn.Linear(3, 4)
+    model = nn.ModuleDict({"lin": lin, "gate": gate, "heads": heads})
+    x, mask = torch.randn(B, 5, 3), (torch.rand(B, 5) > 0.3).float()
+
+    def loss(xb, mb):
+        o = gate(hidden=lin(xb), mask=mb)
+        p = heads(o["out"])
+        return p.main.pow(2).sum() + o["gate_use"].pow(2).sum() + p.aux.sum()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss(x, mask).backward()
+
+    t = hw.trace(step, model) if targeted else hw.trace(step)
+    ref = loop_reference(model, lambda i: loss(x[i:i + 1], mask[i:i + 1]))
+    g, h = ("gate", "heads") if targeted else ("KeywordGate", "TwoHeads")
+    assert not t.per_sample_left_out, t.per_sample_left_out
+    close(t.per_sample_grads(g, "gate"), ref["gate.gate"])
+    close(t.per_sample_grads(h, "scale"), ref["heads.scale"])
+    close(t.per_sample_grad_norms(), norms_of(ref))
+
+
+# -- refused, with a note that names the module ---------------------------------------------------------
+class Noisy(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(x) * self.weight
+
+
+def test_dropout_in_train_mode_is_refused_with_a_note_and_the_rng_is_untouched():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), Noisy(5), nn.Linear(5, 2)).train()
+    x = torch.randn(B, 4)
+    t = traced(model, lambda: model(x).pow(2).sum())
+    state = torch.get_rng_state()
+    why = t.per_sample_left_out["1.weight"]
+    assert "Noisy draws random numbers" in why and "put it in eval mode" in why
+    assert any("1.weight (1: Noisy, generic torch.func rule: Noisy draws random numbers" in n for n in t.notes)
+    assert not t.supports("1") and "1" not in t.factor_layers
+    with pytest.raises(ValueError, match="layer '1' .*put it in eval mode"):
+        t.per_sample_grads("1")
+    norms = t.per_sample_grad_norms()  # the other layers still answer
+    assert norms.shape == (B,)
+    assert torch.equal(state, torch.get_rng_state())
+
+
+class TrainBN(nn.BatchNorm1d):
+    """A BatchNorm subclass with its own forward: no exact rule; on batch statistics samples mix."""
+
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+def test_batchnorm_subclass_in_train_mode_mixes_samples_and_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), TrainBN(3), nn.Flatten(), nn.Linear(3 * 4, 2)).train()
+    x = torch.randn(B, 2, 6)
+    t = traced(model, lambda: model(x).pow(2).sum())
+    running = model[1].running_mean.clone(), model[1].running_var.clone(), int(model[1].num_batches_tracked)
+    why = t.per_sample_left_out["1.weight"]
+    assert "TrainBN mixes samples: per-sample gradients are not separable" in why
+    assert any("1.bias (1: TrainBN, generic torch.func rule: TrainBN mixes samples" in n for n in t.notes), t.notes
+    with pytest.raises(ValueError, match="mixes samples"):
+        t.per_sample_grads("1")
+    t.per_sample_grad_norms()
+    assert torch.equal(running[0], model[1].running_mean) and torch.equal(running[1], model[1].running_var)
+    assert running[2] == int(model[1].num_batches_tracked)  # the reruns updated copies, not the module
+
+    model.eval()  # on running statistics it is exact
+    t = traced(model, lambda: model(x).pow(2).sum())
+    ref = loop_reference(model, lambda i: model(x[i:i + 1]).pow(2).sum())
+    check_layer(t, model, ref, "1")
+
+
+class Positions(nn.Embedding):
+    """Whisper's positional embedding: indexes the table by position, output (T, d) without a batch dimension."""
+
+    def forward(self, ids):
+        return self.weight[: ids.shape[1]]
+
+
+@pytest.mark.parametrize("combine", ["add", "mul"])
+def test_a_position_table_without_batch_dimension(combine):
+    """(T, d) added to the batch: each sample's δ is what arrives at the add (exact). Multiplied: refused by name."""
+    torch.manual_seed(0)
+    tok, pos, head = nn.Embedding(10, 4), Positions(8, 4), nn.Linear(4, 2)
+    model = nn.ModuleDict({"tok": tok, "pos": pos, "head": head})
+    ids = torch.randint(0, 10, (B, 5))
+
+    def loss(i):
+        h = tok(i) + pos(i) if combine == "add" else tok(i) * pos(i)
+        return head(h).pow(2).sum()
+
+    t = traced(model, lambda: loss(ids))
+    ref = loop_reference(model, lambda i: loss(ids[i:i + 1]))
+    if combine == "add":
+        assert not t.per_sample_left_out
+        check_layer(t, model, ref, "pos")
+        close(t.per_sample_grad_norms(), norms_of(ref))
+    else:
+        assert "has no batch dimension of size 3" in t.per_sample_left_out["pos.weight"]
+        close(t.per_sample_grad_norms(), norms_of(ref, skip=("pos",)))
+
+
+class LearnedPositions(nn.Embedding):
+    """BART's / OPT's learned positions: overrides forward, (1, T, d) from the ids' length, added to the batch."""
+
+    def forward(self, ids):
+        return super().forward(torch.arange(ids.shape[1])[None] + 2)
+
+
+def test_learned_positions_added_to_the_batch_are_covered_exactly():
+    torch.manual_seed(0)
+    tok, pos, head = nn.Embedding(10, 4), LearnedPositions(9, 4), nn.Linear(4, 2)
+    model = nn.ModuleDict({"tok": tok, "pos": pos, "head": head})
+    ids = torch.randint(0, 10, (B, 5))
+
+    def loss(i):
+        return head(torch.tanh(tok(i) + pos(i))).pow(2).sum()
+
+    t = traced(model, lambda: loss(ids))
+    ref = loop_reference(model, lambda i: loss(ids[i:i + 1]))
+    assert not t.per_sample_left_out, t.per_sample_left_out
+    check_layer(t, model, ref, "pos")
+    close(t.per_sample_grad_norms(), norms_of(ref))
+
+
+# -- tied weights, optimizer steps, budget, capture modes ------------------------------------------------
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's / BART's scaled word embedding: overrides forward, so the generic rule serves it."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+def test_a_weight_tied_between_a_generic_and_an_exact_layer_counts_both_shares():
+    torch.manual_seed(0)
+    emb, head = ScaledEmbedding(9, 4), nn.Linear(4, 9, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    ids = torch.randint(0, 9, (B, 5))
+
+    def loss(i):
+        return head(torch.tanh(emb(i))).pow(2).sum()
+
+    t = traced(model, lambda: loss(ids))
+    ref = loop_reference(model, lambda i: loss(ids[i:i + 1]))
+    assert not t.per_sample_left_out
+    close(t.per_sample_grad_norms(), norms_of(ref))
+    close(t.per_sample_grads("emb") + t.per_sample_grads("head"), ref["emb.weight"])
+
+
+def test_an_optimizer_step_inside_the_trace_does_not_change_the_answer():
+    """The generic rule reruns forward with the parameters as they were at the call, not as opt.step() left them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(HandRMSNorm(4), nn.GRU(4, 4, batch_first=True))
+    before = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(B, 3, 4)
+
+    def step():
+        opt.zero_grad()
+        model(x)[0].pow(2).sum().backward()
+        opt.step()
+
+    t = hw.trace(step)
+    ref = loop_reference(before, lambda i: before(x[i:i + 1])[0].pow(2).sum())
+    for layer, module in (("0", before[0]), ("1", before[1])):
+        for k, _ in module.named_parameters():
+            close(t.per_sample_grads(layer, k), ref[f"{layer}.{k}"])
+    close(t.per_sample_grad_norms(), norms_of(ref))
+
+
+def test_over_the_memory_budget_the_generic_layers_are_named():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LSTM(4, 64, batch_first=True))
+    x = torch.randn(B, 5, 3)
+    t = traced(model, lambda: model(x)[0].pow(2).sum(), budget_mb=0.01)
+    assert any("memory budget 0.01 MB reached" in n for n in t.notes)
+    assert "were not kept" in t.per_sample_left_out["1.weight_ih_l0"]
+    with pytest.raises(ValueError, match="not kept"):
+        t.per_sample_grads("1", "weight_ih_l0")
+
+
+def test_per_sample_gradients_over_the_budget_are_refused_by_name():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LSTM(4, 256, batch_first=True))
+    x = torch.randn(8, 5, 3)
+    t = traced(model, lambda: model(x)[0].pow(2).sum(), budget_mb=5)
+    why = t.per_sample_left_out["1.weight_hh_l0"]
+    assert "per-sample gradients would take 8 MB (batch 8), over budget_mb=5; raise budget_mb" in why
+    t = traced(model, lambda: model(x)[0].pow(2).sum(), budget_mb=20)
+    assert not t.per_sample_left_out
+
+
+def test_capture_norms_covers_the_generic_layers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.GRU(4, 4, batch_first=True), HandRMSNorm(4))
+    x = torch.randn(B, 5, 3)
+
+    def loss(xb):
+        return model[2](model[1](model[0](xb))[0]).pow(2).sum()
+
+    t = traced(model, lambda: loss(x), capture="norms")
+    ref = loop_reference(model, lambda i: loss(x[i:i + 1]))
+    assert not t.per_sample_left_out, t.per_sample_left_out
+    close(t.per_sample_grad_norms(), norms_of(ref))
+
+
+def test_capture_norms_names_a_weight_a_generic_layer_shares():
+    torch.manual_seed(0)
+    emb, head, out = ScaledEmbedding(9, 4), nn.Linear(4, 9, bias=False), nn.Linear(9, 2)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head, "out": out})
+    ids = torch.randint(0, 9, (B, 5))
+
+    def loss(i):
+        return out(head(torch.tanh(emb(i)))).pow(2).sum()
+
+    t = traced(model, lambda: loss(ids), capture="norms")
+    why = t.per_sample_left_out["emb.weight"]
+    assert "capture='norms'" in why and "capture='full' counts it" in why
+    assert any("emb.weight (shared by emb, head" in n for n in t.notes)
+    ref = loop_reference(model, lambda i: loss(ids[i:i + 1]))
+    close(t.per_sample_grad_norms(), norms_of(ref, skip=("emb.", "head.")))
+
+
+class Mixed(nn.Module):
+    """LSTM, attention, a train-mode dropout, an .item() layer and a hand-written norm in one model."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, batch_first=True)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True, dropout=0.1)
+        self.noisy = Noisy(8)
+        self.item = ItemScale(8)
+        self.norm = HandRMSNorm(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.lstm(x)[0]
+        h = h + self.attn(h, h, h)[0]
+        return self.head(self.norm(self.item(self.noisy(h)))).pow(2).sum()
+
+
+@pytest.mark.parametrize("capture", ["full", "norms"])
+def test_capture_only_is_bitwise_neutral_and_leaves_the_rng_alone(capture):
+    x = torch.randn(B, 5, 4)
+
+    def run(with_trace: bool):
+        torch.manual_seed(0)
+        model = Mixed().train()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+        def step():
+            opt.zero_grad()
+            loss = model(x)
+            loss.backward()
+            opt.step()
+            return loss
+
+        t = None
+        if with_trace:
+            t = hw.trace(step, capture=capture)
+            loss = t.loss
+        else:
+            loss = float(step().detach())
+        state = torch.get_rng_state()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        params = {k: p.detach().clone() for k, p in model.named_parameters()}
+        return t, loss, grads, params, state, model
+
+    _, loss0, grads0, params0, state0, _ = run(False)
+    t, loss1, grads1, params1, state1, model = run(True)
+    assert loss0 == loss1 and torch.equal(state0, state1)
+    assert all(torch.equal(grads0[k], grads1[k]) for k in grads0)
+    assert all(torch.equal(params0[k], params1[k]) for k in params0)
+    flags = [m.training for m in model.modules()]
+    t.per_sample_grad_norms()  # the generic reruns: nothing of the model or the RNG changes
+    for layer in ("lstm", "item", "norm"):
+        assert t.supports(layer), (layer, t.per_sample_left_out)
+    assert not t.supports("attn") and not t.supports("noisy")  # dropout in train mode: refused, by name
+    assert "put it in eval mode" in t.per_sample_left_out["attn.in_proj_weight"]
+    assert torch.equal(state1, torch.get_rng_state()) and flags == [m.training for m in model.modules()]
+    assert all(torch.equal(params1[k], p) for k, p in model.named_parameters())
+
+
+def test_gradient_accumulation_stacks_each_micro_batch():
+    """Two backward passes summing into .grad: one row per sample of each micro-batch, each checked on its own step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.GRU(4, 4, batch_first=True))
+    xs = [torch.randn(B, 5, 3), torch.randn(2, 5, 3)]
+
+    def loss(xb):
+        return model(xb)[0].pow(2).sum()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        for x in xs:
+            loss(x).backward()
+
+    t = hw.trace(step, model)
+    assert t.accumulates and len(t.steps) == 2 and not t.per_sample_left_out
+    refs = [loop_reference(model, lambda i, x=x: loss(x[i:i + 1]), n=x.shape[0]) for x in xs]
+    close(t.per_sample_grad_norms(), torch.cat([norms_of(r) for r in refs]))
+    close(t.per_sample_grads("1", "weight_hh_l0", step=1), refs[1]["1.weight_hh_l0"])
+    close(t.per_sample_grads("1", "weight_hh_l0").sum(0), model[1].weight_hh_l0.grad)
