@@ -1,0 +1,102 @@
+"""The batch size per-sample rows follow is the model's input's, not the most common leading dimension:
+a model that folds samples into rows (MobileViT's patches, OPT's (B·T, d)) has more layers at B·k than at
+B. Rows folded by a view are unfolded exactly; other layers at B·k are named in a note. References are
+per-sample autograd: each sample run alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hookwidget as hw
+
+
+class Folding(nn.Module):
+    """conv on (B, C, H, W); patches folded into rows by a reshape (a view): l1 sees (B·4, 4, 8); l2 sees
+    l1's activation, whose rows are samples only because ReLU keeps rows (nothing tells hookwidget so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.l1, self.l2 = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.conv(x)
+        B = h.shape[0]
+        h = h.permute(0, 2, 3, 1).reshape(B * 4, 4, 8)
+        return self.l2(torch.relu(self.l1(h))).reshape(B, -1).sum(1)
+
+
+def _reference(model, x, prefixes):
+    rows = []
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        model(x[i:i + 1]).pow(2).sum().backward()
+        rows.append(sum(p.grad.pow(2).sum() for n, p in model.named_parameters() if n.startswith(prefixes)).sqrt())
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("capture", ["full", "norms"])
+def test_rows_follow_the_models_batch(capture):
+    torch.manual_seed(0)
+    m, x = Folding(), torch.randn(3, 3, 4, 4)
+    t = hw.trace(lambda: m(x).pow(2).sum().backward(), m, capture=capture)
+    norms = t.per_sample_grad_norms()
+    assert norms.shape == (3,)
+    left = t.per_sample_left_out
+    assert {"conv.weight", "conv.bias"}.isdisjoint(left)
+    assert {"l2.weight", "l2.bias"} <= set(left)
+    assert "not the batch size" in left["l2.weight"]
+    covered = ("conv", "l1") if capture == "full" else ("conv",)  # capture="norms" streams rows as they come
+    if capture == "norms":
+        assert {"l1.weight", "l1.bias"} <= set(left)
+    torch.testing.assert_close(norms, _reference(m, x, covered), rtol=1e-5, atol=1e-6)
+
+
+class FlattenedTokens(nn.Module):
+    """OPT's decoder: (B, T, d) reshaped to (B·T, d), then LayerNorm and Linear over rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.ln, self.fc = nn.Linear(5, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(self.ln(self.inp(x).reshape(-1, 8))).sum()
+
+
+def test_rows_folded_by_a_view_are_unfolded_exactly():
+    torch.manual_seed(0)
+    m, x = FlattenedTokens(), torch.randn(3, 4, 5)
+    t = hw.trace(lambda: m(x).backward(), m)
+    assert set(t.per_sample_left_out) == {"fc.weight", "fc.bias"}  # its input is LayerNorm's output, not a view
+    g = t.per_sample_grads("ln", "weight")
+    assert g.shape == (3, 8)
+    torch.testing.assert_close(g.sum(0), m.ln.weight.grad, rtol=1e-5, atol=1e-6)  # autograd's, from the traced run
+    torch.testing.assert_close(t.per_sample_grad_norms(), _reference_sum(m, x, ("inp", "ln")), rtol=1e-5, atol=1e-6)
+
+
+def _reference_sum(model, x, prefixes):
+    rows = []
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        model(x[i:i + 1]).backward()
+        rows.append(sum(p.grad.pow(2).sum() for n, p in model.named_parameters() if n.startswith(prefixes)).sqrt())
+    return torch.stack(rows)
+
+
+def test_a_table_called_on_positions_still_is_not_a_batch():
+    """Leading dimension T = 4 of a table of positions, batch B = 8 (a multiple of T): the table is not
+    taken for the batch, the rows are B."""
+    torch.manual_seed(0)
+    tok, pos = nn.Embedding(10, 6), nn.Embedding(4, 6)
+    head = nn.Linear(6, 1)
+    model = nn.ModuleDict(dict(tok=tok, pos=pos, head=head))
+    ids = torch.randint(0, 10, (8, 4))
+
+    def run():
+        h = tok(ids) * pos(torch.arange(4)).sigmoid()  # multiplied: the table's per-sample δ is not recoverable
+        head(h).pow(2).sum().backward()
+
+    t = hw.trace(run, model)
+    assert t.per_sample_grad_norms().shape == (8,)
+    assert "pos.weight" in t.per_sample_left_out
