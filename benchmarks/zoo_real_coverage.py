@@ -76,10 +76,10 @@ def report(results: list, seconds: float) -> str:
         out.append(f"| {t} | {_fmt_n(n)} | {', '.join(sorted(models))} | {'; '.join(sorted(why))} |")
     out += [
         "",
-        "Known failures (strict xfails in tests/test_zoo_real.py): **mobilevit_xxs**, a hookwidget bug: the batch "
-        "size is taken as the most common leading dimension of the layers' inputs, and MobileViT's transformer "
-        "layers see batch × patch area rows, so `per_sample_grad_norms()` has 12 rows for a batch of 3 and the "
-        "convolutions are left out as having no batch dimension (its norms read ✗ inf). **efficientformer_l1**, a "
+        "MobileViT folds patches into rows (its transformer sees batch × patch area rows): rows folded by a view, "
+        "and the outputs of layers that keep rows (LayerNorm, Linear, nn activations), are unfolded exactly; rows "
+        "after a functional operation are not taken for samples and are left out with a note. "
+        "Known failure (a strict xfail in tests/test_zoo_real.py): **efficientformer_l1**, a "
         "torch bug, not hookwidget's: BatchNorm2d's eval-mode backward on CPU is wrong for a batch of one whose "
         "grad_output is channels-last with batch stride C (Flat's transpose makes one), so the samples-run-alone "
         "reference is wrong there; against per-sample gradients from the batch's own graph "

@@ -68,6 +68,7 @@ class Tracer:
         # their norms from δ and .grad anyway (see _derive_node_norms).
         self.node_grads = False if capture == "norms" else node_grads
         self.norms_rule = norms_rule  # capture == "norms": per-sample norms as δ arrives (norms.py)
+        self._folds: dict = {}  # id(output) -> (weakref, B): outputs of row-keeping layers on folded samples
         self._batches = Counter()  # this step's outermost calls: their inputs' leading dimensions (Call.batch)
         # Full module backward hooks show grad_input too, but raise when an in-place op follows a
         # module and add nodes to the graph: opt-in only.
@@ -221,6 +222,7 @@ class Tracer:
         rec = self._modules[module] = ModuleRecord(module)
         rec.needs_input = fx.needs_input(module)
         rec.stateful = fx.forward_state(module) is not None
+        rec.keeps_rows = fx.keeps_rows(module)
         rec.compiled = "_orig_mod" in module._modules
         rec.generic = self.capture != "summary" and fx.is_generic(module)
         rec.broadcast = self.capture == "full" and fx.spec_for(module) is not None and any(
@@ -244,6 +246,7 @@ class Tracer:
         rec.calls.append(call)
         outer = self._outer
         if self._open == 0:  # an outermost call: a new forward pass
+            self._folds.clear()
             outer.append([])
             if len(outer) > OUTER_CALLS_KEPT:  # no backward came for the oldest: let its graph go
                 for c in outer.popleft():
@@ -262,6 +265,10 @@ class Tracer:
                 lead = node._saved_self_sym_sizes[0] if node._saved_self_sym_sizes else None
                 if lead != (a.shape[0] if a.dim() else None):
                     call.folded_from = lead
+            elif self._folds:  # the output of a row-keeping layer whose input was folded
+                fold = self._folds.get(id(a))
+                if fold is not None and fold[0]() is a:
+                    call.folded_from = fold[1]
             self._keep_input(rec, call, a)
         return call
 
@@ -301,6 +308,8 @@ class Tracer:
         call.seq_end = _next_sequence_nr()
         if out is not None:
             call.output_shape = tuple(out.shape)
+            if call.folded_from is not None and rec.keeps_rows:
+                self._folds[id(out)] = (weakref.ref(out), call.folded_from)
             node = call.out_node = out.grad_fn
             if node is not None:
                 self._live.append(call)
@@ -343,13 +352,13 @@ class Tracer:
         return tree_unflatten([_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
     def _snapshot(self, module) -> dict | None:
-        """The module's parameters and buffers by name as they are now (copy-on-write: an optimizer step or a
-        BatchNorm update later costs a copy then); calls that see the same versions share one copy."""
+        """The module's parameters and buffers by name as they are now; calls that see the same versions share one
+        copy. Copy-on-write: no memory until the cell changes them (an optimizer step, a BatchNorm update), so
+        they do not count against budget_mb (a model holding a parameter of its own, as ViT's class token, would
+        otherwise spend the budget on a snapshot of the whole model before any layer's a and δ)."""
         cache = self._snapshots
         named = [*module.named_parameters(), *module.named_buffers()]
         new = [t for _, t in named if (hit := cache.get(id(t))) is None or hit[0] is not t or hit[1] != t._version]
-        if new and not self._fits_bytes(sum(t.numel() * t.element_size() for t in new)):
-            return None
         for t in new:
             cache[id(t)] = (t, t._version, _copy(t))
         return {name: cache[id(t)][2] for name, t in named}

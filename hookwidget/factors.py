@@ -36,6 +36,7 @@ from .layers import (  # noqa: F401  (the import surface)
     forward_state,
     gram_applies,
     is_generic,
+    keeps_rows,
     needs_input,
     per_sample_meaning,
     register,

@@ -54,6 +54,7 @@ class ModuleRecord:
     needs_input: bool = field(default=False, repr=False)  # its weight's backward saves its input (no copy needed)
     compiled: bool = field(default=False, repr=False)  # a torch.compile wrapper
     norms: bool = field(default=False, repr=False)  # capture="norms": its factors are wanted
+    keeps_rows: bool = field(default=False, repr=False)  # row i of its output comes from row i of its input alone
     stateful: bool = field(default=False, repr=False)  # its rule needs forward-time state (BatchNorm's mode)
     generic: bool = field(default=False, repr=False)  # served by the generic rule: keep every input, output δ
     broadcast: bool = field(default=False, repr=False)  # a rule answers for it: an output (1, ...) may be broadcast

@@ -68,11 +68,39 @@ def test_rows_folded_by_a_view_are_unfolded_exactly():
     torch.manual_seed(0)
     m, x = FlattenedTokens(), torch.randn(3, 4, 5)
     t = hw.trace(lambda: m(x).backward(), m)
-    assert set(t.per_sample_left_out) == {"fc.weight", "fc.bias"}  # its input is LayerNorm's output, not a view
-    g = t.per_sample_grads("ln", "weight")
-    assert g.shape == (3, 8)
-    torch.testing.assert_close(g.sum(0), m.ln.weight.grad, rtol=1e-5, atol=1e-6)  # autograd's, from the traced run
-    torch.testing.assert_close(t.per_sample_grad_norms(), _reference_sum(m, x, ("inp", "ln")), rtol=1e-5, atol=1e-6)
+    assert not t.per_sample_left_out  # ln's input is a view; fc's is the output of ln, which keeps rows
+    for name in ("ln", "fc"):
+        g = t.per_sample_grads(name, "weight")
+        assert g.shape == (3, *getattr(m, name).weight.shape)
+        torch.testing.assert_close(g.sum(0), getattr(m, name).weight.grad, rtol=1e-5, atol=1e-6)  # autograd's
+    torch.testing.assert_close(t.per_sample_grad_norms(), _reference_sum(m, x, ("inp", "ln", "fc")), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_rows_stay_folded_through_an_activation_module_not_a_function():
+    """nn.ReLU keeps rows (known elementwise); torch.relu between two layers is not seen, so the last
+    layer's rows are not taken for samples."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.act, self.fc, self.out = nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = self.fc(self.act(self.inp(x).reshape(-1, 8)))
+            return self.out(torch.relu(h)).sum()
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(3, 4, 5)
+    t = hw.trace(lambda: model(x).backward(), model)
+    assert {"out.weight", "out.bias"} == set(t.per_sample_left_out)
+    torch.testing.assert_close(t.per_sample_grads("fc", "weight").sum(0), model.fc.weight.grad, rtol=1e-5, atol=1e-6)
+    ref = []
+    for i in range(3):
+        model.zero_grad()
+        model(x[i:i + 1]).backward()
+        ref.append(model.fc.weight.grad.clone())
+    torch.testing.assert_close(t.per_sample_grads("fc", "weight"), torch.stack(ref), rtol=1e-5, atol=1e-6)
 
 
 def _reference_sum(model, x, prefixes):
@@ -87,16 +115,18 @@ def _reference_sum(model, x, prefixes):
 def test_a_table_called_on_positions_still_is_not_a_batch():
     """Leading dimension T = 4 of a table of positions, batch B = 8 (a multiple of T): the table is not
     taken for the batch, the rows are B."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos, self.head = nn.Embedding(10, 6), nn.Embedding(4, 6), nn.Linear(6, 1)
+
+        def forward(self, ids):
+            h = self.tok(ids) * self.pos(torch.arange(4)).sigmoid()  # multiplied: no per-sample δ for the table
+            return self.head(h).pow(2).sum()
+
     torch.manual_seed(0)
-    tok, pos = nn.Embedding(10, 6), nn.Embedding(4, 6)
-    head = nn.Linear(6, 1)
-    model = nn.ModuleDict(dict(tok=tok, pos=pos, head=head))
-    ids = torch.randint(0, 10, (8, 4))
-
-    def run():
-        h = tok(ids) * pos(torch.arange(4)).sigmoid()  # multiplied: the table's per-sample δ is not recoverable
-        head(h).pow(2).sum().backward()
-
-    t = hw.trace(run, model)
+    model, ids = Model(), torch.randint(0, 10, (8, 4))
+    t = hw.trace(lambda: model(ids).backward(), model)
     assert t.per_sample_grad_norms().shape == (8,)
     assert "pos.weight" in t.per_sample_left_out

@@ -9,6 +9,7 @@ from .registry import (
     exact_reason,
     forward_state,
     is_generic,
+    keeps_rows,
     lookup,
     needs_input,
     per_sample_meaning,
@@ -19,5 +20,5 @@ from .registry import (
 )
 
 __all__ = ["GENERIC", "KINDS", "SPECS", "ConvCall", "ConvCalls", "Factor", "Kind", "LayerSpec", "exact_reason",
-           "forward_state", "generic", "gram_applies", "is_generic", "lookup", "needs_input", "per_sample_meaning",
-           "register", "spec_for", "supported_types", "unsupported_reason"]
+           "forward_state", "generic", "gram_applies", "is_generic", "keeps_rows", "lookup", "needs_input",
+           "per_sample_meaning", "register", "spec_for", "supported_types", "unsupported_reason"]

@@ -163,3 +163,21 @@ def forward_state(module: nn.Module):
     (call.state) so that a later model.eval()/train() does not change the answer."""
     spec = spec_for(module)
     return None if spec is None or spec.state is None else spec.state(module)
+
+
+# parameter-free layers that act on each element (so on each row) alone: exact types, as a subclass may not
+ELEMENTWISE = {nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish, nn.Softplus,
+               nn.Hardswish, nn.Hardsigmoid, nn.Identity, nn.Dropout}
+ELEMENTWISE_NAMED = {f"transformers.activations.{n}" for n in (
+    "GELUActivation", "NewGELUActivation", "FastGELUActivation", "QuickGELUActivation", "GELUTanh", "SiLUActivation",
+    "ReLUSquaredActivation", "PytorchGELUTanh")}
+
+
+def keeps_rows(module: nn.Module) -> bool:
+    """Whether each row of its output comes from the same row of its input alone (a token-wise rule's layer,
+    an elementwise activation): rows that are folded samples stay so (see per_sample's unfolding)."""
+    cls = type(module)
+    if cls in ELEMENTWISE or f"{cls.__module__}.{cls.__name__}" in ELEMENTWISE_NAMED:
+        return True
+    spec = spec_for(module)
+    return spec is not None and spec.tokens
