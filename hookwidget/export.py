@@ -1,4 +1,5 @@
-"""`to_html`: one self-contained page with the explorer, read-only, for sharing a trace without a kernel.
+"""`to_html`: one self-contained page with the explorer, read-only, for sharing a trace without a kernel;
+`snapshot`: the plain-HTML summary a displayed explorer carries for wherever its model is gone.
 
 The built front-end and the payload are inlined (no CDN, nothing fetched), a strict
 Content-Security-Policy allows only the page's own nonce-tagged script and style, and every
@@ -60,13 +61,13 @@ def page(trace, title: str = "hookwidget trace", diff: dict | None = None) -> st
 
 def details(trace) -> dict:
     """Detail of every layer and parameter node, base64 buffers, within DETAIL_BUDGET bytes."""
-    out, used, skipped = {}, 0, []
+    out, used, skipped, memo = {}, 0, [], {}
     params = [n for n, d in trace.graph.nodes(data=True) if d.get("param")]
     for target in [*trace.layers, *params]:
         if len(out) >= DETAIL_LIMIT:
             skipped.append(target)
             continue
-        meta, buffers = payload.detail(trace, target, max_side=DETAIL_SIDE)
+        meta, buffers = payload.detail(trace, target, max_side=DETAIL_SIDE, memo=memo)
         size = sum(len(b) for b in buffers)
         if used + size > DETAIL_BUDGET:
             skipped.append(target)
@@ -94,3 +95,47 @@ def js_for_script(code: str) -> str:
 
     code = re.sub(r"</(script)", r"<\\/\1", code, flags=re.IGNORECASE)
     return code.replace("<!--", "<\\!--")
+
+
+SNAPSHOT_ROWS = 200  # layers listed in a snapshot (a notebook output should stay small)
+
+
+def snapshot(summary: dict, diff: dict | None = None) -> str:
+    """A static HTML summary of what the explorer shows (payload.summary's dict): loss, hooks, notes and every
+    layer's norms and health flags, as a plain table. It rides in the widget's mimebundle beside the widget
+    view, so a front-end that cannot render the view (an untrusted notebook, nbconvert, GitHub) shows
+    it; no script, no style element, every user string escaped."""
+    e = html.escape
+    mods = summary.get("modules", [])
+    own = [m for m in mods if m.get("own_params")]
+    hooks = summary.get("hooks", [])
+    graph = summary.get("graph", {})
+    head = [f"loss {_fmt(summary.get('loss'))}", f"{len(mods):,} modules", f"{len(graph.get('id', [])):,} graph nodes"]
+    if hooks:
+        head.append("hooks: " + ", ".join(f"{h['kind']} on {h['target']}" for h in hooks))
+    if diff:
+        head.append(f"last rerun: loss {_fmt(diff.get('loss_before'))} → {_fmt(diff.get('loss_after'))}")
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{e(str(v))}</td>" for v in (
+            m["name"], m.get("cls", ""), _fmt((m.get("delta") or {}).get("norm")), _fmt(m.get("grad_norm")),
+            _fmt((m.get("a") or {}).get("norm")), " ".join(m.get("flags") or []))) + "</tr>"
+        for m in own[:SNAPSHOT_ROWS])
+    more = f"<p>… {len(own) - SNAPSHOT_ROWS:,} more layers</p>" if len(own) > SNAPSHOT_ROWS else ""
+    notes = "".join(f"<li>{e(str(n))}</li>" for n in summary.get("notes", []))
+    return ('<div class="hw-snapshot" data-hw-snapshot="1">'
+            "<p><b>hookwidget trace</b>: a static snapshot. The explorer needs the kernel that ran this cell: "
+            "run the cell again to explore (or save <code>t.to_html(path)</code> to share it).</p>"
+            f"<p>{e(' · '.join(head))}</p>" + (f"<ul>{notes}</ul>" if notes else "")
+            + "<table><thead><tr><th>layer</th><th>class</th><th>‖δ‖₂</th><th>‖W.grad‖₂</th><th>‖a‖₂</th>"
+            f"<th>health</th></tr></thead><tbody>{rows}</tbody></table>{more}</div>")
+
+
+def _fmt(v) -> str:
+    """4 significant digits, like the explorer; "–" for none; "nan"/"inf" as they are."""
+    if v is None:
+        return "–"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) < 1e9):
+        return f"{int(v):,}"
+    return f"{v:.4g}"

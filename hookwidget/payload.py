@@ -20,6 +20,7 @@ MAX_SAMPLES = 8  # samples of a (B, C, H, W) or (B, T, d) tensor sent as picture
 MAX_CHANNELS = 64  # channel maps per sample of a conv activation / δ
 MAP_SIDE = 32  # cells per side of one channel map
 PER_SAMPLE_LIMIT = 50_000_000  # floats: above this, the per-sample δ⊗a heatmap is skipped
+CHUNK = 1 << 16  # entries per piece when a statistic of a large tensor is taken a piece at a time
 HEALTH_LIMIT = 4_000_000  # layers × parameters: above this trace.health() (quadratic today) is skipped
 _health_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -171,11 +172,13 @@ def _rel(p):
 
 
 # -- detail --------------------------------------------------------------------------------------
-def detail(trace, target: str, max_side: int = MAX_SIDE) -> tuple[dict, list[bytes]]:
+def detail(trace, target: str, max_side: int = MAX_SIDE, memo: dict | None = None) -> tuple[dict, list[bytes]]:
     """Meta + buffers for one layer name or graph node id. Raises KeyError for an unknown target.
 
-    Heatmaps have at most `max_side` cells per side (the standalone page inlines every layer: smaller)."""
-    out = _Buffers(max_side)
+    Heatmaps have at most `max_side` cells per side (the standalone page inlines every layer: smaller).
+    `memo` (a dict the caller keeps for one export) reuses the picture of a tensor already described,
+    such as a weight's .grad shown by its layer and by its parameter node."""
+    out = _Buffers(max_side, memo)
     if target in trace.layers:
         meta = _layer_detail(trace, target, out)
     elif target in trace.graph:
@@ -209,12 +212,11 @@ def _layer_detail(trace, name: str, out: _Buffers) -> dict:
         rebuilt = _try(lambda: trace.weight_grad(name), meta)
         out.add("grad_rebuilt", rebuilt, "param")
         if autograd is not None and rebuilt is not None and autograd.shape == rebuilt.shape:
-            meta["max_abs_diff"] = _num(float((autograd.double() - rebuilt.double()).abs().max()))
+            meta["max_abs_diff"] = _num(max_abs_diff(autograd, rebuilt))
         if rebuilt is not None and c is not None and c.a is not None:
             batch = c.a.shape[0]
             if batch * w.numel() <= PER_SAMPLE_LIMIT:
-                psg = _try(lambda: trace.per_sample_grads(name), meta)
-                out.add("per_sample_grad0", None if psg is None else psg[0], "param")
+                out.add("per_sample_grad0", _try(lambda: first_sample_grad(trace, name), meta), "param")
             else:
                 meta["notes"].append(f"per-sample δ⊗a not shown: {batch} × {w.numel()} floats")
             norms = _try(lambda: trace.per_sample_grad_norms(name), meta)
@@ -223,6 +225,24 @@ def _layer_detail(trace, name: str, out: _Buffers) -> dict:
         if storage is not None and any(v for v in storage.values() if isinstance(v, (int, float))):
             meta["storage"] = {k: (_shape(v) if isinstance(v, tuple) else v) for k, v in storage.items()}
     return meta
+
+
+def first_sample_grad(trace, name: str) -> torch.Tensor:
+    """Sample 0's share of W.grad: from its own rows of (a, δ) where the factor allows (a linear map or an
+    embedding, one step: B times less work than every sample's), else row 0 of trace.per_sample_grads."""
+    from . import factors as fx
+    from . import per_sample as ps
+
+    try:
+        fs = ps.param_factors(trace, name, "weight", None)
+    except ValueError:
+        fs = []
+    if len(fs) == 1 and fs[0].conv is None and fs[0].X is not None and fs[0].per_sample == "exact":
+        f = fs[0]
+        ps.check_batched(trace, name, None)
+        one = fx.Factor(f.param, f.kind, f.D[:1], f.X[:1], f.shape, f.rows, per_sample=f.per_sample)
+        return fx.per_sample_grad(one)[0]
+    return trace.per_sample_grads(name)[0]
 
 
 def _node_detail(trace, node: str, out: _Buffers) -> dict:
@@ -241,21 +261,28 @@ def _node_detail(trace, node: str, out: _Buffers) -> dict:
 class _Buffers:
     """Collects downsampled float32 buffers and their descriptions."""
 
-    def __init__(self, max_side: int = MAX_SIDE):
+    def __init__(self, max_side: int = MAX_SIDE, memo: dict | None = None):
         self.max_side = max_side
+        self.memo = memo
         self.meta: dict = {}
         self.buffers: list[bytes] = []
 
     def add(self, key: str, t, layout: str) -> None:
         if t is None:
             return
-        if layout == "rows" and t.dim() in (3, 4) and t.shape[0] > 0:
-            view, info = samples(t, self.max_side)
+        hit = self.memo.get((id(t), layout)) if self.memo is not None else None
+        if hit is not None and hit[0] is t:
+            _, data, info = hit
         else:
-            view, info = downsample(t, layout, self.max_side)
-        info["buffer"] = len(self.buffers)
-        self.buffers.append(view.tobytes())
-        self.meta[key] = info
+            if layout == "rows" and t.dim() in (3, 4) and t.shape[0] > 0:
+                view, info = samples(t, self.max_side)
+            else:
+                view, info = downsample(t, layout, self.max_side)
+            data = view.tobytes()
+            if self.memo is not None:
+                self.memo[(id(t), layout)] = (t, data, info)  # holds t: its id is not reused meanwhile
+        self.meta[key] = {**info, "buffer": len(self.buffers)}
+        self.buffers.append(data)
 
 
 def downsample(t: torch.Tensor, layout: str = "rows", max_side: int = MAX_SIDE) -> tuple[np.ndarray, dict]:
@@ -341,11 +368,33 @@ def stats(t: torch.Tensor) -> dict:
             return {"numel": n, "min": None, "max": None, "mean": None, "std": None, "norm": _num(_norm(x)),
                     "nan": nan, "inf": inf}
         lo, hi = torch.aminmax(f)
-    # float64 for small tensors; float32 (torch sums pairwise) past 65,536 entries, where a float64 copy
-    # of an embedding's gradient would cost more than the rest of the detail.
-    std, mean = torch.std_mean(f.double() if f.numel() <= 65_536 else f.float(), unbiased=False)
-    return {"numel": int(n), "min": _num(float(lo)), "max": _num(float(hi)), "mean": _num(float(mean)),
-            "std": _num(float(std)), "norm": _num(_norm(x)), "nan": nan, "inf": inf}
+    if f.numel() <= CHUNK or f.device.type != "cpu":  # small, or on an accelerator: float64 in one go
+        std, mean = torch.std_mean(f.double(), unbiased=False)
+        mean, std = float(mean), float(std)
+    else:  # two passes a piece at a time in float64: no full-size copy, and no cancellation in the variance
+        f = f.reshape(-1)
+        mean = sum(float(p.sum()) for _, p in _pieces(f)) / f.numel()
+        std = math.sqrt(sum(float(torch.linalg.vector_norm(p.sub_(mean))) ** 2 for _, p in _pieces(f)) / f.numel())
+    return {"numel": int(n), "min": _num(float(lo)), "max": _num(float(hi)), "mean": _num(mean),
+            "std": _num(std), "norm": _num(_norm(x)), "nan": nan, "inf": inf}
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a − b| in float64; on the CPU a piece at a time (GPT-2's head gradient is 38M floats: no float64 copy)."""
+    if a.device.type != "cpu":  # an accelerator does the float64 copies at memory speed
+        return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
+    b = b.detach().reshape(-1)
+    peaks = [float(p.sub_(b[i:i + len(p)]).abs_().max()) for i, p in _pieces(a.detach().reshape(-1))]
+    return math.nan if any(v != v for v in peaks) else max(peaks, default=0.0)  # NaN wins, as torch's max
+
+
+def _pieces(x: torch.Tensor):
+    """(offset, piece) over flat `x`, each piece copied into one reused float64 buffer of CHUNK entries: it stays
+    in cache, where a full-size temporary of a large tensor costs more in page faults than the arithmetic."""
+    buf = torch.empty(min(CHUNK, x.numel()), dtype=torch.float64)
+    for i in range(0, x.numel(), CHUNK):
+        c = x[i:i + CHUNK]
+        yield i, buf[:c.numel()].copy_(c)
 
 
 # -- helpers -------------------------------------------------------------------------------------

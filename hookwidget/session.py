@@ -2,11 +2,14 @@
 
 A Session is shared by a trace, its reruns and the explorer showing them, so they agree on which
 hooks are on (`interventions`) and which trace is current (`latest`); `baseline` is the first,
-hook-free run that diffs compare with.
+hook-free run that diffs compare with. Whoever shows the session (an explorer) asks to be told
+of changes with `on_change`, so a hook added or a rerun made from a cell reaches the screen too.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -17,6 +20,8 @@ from .interventions import KINDS, Intervention, make
 from .options import Options
 from .state import RunState, code_scope, related_objects
 from .trace import Trace
+
+log = logging.getLogger("hookwidget")
 
 
 class Session:
@@ -32,6 +37,7 @@ class Session:
         self.latest: Trace | None = None
         self._related = related_objects(scope)
         self._state: RunState | None = None  # what the first run started from
+        self._listeners: list = []  # weak references to callbacks: see on_change
 
     def run(self) -> Trace:
         """The first run: records what it changes, so that reruns can start where it started."""
@@ -92,22 +98,51 @@ class Session:
             self._state, self.baseline = state, t
         if not failed or self.latest is None:
             self.latest = t
+            self._changed("latest")
+
+    # -- who is told of changes ------------------------------------------------------------------
+    def on_change(self, callback) -> None:
+        """Call `callback(what)` after hooks change ("hooks") and after a run becomes `latest` ("latest").
+
+        Held weakly (a bound method through its object): an explorer that is closed stops listening,
+        and a session never keeps a display alive."""
+        ref = weakref.WeakMethod(callback) if hasattr(callback, "__self__") else weakref.ref(callback)
+        self._listeners.append(ref)
+
+    def _changed(self, what: str) -> None:
+        alive = []
+        for ref in self._listeners:
+            cb = ref()
+            if cb is None:
+                continue
+            alive.append(ref)
+            try:
+                cb(what)
+            except Exception as e:  # a display that fails must not fail the user's run or hook
+                log.warning("hookwidget: a listener of the session failed on %r: %s: %s", what, type(e).__name__, e)
+        self._listeners[:] = alive
 
     # -- hooks ---------------------------------------------------------------------------------
     def add_hook(self, target: str, kind: str, **params) -> Intervention:
         """Attach an intervention for the next rerun(); the same kind on the same target is replaced."""
         iv = make(target, kind, params)
         iv.anchor = self._resolve(target, kind)
-        self.remove_hook(target, kind, missing_ok=True)
+        self._remove(target, kind)
         self.interventions.append(iv)
+        self._changed("hooks")
         return iv
 
     def remove_hook(self, target: str, kind: str, missing_ok: bool = False) -> None:
-        before = len(self.interventions)
-        self.interventions[:] = [iv for iv in self.interventions if not (iv.target == target and iv.kind.name == kind)]
-        if len(self.interventions) == before and not missing_ok:
+        if self._remove(target, kind):
+            self._changed("hooks")
+        elif not missing_ok:
             on = ", ".join(f"{iv.kind.name} on {iv.target!r}" for iv in self.interventions) or "none"
             raise KeyError(f"no {kind} hook on {target!r} to remove; attached: {on}")
+
+    def _remove(self, target: str, kind: str) -> bool:
+        before = len(self.interventions)
+        self.interventions[:] = [iv for iv in self.interventions if not (iv.target == target and iv.kind.name == kind)]
+        return len(self.interventions) < before
 
     def _resolve(self, target: str, kind: str):
         t = self.baseline or self.latest

@@ -55,8 +55,11 @@ class HookWidget(anywidget.AnyWidget):
         session = getattr(trace, "session", None)
         self._session_ref = weakref.ref(session) if session is not None else None
         self._trace_ref = weakref.ref(trace)
+        self._busy = False  # handling a front-end command: it updates the screen itself
         self.summary = payload.summary(trace)
         self.on_msg(self._on_msg)
+        if session is not None and hasattr(session, "on_change"):
+            session.on_change(self._on_session_change)  # held weakly by the session
 
     @property
     def session(self):
@@ -85,10 +88,17 @@ class HookWidget(anywidget.AnyWidget):
         if latest is not None and latest is not self._trace_ref():
             self.trace = latest
             self.summary = payload.summary(latest)
+            baseline = getattr(session, "baseline", None)
+            self.diff = payload.diff(baseline, latest) if baseline is not None and latest is not baseline else None
         elif session is not None or self._trace_ref() is not None:
             hooks = payload.hooks(self.trace)
             if hooks != self.summary.get("hooks"):
                 self.summary = {**self.summary, "hooks": hooks}
+
+    def _on_session_change(self, what: str) -> None:
+        """Python changed the session (t.add_hook, t.remove_hook, t.rerun() in a cell): show it now."""
+        if not self._busy:
+            self.sync()
 
     def _on_msg(self, _widget, content, buffers) -> None:
         rid = content.get("request_id") if isinstance(content, dict) else None
@@ -99,6 +109,7 @@ class HookWidget(anywidget.AnyWidget):
             log.warning("hookwidget: rejected front-end message: %s", e)
             self._status(rid, "error", f"rejected message: {e}")
             return
+        self._busy = True
         try:
             self.sync()
             getattr(self, "_do_" + msg["type"])(msg)
@@ -108,6 +119,8 @@ class HookWidget(anywidget.AnyWidget):
             text = _one_line(e)
             log.warning("hookwidget: %s failed: %s", msg["type"], text)
             self._status(rid, "error", f"{msg['type']} failed: {text}")
+        finally:
+            self._busy = False
 
     # -- handlers ----------------------------------------------------------------------------
     def _do_detail(self, msg: dict) -> None:
@@ -148,6 +161,21 @@ class HookWidget(anywidget.AnyWidget):
         self._status(msg["request_id"], "done", f"rerun done in {secs:.2f} s: loss "
                      f"{_fmt(changes['loss_before'])} → {_fmt(changes['loss_after'])}, "
                      f"{len(changes['changed_modules'])} module(s) changed")
+
+    def _repr_mimebundle_(self, **kwargs):
+        """The widget view, plus a static HTML snapshot for a front-end that has no model to render
+        (export.snapshot): a notebook reopened untrusted, nbconvert, GitHub."""
+        bundle = super()._repr_mimebundle_(**kwargs)
+        data, meta = bundle if isinstance(bundle, tuple) else (bundle, None)
+        if data is None:
+            return bundle
+        from .export import snapshot
+
+        try:
+            data = {**data, "text/html": snapshot(self.summary, self.diff)}
+        except Exception as e:  # the snapshot is a courtesy: never lose the widget over it
+            log.warning("hookwidget: no static snapshot: %s", _one_line(e))
+        return (data, meta) if meta is not None else data
 
     def to_html(self, path):
         """Write what is on screen (the latest trace, its hooks and the last rerun's diff) as a standalone page."""

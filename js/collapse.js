@@ -24,8 +24,11 @@ export function buildHierarchy(modules) {
     groups.get(m.name).parent = p;
     children.get(p).push(m.name);
   }
+  // What a module is made of (its children's local names and classes): blocks fold only when alike, so
+  // ResNet's layer1 … layer4 (3, 4, 6 and 3 blocks) stay apart while GPT-2's h.0 … h.11 fold.
+  const shape = new Map(modules.map((m) => [m.name, children.get(m.name).map((c) => `${localName(c, m.name)}:${groups.get(c).cls}`).join(",")]));
   for (const [parent, kids] of [...children.entries()]) {
-    const folded = foldRepeats(groups, parent, kids);
+    const folded = foldRepeats(groups, parent, kids, shape);
     for (const [p, list] of folded) chunkChildren(groups, p, list);
   }
   for (const g of groups.values()) {
@@ -40,9 +43,9 @@ export function buildHierarchy(modules) {
 
 const localName = (name, parent) => (parent && name.startsWith(parent + ".") ? name.slice(parent.length + 1) : name);
 
-/** Runs of ≥ MIN_REPEAT siblings of one class named prefix0, prefix1, … (a ModuleList of blocks) become one
- * folded group "h.0 … h.11" · "GPT2Block × 12". Returns [[parent, children]] lists left to chunk. */
-function foldRepeats(groups, parent, kids) {
+/** Runs of ≥ MIN_REPEAT siblings of one class and one make-up (`shape`), named prefix0, prefix1, … (a ModuleList
+ * of blocks) become one folded group "h.0 … h.11" · "GPT2Block × 12". Returns [[parent, children]] lists left to chunk. */
+function foldRepeats(groups, parent, kids, shape) {
   const out = [];
   const top = [];
   let i = 0;
@@ -54,7 +57,8 @@ function foldRepeats(groups, parent, kids) {
       while (j < kids.length) {
         const g = groups.get(kids[j]);
         const mj = NUMBERED.exec(g.name ?? "");
-        if (!mj || mj[1] !== m[1] || g.cls !== first.cls || Number(mj[2]) !== Number(m[2]) + (j - i)) break;
+        if (!mj || mj[1] !== m[1] || g.cls !== first.cls || shape.get(g.key) !== shape.get(first.key)
+          || Number(mj[2]) !== Number(m[2]) + (j - i)) break;
         j++;
       }
     }

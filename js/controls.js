@@ -11,12 +11,21 @@ export function createControls({ onToggle }) {
   const errors = new Map(); // `${target}\u0000${kind}` -> text
   const typed = new Map(); // `${target}\u0000${kind}\u0000${param}` -> what the user typed (kept across redraws)
 
+  /** Every hook on, whatever is selected: the same list as t.interventions in Python. */
+  function hooksOn(summary) {
+    const on = summary.hooks || [];
+    if (!on.length) return [];
+    return [h("div", { class: "hw-hooks-on", "data-testid": "hooks-on" }, h("span", { class: "hw-dim", text: `${on.length} on: ` }),
+      ...on.map((x, i) => h("span", { class: "hw-hook-on", "data-hook-target": x.target, "data-hook-kind": x.kind,
+        text: `${x.kind} on ${x.target || "(root)"}${i < on.length - 1 ? ", " : ""}` })))];
+  }
+
   function render(sel, summary, readonly) {
     current = { sel, summary, readonly };
-    if (!sel) { body.replaceChildren(h("div", { class: "hw-dim", text: "select a module or node to attach a hook" })); return; }
+    if (!sel) { body.replaceChildren(...hooksOn(summary), h("div", { class: "hw-dim", text: "select a module or node to attach a hook" })); return; }
     const target = sel.target;
     const active = new Map(summary.hooks.filter((x) => x.target === target).map((x) => [x.kind, x]));
-    const rows = [h("div", { class: "hw-dim" }, "on ", h("b", { text: target || "(root)" }))];
+    const rows = [...hooksOn(summary), h("div", { class: "hw-dim" }, "on ", h("b", { text: target || "(root)" }))];
     if (readonly) rows.push(h("div", { class: "hw-note", "data-testid": "readonly-note", text: "read-only page: hook toggles need a running kernel (open the notebook and use t.widget())" }));
     for (const kind of summary.kinds) {
       const key = `${target}\u0000${kind.name}`;

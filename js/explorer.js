@@ -14,9 +14,14 @@ import { createStatusLine } from "./status.js";
 import { installStyles } from "./styles.js";
 import { createTreeView } from "./tree.js";
 
+const KERNEL_GONE = "kernel disconnected: a snapshot of the recorded trace (layers not opened before show no detail); run the cell again to explore";
+const NO_REPLY = "no reply from the kernel in 10 s: it is busy running a cell (the answer still shows when it comes), or this output outlived its kernel (run the cell again)";
+export const REPLY_TIMEOUT_MS = 10_000;
+
 export function render({ model, el, nonce }) {
   let summary = model.get("summary");
-  const readonly = Boolean(model.get("readonly"));
+  let readonly = Boolean(model.get("readonly"));
+  let disconnected = false; // the kernel is gone: see setDisconnected
   let selected = null;
   let lastDiff = model.get("diff") || null; // the last rerun's changes (a trait: survives a re-render, exported)
   let generation = 0; // bumps on each new trace: replies for an older one are dropped from the cache
@@ -46,7 +51,10 @@ export function render({ model, el, nonce }) {
   renderBanner();
   if (lastDiff) { diffView.render(lastDiff); graph.setChanged(lastDiff.changed_nodes, lastDiff.changed_modules); tree.setSummary(summary, new Set(lastDiff.changed_modules)); }
   status.set("idle", readonly ? "read-only page: showing the recorded trace" : idleText());
-  requestAnimationFrame?.(() => graph.defaultView());
+  // A view restored from a notebook's saved widget state has no comm: ipywidgets marks its element disconnected.
+  const marked = () => Boolean(el.closest?.(".jupyter-widgets-disconnected"));
+  if (marked()) setDisconnected(true);
+  requestAnimationFrame?.(() => { graph.defaultView(); if (marked()) setDisconnected(true); });
 
   function idleText() { return `loss ${fmt(summary.loss)} · ${fmt(summary.modules.length)} modules`; }
 
@@ -54,6 +62,7 @@ export function render({ model, el, nonce }) {
     const notes = summary.notes || [];
     const noGrads = summary.has_grads === false || notes.some((n) => n.startsWith("no gradients captured"));
     const items = [];
+    if (disconnected) items.push(h("div", { class: "hw-banner-main", "data-testid": "kernel-gone", text: KERNEL_GONE }));
     if (noGrads) items.push(h("div", { class: "hw-banner-main", "data-testid": "no-grads", text: notes.find((n) => n.startsWith("no gradients captured")) || "no gradients captured: the code ran no backward (activations only)" }));
     const rest = notes.filter((n) => !n.startsWith("no gradients captured"));
     if (rest.length) items.push(h("details", { class: "hw-banner-notes" }, h("summary", { text: `${rest.length} note${rest.length === 1 ? "" : "s"} on this trace` }),
@@ -62,12 +71,39 @@ export function render({ model, el, nonce }) {
     banner.hidden = items.length === 0;
   }
 
-  /** Send a command; resolves with {ok: true, msg, buffers} on its reply or {ok: false, text} on an error status. */
+  // ipywidgets tells a model its comm went (kernel restarted or shut down) with "comm_live_update": the
+  // explorer stays as a snapshot of the recorded trace, read-only, says so, and answers its pending
+  // requests instead of waiting for a kernel that will not reply. Any later reply proves it alive again.
+  function setDisconnected(gone) {
+    if (gone === disconnected) return;
+    disconnected = gone;
+    readonly = gone || Boolean(model.get("readonly"));
+    root.classList.toggle("hw-readonly", readonly);
+    root.classList.toggle("hw-disconnected", gone);
+    controls.render(selected, summary, readonly);
+    renderBanner();
+    if (gone) {
+      for (const [id, req] of waiting) { waiting.delete(id); clearTimeout(req.timer); req.resolve({ ok: false, text: KERNEL_GONE }); }
+      status.set("idle", "kernel disconnected: read-only");
+    } else {
+      status.set("idle", idleText());
+    }
+  }
+  const onCommLive = () => setDisconnected(true);
+
+  /** Send a command; resolves with {ok: true, msg, buffers} on its reply or {ok: false, text} on an error status,
+   * or, for all but a rerun, after REPLY_TIMEOUT_MS without one (a view restored from a notebook's saved widget
+   * state has no kernel behind it); a reply that comes later is still used (see onMessage). */
   function request(msg) {
+    if (disconnected) return Promise.resolve({ ok: false, text: KERNEL_GONE });
     return new Promise((resolve) => {
-      waiting.set(msg.request_id, { resolve, type: msg.type, target: msg.target });
+      const req = { resolve, type: msg.type, target: msg.target, timer: null, gen: generation };
+      if (msg.type !== "rerun") {
+        req.timer = setTimeout(() => { req.late = true; resolve({ ok: false, text: NO_REPLY }); }, REPLY_TIMEOUT_MS);
+      }
+      waiting.set(msg.request_id, req);
       try { model.send(msg); }
-      catch (e) { waiting.delete(msg.request_id); resolve({ ok: false, text: `could not reach the kernel: ${e.message}` }); }
+      catch (e) { waiting.delete(msg.request_id); clearTimeout(req.timer); resolve({ ok: false, text: `could not reach the kernel: ${e.message}` }); }
     });
   }
 
@@ -132,7 +168,15 @@ export function render({ model, el, nonce }) {
   function onMessage(raw, buffers = []) {
     const msg = P.parseIncoming(raw);
     if (!msg) return;
+    setDisconnected(false); // it answered
     const req = waiting.get(msg.request_id);
+    if (req) clearTimeout(req.timer);
+    if (req?.late && msg.state !== "running") { // the answer after we stopped waiting: keep a detail, show the rest
+      waiting.delete(msg.request_id);
+      if (msg.type === "detail" && req.gen === generation) lateDetail(msg, buffers); // not for an older trace
+      else if (msg.type === "status") status.set(msg.state, msg.text);
+      return;
+    }
     if (msg.type === "detail" || msg.type === "trace") {
       if (req) { waiting.delete(msg.request_id); req.resolve({ ok: true, msg, buffers }); }
       else if (msg.type === "trace") applyTrace(msg); // a rerun started elsewhere
@@ -149,6 +193,14 @@ export function render({ model, el, nonce }) {
     }
   }
 
+  function lateDetail(msg, buffers) {
+    try {
+      const tensors = P.decodeTensors(msg.meta, buffers);
+      cache.set(msg.target, { meta: msg.meta, tensors });
+      if (selected?.target === msg.target) { detail.render(msg.meta, tensors, summary); status.set("idle", idleText()); }
+    } catch { /* a late reply that cannot be decoded is dropped: the error shown stands */ }
+  }
+
   function onSummary() {
     summary = model.get("summary");
     cache.clear(); // the kernel may show a newer trace (a rerun from Python): never serve an old detail
@@ -163,10 +215,22 @@ export function render({ model, el, nonce }) {
     renderBanner();
   }
 
+  // A rerun made from Python (t.rerun() in a cell) arrives as new summary and diff traits, no message.
+  function onDiff() {
+    lastDiff = model.get("diff") || null;
+    diffView.render(lastDiff);
+    graph.setChanged(lastDiff?.changed_nodes || [], lastDiff?.changed_modules || []);
+    tree.setSummary(summary, new Set(lastDiff?.changed_modules || []));
+  }
+
   model.on("msg:custom", onMessage);
   model.on("change:summary", onSummary);
+  model.on("change:diff", onDiff);
+  model.on("comm_live_update", onCommLive); // ipywidgets': fired when the model's comm goes
   return () => {
     model.off?.("msg:custom", onMessage);
     model.off?.("change:summary", onSummary);
+    model.off?.("change:diff", onDiff);
+    model.off?.("comm_live_update", onCommLive);
   };
 }

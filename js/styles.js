@@ -101,6 +101,7 @@ body.hw-page { margin: 8px; }
 .hw-health.ok { color: var(--hw-param); } .hw-health.bad, .hw-error { color: var(--hw-error); font-weight: 600; }
 .hw-notes { color: var(--hw-dim); padding-left: 16px; margin: 4px 0; }
 .hw-hook { display: flex; flex-wrap: wrap; gap: 6px; align-items: center; padding: 2px 0; border-bottom: 1px dotted var(--hw-border); }
+.hw-hooks-on { padding: 2px 0 4px; } .hw-hook-on { font-weight: 600; }
 .hw-hook.on .hw-hook-name { color: var(--hw-changed); font-weight: 600; }
 .hw-hook-name { min-width: 110px; }
 .hw-param input { width: 64px; font: inherit; color: var(--hw-fg); background: var(--hw-bg2); border: 1px solid var(--hw-border); }
@@ -129,6 +130,7 @@ body.hw-page { margin: 8px; }
 @media (min-width: 1400px) { .hw-ov-name { max-width: 230px; } }
 .hw-ov-clip { display: block; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; text-align: left; }
 .hw-ov-cls { max-width: 66px; overflow: hidden; text-overflow: ellipsis; color: var(--hw-dim); }
+@media (max-width: 1299px) { .hw-ov-cls, .hw-ov-table th[data-layer-sort="cls"] { display: none; } } /* in the row's title: the health column stays in view */
 .hw-ov-norm.nonfinite { background: var(--hw-error); color: #fff; font-weight: 600; }
 .hw-status { grid-area: status; padding: 3px 6px; border-radius: 3px; background: var(--hw-bg2); white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .hw-status[data-state="error"] { color: var(--hw-error); }

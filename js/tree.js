@@ -114,9 +114,11 @@ export function createTreeView({ onSelect, onClear }) {
 
 const NUMBERED = /^(.*?)(\d+)$/;
 
-/** Rows to fold at first: blocks with children in a run of ≥ 3 same-class siblings named prefix0, prefix1, … */
+/** Rows to fold at first: blocks with children in a run of ≥ 3 alike siblings (one class, the same children by
+ * name and class) named prefix0, prefix1, … — the rule the graph folds by (collapse.js). */
 function repeatedBlocks(children) {
   const out = new Set();
+  const shape = (m) => (children.get(m.name) || []).map((c) => `${c.name.slice(m.name.length + 1)}:${c.cls}`).join(",");
   for (const list of children.values()) {
     let i = 0;
     while (i < list.length) {
@@ -125,7 +127,8 @@ function repeatedBlocks(children) {
       if (m) {
         while (j < list.length) {
           const mj = NUMBERED.exec(list[j].name);
-          if (!mj || mj[1] !== m[1] || list[j].cls !== list[i].cls || Number(mj[2]) !== Number(m[2]) + (j - i)) break;
+          if (!mj || mj[1] !== m[1] || list[j].cls !== list[i].cls || shape(list[j]) !== shape(list[i])
+            || Number(mj[2]) !== Number(m[2]) + (j - i)) break;
           j++;
         }
       }

@@ -80,3 +80,39 @@ def test_detail_budget_skips_and_says_so(monkeypatch, seed_mlp):
     assert d["details_note"] and len(d["details"]) < 3 + 2
     meta, _ = payload.detail(hw.trace(seed_mlp[3]), "fc2")
     assert meta["target"] == "fc2"
+
+
+def test_a_weight_grad_shown_twice_is_described_once_and_the_same(seed_mlp, monkeypatch):
+    t = hw.trace(seed_mlp[3])
+    grad = t.param_grads["fc2.weight"]
+    seen = []
+    real = payload.downsample
+    monkeypatch.setattr(payload, "downsample", lambda x, *a, **k: (seen.append(x is grad), real(x, *a, **k))[1])
+    d = export.details(t)["details"]
+    assert seen.count(True) == 1  # described for the layer fc2, reused for its parameter node
+    node = next(k for k, v in d.items() if v["meta"].get("param") == "fc2.weight")
+    layer, param = d["fc2"], d[node]
+    a, b = layer["meta"]["tensors"]["grad_autograd"], param["meta"]["tensors"]["grad_autograd"]
+    assert a["stats"] == b["stats"] and a["stats"]["numel"] == 6
+    assert layer["buffers"][a["buffer"]] == param["buffers"][b["buffer"]]
+
+
+def test_snapshot_is_plain_escaped_html_of_every_layer(seed_mlp):
+    t = evil_trace()
+    t.add_hook(f"blocks.{EVIL[0]}", "grad_zero")
+    text = export.snapshot(payload.summary(t))
+    assert "<img" not in text and "<script" not in text.lower() and "style" not in text
+    assert html_unescape_cells(text)[:2] == [f"blocks.{EVIL[0]}", f"blocks.{EVIL[1]}"]
+    assert "grad_zero on blocks.&lt;img" in text and "static snapshot" in text
+    s = payload.summary(hw.trace(seed_mlp[3]))
+    text = export.snapshot(s)
+    fc1 = next(m for m in s["modules"] if m["name"] == "fc1")
+    assert f"<td>fc1</td><td>Linear</td><td>{export._fmt(fc1['delta']['norm'])}</td>" in text
+    assert f"loss {export._fmt(s['loss'])}" in text
+
+
+def html_unescape_cells(text):
+    """The first cell of each body row, unescaped."""
+    import html
+
+    return [html.unescape(c) for c in re.findall(r"<tr><td>(.*?)</td>", text)]

@@ -1,6 +1,7 @@
 """payload: summaries match the Trace, detail tensors travel as downsampled float32 buffers."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -242,3 +243,30 @@ def test_full_tensor_statistics_count_nan_and_inf_and_describe_the_finite_entrie
     clean = payload.stats(torch.arange(6.0).reshape(2, 3))
     assert (clean["nan"], clean["inf"], clean["min"], clean["max"]) == (0, 0, 0.0, 5.0)
     assert clean["norm"] == pytest.approx(float(torch.arange(6.0).norm()))
+
+
+def test_large_tensor_statistics_are_float64_accurate_without_cancellation():
+    """Past CHUNK entries the statistics go a piece at a time; a mean far from zero must not cancel the std
+    (E[x²] − mean² in float32 would print std 0 here)."""
+    g = torch.Generator().manual_seed(0)
+    t = 1000.0 + 1e-3 * torch.randn(3 * payload.CHUNK + 17, generator=g)
+    s, ref = payload.stats(t), t.double()
+    assert s["mean"] == pytest.approx(float(ref.mean()), rel=1e-12)
+    assert s["std"] == pytest.approx(float(ref.std(unbiased=False)), rel=1e-6)
+    assert (s["min"], s["max"]) == (float(t.min()), float(t.max()))
+    b = t + torch.randn(t.shape, generator=g) * 1e-4
+    assert payload.max_abs_diff(t, b) == float((ref - b.double()).abs().max())
+    b[5] = float("nan")  # one NaN anywhere is the answer, as torch's max gives it
+    assert math.isnan(payload.max_abs_diff(t, b))
+
+
+def test_first_sample_gradient_is_row_zero_of_the_per_sample_gradients():
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    idx = torch.randint(0, 20, (5, 7))
+    t = hw.trace(lambda: seq(idx).pow(2).sum().backward())
+    conv = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.Flatten(), torch.nn.Linear(48, 2))
+    x = torch.randn(4, 2, 6, 6)
+    tc = hw.trace(lambda: conv(x).sum().backward())
+    for tr, name in [(t, "0"), (t, "1"), (t, "3"), (tc, "0"), (tc, "2")]:
+        assert torch.equal(payload.first_sample_grad(tr, name), tr.per_sample_grads(name)[0]), name

@@ -43,6 +43,15 @@ def test_trace_displays_as_its_widget(seed_mlp):
     assert {"graph", "modules", "kinds", "hooks", "loss"} <= set(w.summary)
 
 
+def test_display_carries_a_static_snapshot_beside_the_view(seed_mlp):
+    """Where the view cannot render (its model gone, an untrusted notebook, nbconvert), the snapshot shows."""
+    t = hw.trace(seed_mlp[3])
+    data = t._repr_mimebundle_()
+    data = data[0] if isinstance(data, tuple) else data
+    assert "application/vnd.jupyter.widget-view+json" in data
+    assert "static snapshot" in data["text/html"] and "<td>fc2</td>" in data["text/html"]
+
+
 def test_detail_reply_carries_buffers(widget):
     model, x, _, w = widget
     [(reply, buffers)] = msg(w, type="detail", target="fc1", request_id="r1")
@@ -191,12 +200,63 @@ def test_to_html_exports_what_is_on_screen(widget, tmp_path):
     assert '"hooks":[{"target":"fc2","kind":"grad_scale"' in text and '"against":"baseline"' in text
 
 
-def test_hooks_set_from_python_reach_the_widget_on_its_next_message(widget):
+def _pairs(hooks):
+    return sorted((h["target"], h["kind"]) for h in hooks)
+
+
+def test_python_changes_reach_the_widget_without_a_message(widget):
+    """One source of truth: hooks and reruns made in a cell show at once; t.interventions equals the UI's hooks
+    after every change, whichever side made it."""
+    _, _, _, w = widget
+    t = w.test_keep
+    python = lambda: sorted((iv.target, iv.kind.name) for iv in t.interventions)  # noqa: E731
+    t.add_hook("fc1", "grad_zero")
+    assert w.summary["hooks"] == [{"target": "fc1", "kind": "grad_zero", "params": {}}]
+    t2 = t.rerun()
+    assert w.trace is t2 and w.summary["loss"] == pytest.approx(t2.loss)
+    assert w.diff["against"] == "baseline" and w.diff["hooks"] == ["fc1"]
+    msg(w, type="add_hook", target="fc2", kind="grad_scale", params={"factor": 0.5}, request_id="u1")
+    assert python() == _pairs(w.summary["hooks"]) == [("fc1", "grad_zero"), ("fc2", "grad_scale")]
+    t.remove_hook("fc1", "grad_zero")
+    assert python() == _pairs(w.summary["hooks"]) == [("fc2", "grad_scale")]
+    msg(w, type="remove_hook", target="fc2", kind="grad_scale", request_id="u2")
+    assert python() == _pairs(w.summary["hooks"]) == []
+
+
+def test_a_failing_display_never_fails_the_users_rerun(widget, monkeypatch, caplog):
     _, _, _, w = widget
     t = w.test_keep
     t.add_hook("fc1", "grad_zero")
-    msg(w, type="detail", target="fc1", request_id="s1")
-    assert w.summary["hooks"] == [{"target": "fc1", "kind": "grad_zero", "params": {}}]
-    t2 = t.rerun()  # a rerun from Python: the widget shows it from then on
-    msg(w, type="detail", target="fc1", request_id="s2")
-    assert w.trace is t2
+
+    def broken(_trace):
+        raise RuntimeError("display broke")
+
+    monkeypatch.setattr("hookwidget.payload.summary", broken)
+    with caplog.at_level(logging.WARNING, logger="hookwidget"):
+        t2 = t.rerun()
+    assert t2.session.latest is t2 and "display broke" in caplog.text
+
+
+def test_the_session_holds_its_listeners_weakly(seed_mlp):
+    import gc
+    import weakref
+
+    class Screen:
+        def __init__(self):
+            self.seen = []
+
+        def changed(self, what):
+            self.seen.append(what)
+
+    t = hw.trace(seed_mlp[3])
+    screen = Screen()
+    t.session.on_change(screen.changed)
+    t.add_hook("fc1", "grad_zero")
+    t.rerun()
+    assert screen.seen == ["hooks", "latest"]
+    ref = weakref.ref(screen)
+    del screen
+    gc.collect()
+    assert ref() is None  # the session did not keep it
+    t.remove_hook("fc1", "grad_zero")  # the dead listener is skipped and dropped
+    assert t.session._listeners == []

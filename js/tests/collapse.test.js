@@ -34,6 +34,23 @@ describe("collapse to modules", () => {
     expect(vis.clusters).toEqual(["MLP"]);
   });
 
+  it("folds only alike repeated blocks: ResNet's stages differ, their identical blocks fold", () => {
+    const modules = [{ name: "", cls: "ResNet", parent: null }];
+    const block = (name, parent, down) => {
+      modules.push({ name, cls: "Bottleneck", parent });
+      for (const c of ["conv1", "bn1", "conv2", "bn2", "conv3", "bn3"]) modules.push({ name: `${name}.${c}`, cls: c.startsWith("bn") ? "BatchNorm2d" : "Conv2d", parent: name });
+      if (down) modules.push({ name: `${name}.downsample`, cls: "Sequential", parent: name });
+    };
+    [3, 4, 6, 3].forEach((n, i) => {
+      modules.push({ name: `layer${i + 1}`, cls: "Sequential", parent: "" });
+      for (let j = 0; j < n; j++) block(`layer${i + 1}.${j}`, `layer${i + 1}`, j === 0);
+    });
+    const groups = buildHierarchy(modules);
+    const repeats = [...groups.values()].filter((g) => g.repeat).map((g) => `${g.label} · ${g.cls}`);
+    // layer1 … layer4 are not alike (3, 4, 6, 3 blocks); block 0 of each has a downsample, the rest fold.
+    expect(repeats).toEqual(["1 … 3 · Bottleneck × 3", "1 … 5 · Bottleneck × 5"]);
+  });
+
   it("expanding a module shows its ops", () => {
     const s = seedSummary();
     const groups = buildHierarchy(s.modules);

@@ -1,6 +1,6 @@
-import { beforeEach, describe, expect, it } from "vitest";
+import { beforeEach, describe, expect, it, vi } from "vitest";
 import { buildHierarchy } from "../collapse.js";
-import { render } from "../explorer.js";
+import { REPLY_TIMEOUT_MS, render } from "../explorer.js";
 import { fakeModel, seedSummary } from "./fake_model.js";
 
 const tick = () => new Promise((r) => setTimeout(r, 0));
@@ -108,6 +108,76 @@ describe("explorer", () => {
     el.querySelector('[data-sort="name"]').dispatchEvent(new Event("click"));
     expect(order()).toEqual(["fc1.weight", "fc2.bias", "fc2.weight"]);
     expect(el.querySelector('[data-hook="grad_zero"]').checked).toBe(true);
+  });
+
+  it("a hook and a rerun made from Python show without any message: toggles, diff, changed marks", async () => {
+    const { model, el } = mount();
+    el.querySelector('[data-module="fc1"]').dispatchEvent(new Event("click"));
+    expect(el.querySelector('[data-hook="grad_zero"]').checked).toBe(false);
+    model.change("summary", { ...seedSummary(), hooks: [{ target: "fc1", kind: "grad_zero", params: {} }, { target: "fc2", kind: "grad_scale", params: { factor: 2 } }] });
+    expect(el.querySelector('[data-hook="grad_zero"]').checked).toBe(true);
+    expect([...el.querySelectorAll("[data-hook-target]")].map((x) => `${x.getAttribute("data-hook-kind")}@${x.getAttribute("data-hook-target")}`))
+      .toEqual(["grad_zero@fc1", "grad_scale@fc2"]); // every hook on, not only the selected layer's
+    expect(el.querySelector('[data-testid="diff"]').textContent).toBe("");
+    model.change("diff", { against: "baseline", hooks: ["fc1"], loss_before: 1.5, loss_after: 1.5,
+      params: [{ name: "fc1.weight", before: 8.28, after: 0, rel_change: 1, cosine: null, hooked: true }],
+      layers: {}, changed_nodes: ["MmBackward0#1"], changed_modules: ["fc1"] });
+    expect(el.querySelector('[data-param="fc1.weight"] [data-testid="after"]').textContent).toBe("0");
+    expect(el.querySelector('[data-module="fc1"]').classList.contains("changed")).toBe(true);
+    model.change("summary", seedSummary()); // t.remove_hook from Python
+    model.change("diff", null);
+    expect(el.querySelector('[data-hook="grad_zero"]').checked).toBe(false);
+    expect(el.querySelector('[data-testid="hooks-on"]')).toBeNull();
+    expect(el.querySelector('[data-testid="diff"]').textContent).toBe("");
+    expect(el.querySelector('[data-module="fc1"]').classList.contains("changed")).toBe(false);
+  });
+
+  it("when ipywidgets says the comm went (kernel restarted) it stays as a read-only snapshot", async () => {
+    const { model, el } = mount();
+    el.querySelector('[data-module="fc1"]').dispatchEvent(new Event("click"));
+    const pending = model.sent.at(-1);
+    expect(el.querySelector('[data-hook="grad_zero"]').disabled).toBe(false);
+    model.emit("comm_live_update");
+    await tick();
+    expect(el.querySelector('[data-testid="kernel-gone"]').textContent).toContain("run the cell again");
+    expect(el.querySelector('[data-hook="grad_zero"]').disabled).toBe(true);
+    expect(el.querySelector('[data-testid="detail"]').textContent).toContain("kernel disconnected"); // the pending detail
+    const n = model.sent.length;
+    el.querySelector('[data-module="fc2"]').dispatchEvent(new Event("click"));
+    await tick();
+    expect(model.sent.length).toBe(n); // nothing sent to a kernel that is gone
+    expect(el.querySelector('[data-module="fc1"]')).not.toBeNull(); // the graph is still drawn
+    model.emit("msg:custom", { type: "status", request_id: pending.request_id, state: "done", text: "late" });
+    expect(el.querySelector('[data-testid="kernel-gone"]')).toBeNull(); // a kernel that answers is alive
+    expect(el.querySelector('[data-hook="grad_zero"]').disabled).toBe(false);
+  });
+
+  it("a view restored from saved widget state (marked disconnected by ipywidgets) opens read-only", () => {
+    const model = fakeModel({ summary: seedSummary(), readonly: false });
+    const el = document.createElement("div");
+    el.className = "jupyter-widgets-disconnected";
+    document.body.append(el);
+    render({ model, el });
+    expect(el.querySelector('[data-testid="kernel-gone"]')).not.toBeNull();
+    el.querySelector('[data-module="fc1"]').dispatchEvent(new Event("click"));
+    expect(model.sent).toEqual([]);
+    expect(el.querySelector('[data-hook="grad_zero"]').disabled).toBe(true);
+  });
+
+  it("a request without reply gives up after the timeout and still uses the late reply", async () => {
+    vi.useFakeTimers();
+    try {
+      const { model, el } = mount();
+      el.querySelector('[data-module="fc1"]').dispatchEvent(new Event("click"));
+      const req = model.sent.at(-1);
+      await vi.advanceTimersByTimeAsync(REPLY_TIMEOUT_MS + 1);
+      expect(el.querySelector('[data-testid="detail"]').textContent).toContain("no reply from the kernel");
+      model.emit("msg:custom", ...detailReply("fc1", req.request_id));
+      await vi.advanceTimersByTimeAsync(1);
+      expect(el.querySelector('[data-testid="maxdiff"]').textContent).toBe("1.5e-7");
+    } finally {
+      vi.useRealTimers();
+    }
   });
 
   it("a refused hook never reruns and its error stays beside the control until the user acts", async () => {

@@ -174,15 +174,38 @@ def test_toggle_grad_zero_live(browser, lab, img_dir):
         assert "min is empty" in err.inner_text() and err.is_visible()
         assert not [w for w in warnings if "deprecat" in w.lower()], warnings
         # Python and the explorer agree: the hooks on, and the current trace is the UI's rerun.
-        said = page.evaluate("""async (code) => {
-            const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
-            const future = kernel.requestExecute({code});
-            let out = '';
-            future.onIOPub = msg => { if (msg.header.msg_type === 'stream') out += msg.content.text; };
-            await future.done;
-            return out;
-        }""", "print([str(iv) for iv in t.interventions], t.session.latest is not t, t.session.baseline is t)")
+        def python(code):
+            return page.evaluate("""async (code) => {
+                const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+                const future = kernel.requestExecute({code});
+                let out = '';
+                future.onIOPub = msg => { if (msg.header.msg_type === 'stream') out += msg.content.text; };
+                await future.done;
+                return out;
+            }""", code)
+
+        said = python("print([str(iv) for iv in t.interventions], t.session.latest is not t, t.session.baseline is t)")
         assert said.strip() == "[\"grad_zero() on 'fc1'\"] True True", said
+
+        # ... and after changes made from Python: the explorer shows them without a click.
+        def ui_hooks():
+            return sorted(f"{x.get_attribute('data-hook-kind')} {x.get_attribute('data-hook-target')}"
+                          for x in live.locator("[data-hook-target]").all())
+
+        def python_hooks():
+            return sorted(python("print(*(f'{iv.kind.name} {iv.target}' for iv in t.interventions), sep='\\n')")
+                          .strip().splitlines())
+
+        python('t.add_hook("fc2", "grad_scale", factor=0.5)')
+        live.locator('[data-hook-target="fc2"][data-hook-kind="grad_scale"]').wait_for()
+        assert ui_hooks() == python_hooks() == ["grad_scale fc2", "grad_zero fc1"]
+        python("t3 = t.rerun()")  # a rerun from a cell: the explorer's diff and current trace follow
+        live.locator('[data-testid="diff"] [data-param="fc2.weight"]', has_text="⚓").wait_for()
+        assert python("print(t.session.latest is t3)").strip() == "True"
+        python('t.remove_hook("fc1", "grad_zero")')
+        page.wait_for_function("() => !document.querySelector('[data-hook-target=\"fc1\"]')")
+        assert ui_hooks() == python_hooks() == ["grad_scale fc2"]
+        assert python("print([str(iv) for iv in t.interventions])").strip() == "[\"grad_scale(factor=0.5) on 'fc2'\"]"
         # The second widget: markup in module names stays text in the live widget too.
         evil = page.locator(".hw-root").nth(1)
         evil.locator(".hw-tree-row").nth(1).wait_for()

@@ -11,7 +11,9 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TESTS = ["tests/browser/test_standalone.py::test_click_layer_shows_shapes_and_max_diff",
-         "tests/browser/test_live_widget.py::test_toggle_grad_zero_live"]
+         "tests/browser/test_live_widget.py::test_toggle_grad_zero_live",
+         "tests/browser/test_readability.py::test_vision_shaped_default_view_is_readable",
+         "tests/browser/test_snapshot.py::test_restart_and_reopen_show_a_snapshot_not_model_not_found"]
 
 if __name__ == "__main__":
     env = {**os.environ, "HW_UPDATE_DOCS_IMG": "1"}

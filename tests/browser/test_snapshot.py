@@ -1,0 +1,138 @@
+"""An explorer whose kernel is gone, in a real JupyterLab 4 (ipywidgets 8): after a kernel restart it stays as a
+read-only snapshot of the recorded trace; reopened from a notebook with saved widget state it renders from that
+state, read-only; reopened untrusted (no widget state) the output's static HTML snapshot shows. Never "model not found"
+in these three; what JupyterLab shows for a trusted notebook saved without widget state is ipywidgets' own
+"model not found" (see the report of issue 16)."""
+
+import json
+import os
+import pathlib
+import secrets
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from test_live_widget import _free_port
+
+pytestmark = pytest.mark.browser
+
+CELLS = [
+    "import torch\nimport hookwidget as hw\ntorch.manual_seed(0)\n"
+    "model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))\nx = torch.randn(5, 4)",
+    "t = hw.trace(lambda: model(x).pow(2).sum().backward())\nt",
+]
+IDLE = """() => window.jupyterapp?.shell?.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'"""
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab with widget state saved into notebooks (ipywidgets' saveState setting), isolated dirs."""
+    root = tmp_path_factory.mktemp("snapshot")
+    nb = {"cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": c}
+                    for c in CELLS],
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    (root / "snap.ipynb").write_text(json.dumps(nb))
+    settings = root / ".settings" / "@jupyter-widgets" / "jupyterlab-manager"
+    settings.mkdir(parents=True)
+    (settings / "plugin.jupyterlab-settings").write_text('{"saveState": true}')
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".rt"), "JUPYTER_CONFIG_DIR": str(root / ".cfg"),
+           "JUPYTER_DATA_DIR": str(root / ".data"), "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
+    jupyter = pathlib.Path(sys.executable).parent / "jupyter"
+    proc = subprocess.Popen(
+        [str(jupyter), "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1", f"--ServerApp.token={token}",
+         f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True", f"--LabApp.workspaces_dir={root / '.ws'}",
+         f"--LabApp.user_settings_dir={root / '.settings'}", "--ServerApp.port_retries=0",
+         "--LabApp.extension_manager=readonly", *(["--allow-root"] if os.geteuid() == 0 else [])],
+        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except Exception:
+                if proc.poll() is not None or time.time() > deadline:
+                    pytest.fail("jupyterlab did not start: " + (root / "server.log").read_text()[-2000:])
+                time.sleep(0.3)
+        yield {"url": lambda name: f"{base}/lab/tree/{name}?token={token}", "root": root}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _outputs(page):
+    return page.evaluate("() => [...document.querySelectorAll('.jp-OutputArea-output')].map(o => o.innerText)")
+
+
+def test_restart_and_reopen_show_a_snapshot_not_model_not_found(browser, lab, img_dir):
+    ctx = browser.new_context(viewport={"width": 1300, "height": 1000})
+    page = ctx.new_page()
+    page.set_default_timeout(60_000)
+    try:
+        page.goto(lab["url"]("snap.ipynb"))
+        page.wait_for_function(IDLE)
+        page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        live = page.locator(".hw-root")
+        live.locator('[data-module="0"]').first.wait_for(timeout=90_000)
+        live.locator('[data-module="0"]').first.click()
+        live.locator('[data-testid="detail"] [data-testid="maxdiff"]').wait_for()
+        page.wait_for_function(IDLE)
+        page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
+        saved = lab["root"] / "snap.ipynb"
+        deadline = time.time() + 30
+        while "hookwidget" not in saved.read_text() or '"widgets"' not in saved.read_text():
+            assert time.time() < deadline, "the notebook was not saved with its widget state"
+            time.sleep(0.5)
+        text = saved.read_text()
+
+        # 1. The kernel restarts: the explorer stays, read-only, and says why.
+        page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
+        gone = live.locator('[data-testid="kernel-gone"]')
+        gone.wait_for()
+        assert "run the cell again" in gone.inner_text()
+        assert live.locator('[data-module="2"]').first.is_visible()
+        assert live.locator('[data-hook="grad_zero"]').is_disabled()
+        assert live.locator('[data-testid="detail"] [data-testid="maxdiff"]').is_visible()  # opened before: kept
+        page.screenshot(path=str(img_dir / "snapshot_after_restart.png"))
+
+        # 2. Reopened (page reload; the restarted kernel no longer has the model) from the notebook saved with
+        # its widget state: the explorer renders from that state, read-only, and says why in one line.
+        page.reload()
+        page.wait_for_function(IDLE)
+        reopened = page.locator(".hw-root")
+        reopened.locator('[data-module="2"]').first.wait_for()
+        assert not any("model not found" in o for o in _outputs(page))
+        reopened.locator('[data-testid="kernel-gone"]').wait_for()  # ipywidgets marked the view disconnected
+        reopened.locator('[data-module="2"]').first.click()
+        reopened.locator('[data-testid="detail"]', has_text="kernel disconnected").wait_for()
+        assert reopened.locator('[data-hook="grad_zero"]').is_disabled()
+        page.screenshot(path=str(img_dir / "snapshot_reopened_state.png"))
+
+        # 3. Someone else's copy (untrusted: its content differs from what this server signed; no widget state):
+        # the static HTML snapshot shows in place of the widget.
+        nb = json.loads(text)
+        nb["metadata"].pop("widgets", None)
+        nb["cells"][0]["source"] += "\n# a copy"
+        (lab["root"] / "copy.ipynb").write_text(json.dumps(nb))
+        page.goto(lab["url"]("copy.ipynb"))
+        snap = page.locator(".jp-OutputArea-output", has_text="static snapshot")
+        snap.wait_for()
+        cells = snap.locator("td").all_inner_texts()
+        assert ["0", "Linear"] == cells[:2] and "2" in cells
+        assert not any("model not found" in o for o in _outputs(page))
+        page.screenshot(path=str(img_dir / "snapshot_untrusted.png"))
+    except Exception:
+        page.screenshot(path=str(img_dir / "snapshot_failure.png"))
+        print("outputs:", _outputs(page))
+        raise
+    finally:
+        ctx.close()
