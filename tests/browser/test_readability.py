@@ -1,5 +1,6 @@
 """The to_html page at 1100 and 1500 px: notes in view, whole names in the tree, readable graph labels on
-GPT-2-, ResNet-50- and ViT-B-shaped models at the default view, a graph that uses the page's height, keyboard and selection."""
+GPT-2-, ResNet-50- and ViT-B-shaped models at the default view, a graph that uses the page's height, keyboard
+and selection."""
 
 import statistics
 import time

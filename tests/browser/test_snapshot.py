@@ -44,7 +44,8 @@ def lab(tmp_path_factory):
     jupyter = pathlib.Path(sys.executable).parent / "jupyter"
     proc = subprocess.Popen(
         [str(jupyter), "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1", f"--ServerApp.token={token}",
-         f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True", f"--LabApp.workspaces_dir={root / '.ws'}",
+         f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
+         f"--LabApp.workspaces_dir={root / '.ws'}",
          f"--LabApp.user_settings_dir={root / '.settings'}", "--ServerApp.port_retries=0",
          "--LabApp.extension_manager=readonly", *(["--allow-root"] if os.geteuid() == 0 else [])],
         cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"))

@@ -121,7 +121,8 @@ def resnet50_step(full=False, seed=0):
 
 
 def vit_b_step(full=False, seed=0):
-    """(model, step): a ViT-B/16-shaped training step on 2 images (full: 224², d 768, else 32² in 8-px patches, d 48)."""
+    """(model, step): a ViT-B/16-shaped training step on 2 images (full: 224², d 768, else 32² in 8-px patches,
+    d 48)."""
     torch.manual_seed(seed)
     image, patch = (224, 16) if full else (32, 8)
     model = VisionTransformer(image, patch, d=768 if full else 48, heads=12, classes=1000 if full else 10)
