@@ -1258,6 +1258,37 @@ NB05 = [
     print("statistics:", ", ".join(w.stat_names))
     """),
     md("""
+    ## The same run, live
+
+    `%%hookwatch MODEL -o NAME` runs a cell under `hw.watch` and shows the watch explorer before the
+    loop starts: a layers × steps heatmap of one statistic (pick it in the menu; a log colour scale
+    where the values span decades, NaN magenta, Inf red), a sparkline and the latest value per layer,
+    the loss and the global gradient norm, anomalies marked above the heatmap. It grows while the loop
+    runs: the watch hands it the rows that reach the host anyway, and it sends the new ones at most
+    every 0.5 s. Click a kept step (a button below the heatmap, or its column) to open its full Trace
+    underneath, in the same explorer as `%%hooktrace`. `w` as a cell's last line shows a finished
+    watch the same way, and `w.to_html(path)` writes the view as one standalone page.
+    """),
+    code("""
+    torch.manual_seed(0)  # the same network and data as above, from scratch
+    model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.9, momentum=0.9)
+    x, y = torch.randn(256, 16), torch.randn(256, 1) * 10
+    """),
+    code("""
+    %%hookwatch model -o w_live
+    for step in range(steps):
+        xb, yb = x[(step * 32) % 256:][:32], y[(step * 32) % 256:][:32]
+        opt.zero_grad()
+        F.mse_loss(model(xb), yb).backward()
+        opt.step()
+    """),
+    code("""
+    # Watching live changed nothing: the same statistics, bitwise (NaN where the first run had NaN).
+    same = torch.equal(w_live.stats.isnan(), w.stats.isnan()) and torch.equal(w_live.stats.nan_to_num(), w.stats.nan_to_num())
+    print("same statistics as the first run:", same, "· kept steps:", w_live.kept)
+    """),
+    md("""
     `w.series(layer, stat)` is one statistic over the steps. The loss and the update ratio
     ‖ΔW‖/‖W‖ (how much each step moves the weights relative to their size; around 1e-3 is healthy)
     tell the story: the updates grow until the weights explode.

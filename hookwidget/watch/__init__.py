@@ -11,7 +11,8 @@ __all__ = ["STAT_NAMES", "STEP_STAT_NAMES", "Anomaly", "Watch", "hookwatch_magic
 
 
 def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None, flight_recorder: bool = True,
-          max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256) -> Watch:
+          max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256, scaler=None,
+          tensorboard=None) -> Watch:
     """Watch `model` across a training loop: `with hw.watch(model) as w: ...`, or `w = hw.watch(model)`
     ... `w.close()` (the hooks go on when watch() returns). They stay on across steps and are removed
     by close() / the end of the `with` block, whatever happened (exceptions, KeyboardInterrupt); the
@@ -67,6 +68,41 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     the same budget. At worst, (max_kept + 3) Traces are alive, each up to trace_budget_mb of a and δ
     plus its .grad copies, on the model's device. Off, the watch keeps only the statistics: layers x 12
     float64 per recorded step.
+
+    In a notebook, `w` as a cell's last line (or display(w), or %%hookwatch) shows the live explorer: a
+    layers × steps heatmap of one statistic, sparklines, the loss and global gradient norm, anomalies
+    marked; shown before the loop, it grows while the loop runs (new rows at most every 0.5 s, from
+    rows already on the host: no extra device sync). A kept step opens in the trace explorer.
+    w.to_html(path) writes the same view as one standalone page.
+
+    Where real training runs:
+    - torch.compile: install the watch, then compile (w = hw.watch(model); cmodel = torch.compile(model)).
+      In compiled code the watch's forward hook is traced into the graph (no graph break, no Python at run
+      time): each layer's output passes through an identity whose backward leaves the statistics of δ and
+      a in a small per-layer tensor's .grad. Same statistics as eager, except: a layer called more than
+      once in a compiled step has delta_max NaN (not known), and the "backward order" that locates a
+      non-finite δ is taken as reverse layer order. The graph gains one copy per layer output (Inductor
+      fuses it; in our tests loss and .grad stayed bitwise those of the unwatched compiled model), and
+      closing the watch makes Dynamo recompile once, without the hook. Code compiled before the watch
+      (for this model or another instance of its class) never calls its hooks: one warning, kept in
+      w.notes, says so and names the fix (torch.compiler.reset() before hw.watch). Kept Traces of
+      compiled steps hold no layer detail (a note says so); the flight recorder's own hooks break the
+      compiled graph per layer (the statistics stay exact): flight_recorder=False keeps it one graph.
+    - A GradScaler (scaler=, or else the first one whose scale() the loop calls while the watch is open):
+      the loss, delta_norm, delta_max and grad_norm are divided by the scale backward ran with. A scaler
+      whose class overrides scale() (FSDP's ShardedGradScaler) is seen only as scaler=. A step the scaler
+      skipped (inf/NaN found, no optimizer step, scale lowered) is in w.skipped, its update_ratio is NaN,
+      and its anomalies start with where="scaler"; each of its other anomalies says the scaler skipped it.
+      Under autocast, norms of bf16/fp16 tensors accumulate in float32.
+    - DDP and FSDP2 (fully_shard): each rank records its own: δ and a of its own batch, .grad as backward
+      leaves it (DDP: the all-reduced gradient; FSDP2: this rank's local shard of the reduce-scattered
+      gradient, DTensor.to_local(), so grad_norm, weight_norm and update_ratio are of that shard; the
+      full norm is the root sum of squares over ranks). The watch adds no collective. w.gather(dst=0),
+      called on every rank after the loop, brings all ranks' statistics to rank 0 in one gather_object.
+    - tensorboard=log_dir writes scalars as rows reach the host (`{stat}/{layer}`, `step/loss`,
+      `step/grad_norm`, x = step; the anomalies as text at close); w.to_tensorboard(log_dir) writes what
+      was recorded so far. Needs the extra: pip install hookwidget[tensorboard].
     """
     return Watch(model, every=every, spike=spike, window=window, keep=keep, flight_recorder=flight_recorder,
-                 max_kept=max_kept, batch=batch, trace_budget_mb=trace_budget_mb).open()
+                 max_kept=max_kept, batch=batch, trace_budget_mb=trace_budget_mb, scaler=scaler,
+                 tensorboard=tensorboard).open()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import threading
+import warnings
 import weakref
 from contextlib import ExitStack
 
@@ -13,9 +15,11 @@ from torch.optim import optimizer as optimizer_mod
 from .. import autograd_calls
 from .. import capture as capture_mod
 from ..handles import Removing
+from . import amp, compiled
+from .amp import SKIPPED, ScaleTrack
 from .detect import Detector
 from .flight import FlightRecorder
-from .reduce import NAN, STAT_NAMES, STEP_STAT_NAMES, Rows, S, add_delta, delta_stats, input_stats
+from .reduce import NAN, STAT_NAMES, STEP_STAT_NAMES, Rows, S, add_delta, delta_stats, input_stats, local
 
 _hook_output = getattr(capture_mod, "_hook_output", None)  # δ hook that survives an in-place op after a view
 
@@ -28,6 +32,10 @@ def _first_tensor(obj):
     return None
 
 
+INPLACE = ("hw.watch: a watched layer's input was changed in place after the layer read it (before backward "
+           "ended): its a_rms, a_zero_frac and a_nonfinite are NaN (not known) in those steps")
+
+
 class _Step:
     """What hooks gathered for one step (backward pass) while it runs; all on device."""
 
@@ -37,19 +45,24 @@ class _Step:
         self.a: dict = {}  # layer index -> [Σa², zeros, entries] over its calls that δ reached
         self.order: dict = {}  # layer index -> position in backward order (δ arrival)
         self.a_order: dict = {}  # layer index -> position in forward order (of the calls δ reached)
+        self.ds: list = []  # (layer index, forward position, δ, a or None, a's version then) per call δ reached
         self.calls = 0  # forward calls of watched layers so far
         self.loss = None
         self.has_loss = False
         self.row = self.step_row = None  # (layers, stats) and [loss, global grad norm], when backward ends
         self.host = None  # (host tensor, row) once moved to the host
         self.update = self.touched = None  # Σ‖ΔW‖² per layer, and the layers an optimizer step changed
+        self.compiled = False  # statistics came (also) from compiled code (compiled.py)
+        self.scale = self.next_scale = None  # a GradScaler's scale at this backward and at the next (amp.py)
+        self.roots = None  # the tensors backward started from, kept while nothing was recorded (see _unseen)
 
 
 class Watch:
     """Hooks on `model` across a training loop; see `hookwidget.watch.watch` for what it records."""
 
     def __init__(self, model: nn.Module, every: int = 1, spike: float = 6.0, window: int = 20, keep=None,
-                 flight_recorder: bool = True, max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256):
+                 flight_recorder: bool = True, max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256,
+                 scaler=None, tensorboard=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch(model): model must be an nn.Module, got {type(model).__name__}")
         if int(every) < 1 or int(window) < 2 or int(batch) < 1:
@@ -60,9 +73,16 @@ class Watch:
         self.flight_recorder, self.max_kept, self.trace_budget_mb = flight_recorder, int(max_kept), trace_budget_mb
         self.stat_names, self.step_stat_names = STAT_NAMES, STEP_STAT_NAMES
         self.layer_names, self._layers, self._params, pairs, index = [], [], [], [], {}
+        frames = sys.modules.get("torch._dynamo.eval_frame")  # imported once torch.compile was called
+        if frames is not None and isinstance(model, frames.OptimizedModule):
+            model = model._orig_mod  # torch.compile(model): its layers, named as in the model
+        scripted = []
         for name, m in model.named_modules():
             own = list(m.parameters(recurse=False))
             if not own:
+                continue
+            if isinstance(m, torch.jit.ScriptModule):  # module hooks cannot be registered there
+                scripted.append(name or type(m).__name__)
                 continue
             self.layer_names.append(name or type(m).__name__)
             self._layers.append(m)
@@ -71,8 +91,15 @@ class Watch:
                     index[id(p)] = len(self._params)
                     self._params.append(p)
                 pairs.append((len(self._layers) - 1, index[id(p)]))
+        script_note = (f"hw.watch: {', '.join(scripted[:5])}{' ...' if len(scripted) > 5 else ''} run as "
+                       "TorchScript, where module hooks never run: not watched; watch the model before "
+                       "torch.jit.script / torch.jit.trace") if scripted else None
+        if flight_recorder and any(isinstance(m, torch.jit.ScriptModule) for m in model.modules()):
+            flight_recorder = self.flight_recorder = False  # a Trace cannot hook TorchScript modules either
+            script_note = (script_note or "hw.watch: the model holds TorchScript modules") + \
+                "; the flight recorder is off (w.trace): a Trace cannot hook them"
         if not self._layers:
-            raise ValueError(f"watch: {type(model).__name__} has no parameters to watch")
+            raise ValueError(script_note or f"watch: {type(model).__name__} has no parameters to watch")
         self._layer_of = {m: i for i, m in enumerate(self._layers)}
         self._rows = Rows(len(self._layers), self._params, pairs)
         self._detector = Detector(self.layer_names, spike, int(window), keep)
@@ -91,6 +118,20 @@ class Watch:
         self._opts = weakref.WeakKeyDictionary()  # optimizer -> (its param-group sizes, param indices, copies)
         self._snap = None  # (optimizer, step, param indices, copies) between an optimizer's pre and post hooks
         self._flight: FlightRecorder | None = None
+        self._sinks = compiled.sinks(self._layers)  # where compiled code leaves its statistics
+        self._unseen_checks = 0  # steps checked for hooks that compiled code did not call (at most 3)
+        self._warned = False  # the "hooks not seen" warning, given once
+        self.notes: list = []  # what the watch could not see, and why
+        if script_note:
+            self.notes.append(script_note)
+            warnings.warn(script_note, stacklevel=3)
+        self._amp = ScaleTrack(scaler) if scaler is not None else None
+        self.skipped: list = []  # steps whose optimizer step the GradScaler skipped (found inf/NaN)
+        self._listeners: list = []  # fn("rows", stats, step_stats, steps) as rows reach the host; fn("closed")
+        if tensorboard is not None:  # written as rows reach the host
+            from .tensorboard import TensorBoardLog
+
+            self._listeners.append(TensorBoardLog(tensorboard, self))
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Watch:
@@ -112,6 +153,8 @@ class Watch:
                 s.enter_context(Removing(m.register_forward_hook(self._forward_hook)))
             s.enter_context(Removing(optimizer_mod.register_optimizer_step_pre_hook(self._opt_pre)))
             s.enter_context(Removing(optimizer_mod.register_optimizer_step_post_hook(self._opt_post)))
+            s.callback(amp.unlisten, self)
+            amp.listen(self)
             autograd_calls.listen(self)
             self.active = True
             self._cur = _Step(0, True)
@@ -141,6 +184,7 @@ class Watch:
             self._flush()
             if self._flight is not None:
                 self._flight.finish(self._detector.flagged)
+            self._tell("closed")
 
     def _sweep(self) -> None:
         """Remove any hook of this watch still registered (one an interrupt left half-registered)."""
@@ -155,6 +199,8 @@ class Watch:
 
     # -- forward and backward hooks ------------------------------------------------------------
     def _forward_hook(self, module, inputs, output):
+        if torch.compiler.is_compiling():  # Dynamo traces this branch into the compiled graph
+            return compiled.probe(self._sinks[self._layer_of[module]], inputs, output) if self.active else None
         cur = self._cur
         if (not self.active or cur is None or not cur.recorded or threading.get_ident() != self.thread
                 or torch._C._current_autograd_node() is not None or torch.compiler.is_compiling()):
@@ -164,30 +210,23 @@ class Watch:
             return None
         a = _first_tensor(inputs)
         cur.calls += 1
-        hook = self._delta_hook(self._layer_of[module], input_stats(a) if a is not None else None, cur.calls)
+        # Only references here: the step's tensors are reduced together when backward ends (few kernels).
+        hook = self._delta_hook(self._layer_of[module], a, a._version if a is not None else 0, cur.calls)
         if _hook_output is not None:
             _hook_output(self._handles, out, hook)
         else:
             self._handles.append(out.register_hook(hook))
         return None
 
-    def _delta_hook(self, li: int, a_stats, seq: int):
+    def _delta_hook(self, li: int, a, version: int, seq: int):
         def hook(grad):
             if not self.active or not self._kinds or self._kinds[0] != "backward":
                 return None  # autograd.grad calls (gradient penalties) are not steps
-            st = delta_stats(grad)
             with self._lock:
                 cur = self._cur
                 if cur is None or not cur.recorded:
                     return None
-                if li in cur.delta:
-                    cur.delta[li] = add_delta(cur.delta[li], st)
-                else:
-                    cur.delta[li] = st
-                    cur.order[li] = len(cur.order)
-                if a_stats is not None:
-                    cur.a[li] = cur.a[li] + a_stats if li in cur.a else a_stats
-                    cur.a_order[li] = min(seq, cur.a_order.get(li, seq))
+                cur.ds.append((li, seq, grad, a, version))
             return None
 
         return hook
@@ -196,10 +235,16 @@ class Watch:
         if not self.active:
             return
         self._kinds.append(kind)
+        if len(self._kinds) == 1 and kind == "backward" and self._amp is not None:
+            self._cur.scale = self._amp.now()
+            if self._last is not None and self._last.recorded:
+                self._last.next_scale = self._cur.scale
         if len(self._kinds) == 1 and kind == "backward" and self._cur.recorded:
             scalars = [t for t in tensors if t.numel() == 1]
             self._cur.loss = scalars[0].detach().reshape(()).clone() if scalars else None
             self._cur.has_loss = bool(scalars)
+            if self._cur.calls == 0 and self._unseen_checks < 3 and not self._warned:
+                self._cur.roots = list(tensors)  # no layer hook ran in eager code: judged when backward ends
 
     def on_backward_end(self) -> None:
         if not self._kinds:
@@ -210,10 +255,15 @@ class Watch:
 
     def _end_step(self) -> None:
         step = self._cur
+        compiled.take(self._sinks, step)
+        if step.compiled and self._flight is not None and compiled.FLIGHT not in self.notes:
+            self.notes.append(compiled.FLIGHT)
+        if step.roots is not None:
+            self._unseen(step)
         if step.recorded:
-            dev = self._params[0].device
-            step.row, step.step_row = self._rows.row(step.delta, step.a, step.loss, dev)
-            step.delta = step.a = step.loss = None
+            self._reduce(step)
+            ScaleTrack.unscale(step.row, step.step_row, step.scale)
+            step.delta = step.a = step.loss = step.ds = None
             self._pending.append(step)
         self._handles = [h for h in self._handles if h.hooks_dict_ref() is not None]  # outputs still alive
         self._last = step
@@ -226,6 +276,61 @@ class Watch:
         elif len(self._pending) > self.batch:
             self._flush(upto=step.index - 1)
 
+    def _reduce(self, step) -> None:
+        """The step's (layers, stats) row from the δ and a its hooks kept, reduced together on device."""
+        dev = self._params[0].device
+        ds, a_bad, seen = [], set(), set()
+        for li, seq, g, a, version in step.ds:
+            if li not in seen:
+                seen.add(li)
+                step.order[li] = len(step.order)  # backward order: the first δ of each layer
+            ds.append((li, seq, g, a if a is not None and a._version == version else None))
+            if a is not None and a._version != version:
+                a_bad.add(li)  # changed in place after the layer read it: its statistics are not known
+        for li, seq, _, a in ds:
+            if a is not None and li not in a_bad:
+                step.a_order[li] = min(seq, step.a_order.get(li, seq))
+        if step.delta or step.a:  # compiled code left statistics too (compiled.take): per-call reductions
+            for li, _, g, a in ds:
+                st = delta_stats(g)
+                step.delta[li] = add_delta(step.delta[li], st) if li in step.delta else st
+                if a is not None and li not in a_bad:
+                    st = input_stats(a)
+                    step.a[li] = step.a[li] + st if li in step.a else st
+            for li in a_bad:
+                step.a.pop(li, None)
+            step.row, step.step_row = self._rows.row(step.delta, step.a, step.loss, dev)
+        else:
+            step.row, step.step_row = self._rows.row_from([(li, g) for li, _, g, _ in ds],
+                                                          [(li, a) for li, _, _, a in ds
+                                                           if a is not None and li not in a_bad], step.loss, dev)
+        if a_bad:
+            for c in ("a_rms", "a_zero_frac", "a_nonfinite"):
+                step.row[sorted(a_bad), S[c]] = NAN
+            if INPLACE not in self.notes:
+                self.notes.append(INPLACE)
+                warnings.warn(INPLACE, stacklevel=5)
+
+    def saw_scaler(self, scaler) -> None:
+        """A GradScaler.scale() call on the watch's thread (amp.py): unscale by it, unless told scaler=."""
+        if self._amp is None:
+            self._amp = ScaleTrack(scaler, explicit=False)
+        elif self._amp.scaler is not scaler and not self._amp.explicit and amp.SEVERAL not in self.notes:
+            self.notes.append(amp.SEVERAL)
+            warnings.warn(amp.SEVERAL, stacklevel=4)
+
+    def _unseen(self, step) -> None:
+        """Backward reached the watched parameters, yet no hook of the watch ran: say once why, and the fix."""
+        roots, step.roots = step.roots, None
+        if step.delta or step.ds:
+            return
+        self._unseen_checks += 1
+        how = compiled.reaches(roots, self._params)
+        if how is not None:
+            self._warned = True
+            self.notes.append(compiled.NOT_SEEN[how])
+            warnings.warn(compiled.NOT_SEEN[how], stacklevel=4)
+
     # -- optimizer steps: the update ratio ‖ΔW‖/‖W‖ -------------------------------------------
     def _opt_pre(self, opt, args, kwargs):
         step = self._last
@@ -236,12 +341,12 @@ class Watch:
         if hit is None or hit[0] != sizes:
             ids = {id(p) for g in opt.param_groups for p in g["params"]}
             idx = tuple(i for i, p in enumerate(self._params) if id(p) in ids)
-            hit = self._opts[opt] = (sizes, idx, [torch.empty_like(self._params[i]) for i in idx])
+            hit = self._opts[opt] = (sizes, idx, [torch.empty_like(local(self._params[i])) for i in idx])
         _, idx, copies = hit
         if not idx:
             return
         with torch.no_grad():
-            torch._foreach_copy_(copies, [self._params[i].detach() for i in idx])
+            torch._foreach_copy_(copies, [local(self._params[i]) for i in idx])
         self._snap = (opt, step, idx, copies)
 
     def _opt_post(self, opt, args, kwargs):
@@ -251,7 +356,7 @@ class Watch:
         _, step, idx, copies = snap
         dev = copies[0].device
         with torch.no_grad():
-            torch._foreach_sub_(copies, [self._params[i].detach() for i in idx])
+            torch._foreach_sub_(copies, [local(self._params[i]) for i in idx])
             sq, mask = self._rows.update(idx, list(torch._foreach_norm(copies)), dev)
         step.update = sq if step.update is None else step.update + sq
         step.touched = mask if step.touched is None else step.touched | mask
@@ -273,8 +378,11 @@ class Watch:
             return
         self._pending = self._pending[len(take):]
         n, L = len(take), len(self.layer_names)
+        scales = [self._amp.pairs(take, take[0].row.device).flatten()] if self._amp is not None else []
         both = torch.cat([torch.stack([s.row for s in take]).flatten(),
-                          torch.stack([s.step_row for s in take]).flatten()]).cpu()  # one transfer
+                          torch.stack([s.step_row for s in take]).flatten(), *scales]).cpu()  # one transfer
+        skipped = both[-2 * n:].view(n, 2) if scales else None  # (scale, scale after) per step
+        both = both[:-2 * n] if scales else both
         rows, step_rows = both[:n * L * len(STAT_NAMES)].view(n, L, -1), both[n * L * len(STAT_NAMES):].view(n, 2)
         for r, s in enumerate(take):
             s.host, s.row, s.step_row = (rows, r), None, None
@@ -283,7 +391,18 @@ class Watch:
         self._recorded += [s.index for s in take]
         self._cache = None
         for r, s in enumerate(take):
-            self._detector.check(s.index, rows[r], step_rows[r], s.order, s.a_order, s.has_loss)
+            skip = None
+            if skipped is not None and skipped[r, 1] < skipped[r, 0]:
+                rows[r, :, S["update_ratio"]] = NAN  # a fused optimizer "steps" by zero: still no update
+                self.skipped.append(s.index)
+                skip = SKIPPED.format(*skipped[r].tolist())
+            self._detector.check(s.index, rows[r], step_rows[r], s.order, s.a_order, s.has_loss, skipped=skip)
+        self._tell("rows", rows, step_rows, [s.index for s in take])
+
+    def _tell(self, event: str, *args) -> None:
+        """Call the listeners (the live widget) with host data only: they never cause a device sync."""
+        for fn in list(self._listeners):
+            fn(event, *args)
 
     def _host(self):
         self._flush()
@@ -354,12 +473,46 @@ class Watch:
             k = kept[-1]
         return self._flight.trace(k)
 
+    def widget(self):
+        """The live explorer of this watch (one per watch): heatmap, sparklines, loss; it grows while the loop runs."""
+        from .widget import widget_of
+
+        return widget_of(self)
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        """In a Jupyter kernel the live explorer, elsewhere the plain-text repr."""
+        from .widget import mimebundle
+
+        return mimebundle(self, include, exclude)
+
+    def to_html(self, path):
+        """Write the explorer of this watch (statistics, anomalies, kept Traces) as one standalone page."""
+        from .export import to_html
+
+        return to_html(self, path)
+
     def __repr__(self) -> str:
         state = "open" if self.active else "closed"
         n = len(self.steps)
         return (f"Watch ({state}): {len(self.layer_names)} layers, {self._n} steps, {n} recorded, "
                 f"{len(self._detector.anomalies)} anomalies" + (f", traces kept at steps {self.kept}"
                                                                 if self.flight_recorder else ""))
+
+    def to_tensorboard(self, log_dir) -> str:
+        """Write what was recorded so far as TensorBoard scalars (`{stat}/{layer}`, `step/loss`,
+        `step/grad_norm`; x = step) and the anomalies as text; returns the run's folder."""
+        from .tensorboard import write
+
+        return write(self, log_dir)
+
+    def gather(self, dst: int = 0, group=None):
+        """Distributed: every rank's statistics on rank `dst` (list of RankStats indexed by rank; None on the
+        others), in one gather_object call at the end; call it on every rank. Each rank records its own:
+        δ and a of its own batch; .grad as backward leaves it (DDP: all-reduced; FSDP2: the rank's local shard
+        of the reduce-scattered gradient, and ‖W‖ of its local shard)."""
+        from .gather import gather
+
+        return gather(self, dst, group)
 
     @property
     def dropped_traces(self) -> int:

@@ -32,7 +32,12 @@ class Detector:
         self._flagged.add(step)
 
     def check(self, step: int, row: torch.Tensor, step_row: torch.Tensor, order: dict, a_order: dict,
-              has_loss: bool = True) -> None:
+              has_loss: bool = True, skipped: str | None = None) -> None:
+        """skipped: why a GradScaler skipped this step (its non-finite values are then said to be the
+        scaler's found-inf, not left to read as the model's fault)."""
+        first = len(self.anomalies)
+        if skipped is not None:
+            self._add(step, "scaler", skipped)
         loss, gnorm = step_row.tolist()
         if not has_loss:
             loss = None  # backward started from no scalar: nothing to judge
@@ -56,6 +61,11 @@ class Detector:
                     self._add(step, name, f"spike: {value:.6g} > mean {mean:.6g} + {self.spike:g}·std {std:.3g} "
                                           f"of the previous {self.window} recorded steps")
             hist.append(value)
+        if skipped is not None:
+            for i in range(first + 1, len(self.anomalies)):
+                a = self.anomalies[i]
+                note = " (the GradScaler skipped this step: see where='scaler')"
+                self.anomalies[i] = a._replace(reason=a.reason + note)
         if self.keep is not None:
             stats = {n: row[:, i] for i, n in enumerate(STAT_NAMES)}
             stats.update(loss=loss if loss is not None else math.nan, global_grad_norm=gnorm)

@@ -1,0 +1,96 @@
+"""GradScaler steps: statistics unscaled, and the steps the scaler skipped marked as such.
+
+The watch learns the scaler from `scaler=`, or else from the first `GradScaler.scale()` call on its
+thread while it is open (a stand-in for that method, installed while any watch is open, like
+autograd_calls' for backward). It reads the scaler's scale tensor (on device, no sync) when each
+backward starts. backward ran on `loss * scale`, so the loss, δ and .grad it saw are
+scaled: they are divided by that scale (a power of two: exact). A step is skipped when the scaler
+found inf/NaN in its gradients and did not step the optimizer; `update()` then lowers the scale, and
+it lowers it only then: so step k was skipped exactly when the scale at the next backward (or, for
+the latest step, the scale when its row reaches the host) is below the scale at its own backward.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.amp import GradScaler
+
+from .reduce import F64, NAN, S
+
+SCALED = [S["delta_norm"], S["delta_max"], S["grad_norm"]]
+
+
+class ScaleTrack:
+    def __init__(self, scaler, explicit: bool = True):
+        self.explicit = explicit  # given as scaler=, not seen in scale()
+        if not (hasattr(scaler, "_scale") and callable(getattr(scaler, "is_enabled", None))):
+            raise TypeError(f"watch(scaler=...) takes the torch.amp.GradScaler your loop uses, got "
+                            f"{type(scaler).__name__}")
+        self.scaler = scaler
+
+    def now(self):
+        """The scale now (a device tensor copy), or None while the scaler is off or has not scaled yet."""
+        s = self.scaler._scale
+        return s.detach().clone() if self.scaler.is_enabled() and s is not None else None
+
+    @staticmethod
+    def unscale(row: torch.Tensor, step_row: torch.Tensor, scale) -> None:
+        if scale is not None:
+            s = scale.to(row.device, F64)
+            for c in SCALED:  # one column at a time: a list index would copy it to the device (a sync on GPU)
+                row[:, c].div_(s)
+            step_row.div_(s)
+
+    def pairs(self, steps: list, dev) -> torch.Tensor:
+        """(steps, 2): each step's scale and the scale after it (NaN: no scaler scale), on `dev`."""
+        now = None
+        out = []
+        for s in steps:
+            nxt = s.next_scale
+            if nxt is None and s.scale is not None:
+                nxt = now = self.now() if now is None else now
+            out.append(torch.stack([torch.full((), NAN, dtype=F64, device=dev) if v is None
+                                    else v.to(dev, F64).reshape(()) for v in (s.scale, nxt)]))
+        return torch.stack(out)
+
+
+SKIPPED = ("GradScaler skipped this step: inf/NaN in the scaled gradients, so no optimizer step (update "
+           "ratio NaN) and update() lowered the scale {:g} -> {:g}; expected now and then under mixed precision, "
+           "a fault of the model only if it keeps happening")
+
+SEVERAL = ("hw.watch: the loop uses more than one GradScaler; statistics are unscaled by the first one seen "
+           "only: pass the one that scales the watched model's loss, hw.watch(model, scaler=...)")
+
+_lock = threading.Lock()
+_watches: list = []  # open watches, each with .thread and .saw_scaler(scaler)
+_ORIGINAL = GradScaler.scale
+
+
+def _scale(self, outputs):
+    me = threading.get_ident()
+    for w in list(_watches):
+        if w.thread == me:
+            w.saw_scaler(self)
+    return _ORIGINAL(self, outputs)
+
+
+_scale.__wrapped__ = _ORIGINAL
+_scale.__doc__ = _ORIGINAL.__doc__
+
+
+def listen(watch) -> None:
+    """Tell `watch` of every GradScaler.scale() call on its thread until unlisten(watch)."""
+    with _lock:
+        if not _watches:
+            GradScaler.scale = _scale
+        _watches.append(watch)
+
+
+def unlisten(watch) -> None:
+    with _lock:
+        if watch in _watches:
+            _watches.remove(watch)
+        if not _watches and GradScaler.__dict__.get("scale") is _scale:
+            GradScaler.scale = _ORIGINAL

@@ -1,0 +1,116 @@
+"""The watch inside torch.compile: a forward hook Dynamo can trace into the graph.
+
+Dynamo traces a module's forward hooks into the compiled graph, but the body of a tensor hook
+registered there must be free of Python side effects (torch 2.13 traces it as a subgraph), so the
+eager δ hook, which writes into the step's dict, would break the graph. Inside compiled code the
+layer's output goes through `_Probe` instead: an identity (a copy, which Inductor fuses away) whose
+backward hands back the gradient unchanged and leaves the statistics of δ and of the layer's input
+in the .grad of a small per-layer "sink" leaf. AccumulateGrad sums them over the layer's calls;
+the watch reads and clears the sinks when backward ends. No Python runs inside the compiled code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reduce import F64, NAN, norm
+
+SINK = 9  # ‖δ‖², max|δ|, δ NaN, δ Inf, Σa², zeros of a, non-finite of a, entries of a, calls
+
+
+def pure_stats(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """δ: [‖t‖², max|t|, NaN, Inf]; a: [Σt², zeros, non-finite, entries]; float64, no host sync."""
+    t = t.detach()
+    t = t if t.is_floating_point() else t.float()
+    if t.numel() == 0:
+        return torch.zeros(4, dtype=F64, device=t.device)
+    sq = norm(t).double().square()
+    if kind == "delta":
+        return torch.stack([sq, t.abs().amax().double(), torch.isnan(t).sum(dtype=F64), torch.isinf(t).sum(dtype=F64)])
+    n = torch.full((), float(t.numel()), dtype=F64, device=t.device)
+    return torch.stack([sq, n - torch.count_nonzero(t).double(), n - torch.isfinite(t).sum(dtype=F64), n])
+
+
+class _Probe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, sink, a_stats):
+        ctx.save_for_backward(a_stats)
+        return out.clone()  # not a view: an in-place op after the layer (ReLU(inplace=True)) stays legal
+
+    @staticmethod
+    def backward(ctx, grad):
+        (a_stats,) = ctx.saved_tensors
+        one = torch.ones(1, dtype=F64, device=a_stats.device)
+        return grad, torch.cat([pure_stats(grad, "delta").to(a_stats.device), a_stats, one]), None
+
+
+def probe(sink: torch.Tensor, inputs, output):
+    """The hook's return value inside compiled code: `output` routed through _Probe (None: left alone)."""
+    out = output if isinstance(output, torch.Tensor) else None
+    if out is None and type(output) in (tuple, list) and output and isinstance(output[0], torch.Tensor):
+        out = output[0]
+    if out is None or not out.requires_grad or not out.is_floating_point():
+        return None
+    a = inputs[0] if type(inputs) in (tuple, list) and inputs and isinstance(inputs[0], torch.Tensor) else None
+    a_stats = pure_stats(a, "a").to(sink.device) if a is not None else torch.full((4,), NAN, dtype=F64,
+                                                                                   device=sink.device)
+    new = _Probe.apply(out, sink, a_stats)
+    return new if out is output else type(output)([new, *output[1:]])
+
+
+def sinks(layers: list) -> list:
+    """One (SINK,) float64 leaf per layer, on the device of the layer's first parameter."""
+    return [torch.zeros(SINK, dtype=F64, device=next(m.parameters(recurse=False)).device, requires_grad=True)
+            for m in layers]
+
+
+def take(sink_list: list, step) -> None:
+    """Move what backward left in the sinks into the step's δ and a statistics (if recorded); clear them.
+    A layer called more than once in the step: max|δ| is not known (the sink sums), so it is NaN."""
+    L = len(sink_list)
+    for li, s in enumerate(sink_list):
+        g, s.grad = s.grad, None
+        if g is None or not step.recorded:
+            continue
+        d = torch.cat([g[:1], torch.where(g[8] > 1, NAN, g[1]).reshape(1), g[2:4]])
+        step.delta[li] = step.delta[li] + d if li in step.delta else d
+        step.a[li] = step.a[li] + g[4:8] if li in step.a else g[4:8]
+        step.order.setdefault(li, L + (L - li))  # compiled: backward order taken as reverse layer order
+        step.a_order.setdefault(li, li)
+        step.compiled = True
+
+
+def reaches(roots: list, params: list) -> str | None:
+    """Does the graph of `roots` reach one of `params`? Returns "compiled" when it passes through
+    compiled code, "eager" otherwise, None when no watched parameter is reached."""
+    ids = {id(p) for p in params}
+    todo = [t.grad_fn for t in roots if t.grad_fn is not None]
+    seen, compiled, hit = set(), False, False
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        name = type(fn).__name__
+        compiled = compiled or name.startswith("CompiledFunction")
+        if id(getattr(fn, "variable", None)) in ids:
+            hit = True
+        todo.extend(f for f, _ in fn.next_functions)
+    return None if not hit else ("compiled" if compiled else "eager")
+
+
+FLIGHT = ("torch.compile: the kept Traces (w.trace) of compiled steps hold no layer detail (no hook runs inside "
+          "compiled code: no a, δ or factors; the graph shows each compiled region as one CompiledFunctionBackward "
+          "node); the statistics are complete. For one step in full, run it on the uncompiled model under hw.trace")
+
+NOT_SEEN = {
+    "compiled": "hw.watch: backward reached the watched parameters through compiled code that does not call the "
+                "watch's hooks: it was compiled before the watch was installed, for this model or another "
+                "instance of its class (torch.compile reuses compiled code and does not look for hooks added "
+                "later), so only grad_norm, weight_norm, update_ratio and the loss are recorded; call "
+                "torch.compiler.reset() before hw.watch(model), then compile: w = hw.watch(model); "
+                "cmodel = torch.compile(model)",
+    "eager": "hw.watch: backward reached the watched parameters but no layer hook of the watch ran (the model "
+             "runs through a wrapper that bypasses module hooks, e.g. torch.jit.script), so only grad_norm, "
+             "weight_norm, update_ratio and the loss are recorded; watch the plain nn.Module",
+}

@@ -1,0 +1,252 @@
+"""The live explorer of a Watch: a layers × steps heatmap, sparklines, loss and gradient norm, that grows
+while the training loop runs.
+
+The watch calls `_on_watch` each time rows reach the host (it never syncs the device for the widget);
+new rows are sent at most every `interval` seconds, as binary float64 buffers, so a loop pays a
+time.monotonic() check per step and one small message per interval. A view that missed rows (it
+rendered late, or the page was reloaded) asks for them with a `sync` message. Clicking a kept step
+opens its Trace in the trace explorer (a HookWidget, drawn by the same front-end code).
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import time
+import weakref
+
+import anywidget
+import torch
+import traitlets
+
+from ..widget import HookWidget, MessageError, _one_line
+
+log = logging.getLogger("hookwidget")
+
+ESM = pathlib.Path(__file__).resolve().parents[1] / "static" / "watch.js"  # built from js/watch.js by `npm run build`
+NOT_BUILT = ('export default { render({ el }) { el.textContent = "hookwidget: the watch front-end is not built '
+             '(hookwidget/static/watch.js is missing): run `npm run build` or `pip install -e .`"; } };')
+# type -> the keys it must carry besides type and request_id
+SCHEMA = {"sync": {"have"}, "open": {"step"}}
+
+
+class KeptTraceWidget(HookWidget):
+    """The trace explorer on one kept step. It stays on that step: the flight recorder's recordings share
+    one session whose `latest` moves on to the next recording, which HookWidget would follow."""
+
+    @property
+    def session(self):
+        return None
+
+    def _do_add_hook(self, msg: dict) -> None:
+        # The recordings' shared session would carry the hook into the watch's next steps: the user's training.
+        raise ValueError("hooks and reruns on a step kept by hw.watch are not available here: trace that step "
+                         "with hw.trace(step_fn) or %%hooktrace to try them")
+
+    _do_remove_hook = _do_rerun = _do_add_hook
+
+
+class WatchFreed(RuntimeError):
+    """The watch this widget showed was garbage-collected (the widget holds it weakly)."""
+
+
+class WatchWidget(anywidget.AnyWidget):
+    """Heatmap + sparklines + loss of one Watch, fed while its loop runs; a kept step opens below it."""
+
+    _esm = ESM if ESM.exists() else NOT_BUILT
+    meta = traitlets.Dict().tag(sync=True)  # layer, statistic and per-step names
+    state = traitlets.Unicode("open").tag(sync=True)  # "open" while the watch records, then "closed"
+    trace_model = traitlets.Unicode("").tag(sync=True)  # model id of the HookWidget of the opened step
+    trace_step = traitlets.Int(-1).tag(sync=True)
+    interval = 0.5  # seconds between two pushes while the loop runs
+
+    def __init__(self, watch, **kwargs):
+        # meta goes with the model's first state: the front-end keys its store on it (watch.js).
+        meta = {"layers": list(watch.layer_names), "stats": list(watch.stat_names),
+                "step_stats": list(watch.step_stat_names), "every": watch.every}
+        super().__init__(meta=meta, state="open" if watch.active else "closed", **kwargs)
+        # Held weakly: a displayed widget lives as long as the kernel, and must not keep the watch's Traces.
+        self._watch_ref = weakref.ref(watch)
+        self._chunks: list = []  # (stats, step_stats, steps) on the host, in order
+        self._unsent: list = []  # chunks not pushed yet
+        self._rows = self._sent = self._anomalies_sent = 0
+        self._last_push = time.monotonic()  # the first push after one interval: the front-end is listening by then
+        self._trace = self._trace_widget = None  # the opened step's Trace and its HookWidget
+        self.pushes = 0  # messages with rows sent (tests, and a cheap look at the throttle)
+        if len(watch.steps):  # rows recorded before the widget existed (public reads: one flush, outside the loop)
+            self._add(watch.stats, watch.step_stats, watch.steps)
+        watch._listeners.append(self._on_watch)
+        self._ip = _kernel_shell()
+        if self._ip is not None and watch.active:
+            self._ip.events.register("post_run_cell", self._after_cell)
+        self.on_msg(self._on_msg)
+
+    @property
+    def watch(self):
+        w = self._watch_ref()
+        if w is None:
+            raise WatchFreed("this watch was freed: run the cell again")
+        return w
+
+    # -- from the watch (the training loop's thread; host data only) -----------------------------
+    def _on_watch(self, event: str, *args) -> None:
+        try:
+            if event == "rows":
+                self._add(*args)
+                if time.monotonic() - self._last_push >= self.interval:
+                    self._push()
+            elif event == "closed":
+                self.state = "closed"
+                self._push()
+                self._stop_listening_cells()
+        except Exception as e:  # the loop must never fail because of the display
+            log.warning("hookwidget: live watch update failed: %s", _one_line(e))
+
+    def _add(self, stats, step_stats, steps) -> None:
+        chunk = (stats, step_stats, list(steps))
+        self._chunks.append(chunk)
+        self._unsent.append(chunk)
+        self._rows += len(chunk[2])
+
+    def _after_cell(self, *_args) -> None:
+        """After a cell with the watch still open: the rows whose step is complete, then a push."""
+        w = self._watch_ref()
+        if w is None:
+            self._stop_listening_cells()
+            return
+        try:
+            last = getattr(w, "_last", None)
+            if w.active and last is not None:
+                w._flush(upto=last.index - 1)  # outside the loop: one transfer, as a read would
+            if self._unsent:
+                self._push()
+        except Exception as e:  # never a traceback after the user's cell because of the display
+            log.warning("hookwidget: live watch update failed: %s", _one_line(e))
+
+    def _stop_listening_cells(self) -> None:
+        if self._ip is not None:
+            try:
+                self._ip.events.unregister("post_run_cell", self._after_cell)
+            except ValueError:
+                pass
+
+    def _push(self) -> None:
+        """Send the rows not sent yet (and new anomalies, the kept steps): one message, two buffers."""
+        self._last_push = time.monotonic()
+        unsent, self._unsent = self._unsent, []
+        start = self._sent
+        self._sent = self._rows
+        self._send_rows(start, unsent, self._anomalies_sent)
+
+    def _send_rows(self, start: int, chunks: list, a_start: int) -> None:
+        w = self._watch_ref()
+        L, K = len(self.meta["layers"]), len(self.meta["stats"])
+        if chunks:
+            stats = torch.cat([c[0] for c in chunks]).to(torch.float64).contiguous()
+            step_stats = torch.cat([c[1] for c in chunks]).to(torch.float64).contiguous()
+        else:
+            stats, step_stats = torch.zeros(0, L, K, dtype=torch.float64), torch.zeros(0, 2, dtype=torch.float64)
+        anomalies = list(w._detector.anomalies) if w is not None else []
+        self._anomalies_sent = len(anomalies)
+        msg = {"type": "rows", "start": start, "count": int(stats.shape[0]),
+               "steps": [int(s) for c in chunks for s in c[2]],
+               "a_start": a_start,
+               "anomalies": [[int(a.step), str(a.where), str(a.reason)] for a in anomalies[a_start:]],
+               "kept": _kept(w), "dropped": w.dropped_traces if w is not None else 0,
+               "total_steps": int(getattr(w, "_n", 0)) if w is not None else None, "state": self.state}
+        self.pushes += 1
+        self.send(msg, [stats.numpy().tobytes(), step_stats.numpy().tobytes()])
+
+    # -- from the front-end ----------------------------------------------------------------------
+    def _on_msg(self, _widget, content, buffers) -> None:
+        rid = content.get("request_id") if isinstance(content, dict) else None
+        rid = rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) and len(str(rid)) <= 64 else None
+        try:
+            msg = validate(content)
+            getattr(self, "_do_" + msg["type"])(msg)
+        except MessageError as e:
+            log.warning("hookwidget: rejected front-end message: %s", e)
+            self._status(rid, "error", f"rejected message: {e}")
+        except Exception as e:  # reported to the front-end, never swallowed
+            self._status(rid, "error", _one_line(e))
+
+    def _do_sync(self, msg: dict) -> None:
+        """Every row from `have` on, every anomaly: for a view that missed some."""
+        have, taken, out = msg["have"], 0, []
+        for c in self._chunks:
+            n = len(c[2])
+            if taken + n > have:
+                cut = max(0, have - taken)
+                out.append((c[0][cut:], c[1][cut:], c[2][cut:]))
+            taken += n
+        self._send_rows(min(have, self._rows), out, 0)
+
+    def _do_open(self, msg: dict) -> None:
+        step = msg["step"]
+        t = self.watch.trace(step)  # KeyError names the kept steps
+        old, self._trace_widget = self._trace_widget, KeptTraceWidget(t)
+        self._trace = t  # the Trace on screen stays alive while it is shown, even once the recorder drops it
+        self.trace_step, self.trace_model = step, self._trace_widget.model_id
+        if old is not None:
+            old.close()
+        self._status(msg["request_id"], "done", f"step {step}: its kept Trace is open below")
+
+    def _status(self, request_id, state: str, text: str) -> None:
+        self.send({"type": "status", "request_id": request_id, "state": state, "text": text})
+
+    def to_html(self, path):
+        from .export import to_html
+
+        return to_html(self.watch, path)
+
+
+def validate(content) -> dict:
+    """The message if it follows the schema exactly, else MessageError naming what is wrong."""
+    if not isinstance(content, dict):
+        raise MessageError(f"expected an object, got {type(content).__name__}")
+    kind = content.get("type")
+    if not isinstance(kind, str) or kind not in SCHEMA:
+        raise MessageError(f"unknown type {str(kind)[:80]!r}; expected one of {', '.join(SCHEMA)}")
+    expected = SCHEMA[kind] | {"type", "request_id"}
+    if set(content) != expected:
+        raise MessageError(f"{kind}: expected exactly the keys {', '.join(sorted(expected))}")
+    rid = content["request_id"]
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or len(str(rid)) > 64:
+        raise MessageError(f"{kind}: request_id must be a string or integer of at most 64 characters")
+    for key in SCHEMA[kind]:
+        v = content[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise MessageError(f"{kind}: {key} must be a non-negative integer")
+    return content
+
+
+def _kept(w) -> list:
+    flight = getattr(w, "_flight", None) if w is not None else None
+    return [int(k) for k in flight.steps()] if flight is not None else []  # not w.kept: that would flush
+
+
+def _kernel_shell():
+    """The IPython shell when running in a Jupyter kernel (where widgets can show), else None."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    ip = get_ipython()
+    return ip if ip is not None and getattr(ip, "kernel", None) is not None else None
+
+
+def widget_of(watch) -> WatchWidget:
+    """The one widget of `watch` (made on first use; several displays are views of it)."""
+    wid = watch.__dict__.get("_live_widget")
+    if wid is None:
+        wid = watch.__dict__["_live_widget"] = WatchWidget(watch)
+    return wid
+
+
+def mimebundle(watch, include=None, exclude=None) -> dict:
+    text = repr(watch)
+    if _kernel_shell() is None:
+        return {"text/plain": text}
+    out = widget_of(watch)._repr_mimebundle_(include=include, exclude=exclude)
+    data, metadata = out if isinstance(out, tuple) else (out or {}, {})  # anywidget: (data, metadata)
+    return {**data, "text/plain": text}, metadata
