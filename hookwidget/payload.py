@@ -200,30 +200,37 @@ def _layer_detail(trace, name: str, out: _Buffers) -> dict:
         out.add("a", c.a, "rows")
         out.add("delta", c.delta, "rows")
     w = getattr(layer.module, "weight", None)
-    if isinstance(w, torch.Tensor):
-        meta["shapes"]["weight"] = _shape(w.shape)
-        pname = f"{name}.weight" if name else "weight"
-        autograd = trace.param_grads.get(pname)
-        out.add("grad_autograd", autograd, "param")
-        reason = _unsupported(trace, name)
-        if reason is not None:
-            meta["unsupported"] = reason
-            return meta
-        rebuilt = _try(lambda: trace.weight_grad(name), meta)
-        out.add("grad_rebuilt", rebuilt, "param")
-        if autograd is not None and rebuilt is not None and autograd.shape == rebuilt.shape:
-            meta["max_abs_diff"] = _num(max_abs_diff(autograd, rebuilt))
-        if rebuilt is not None and c is not None and c.a is not None:
-            batch = c.a.shape[0]
-            if batch * w.numel() <= PER_SAMPLE_LIMIT:
-                out.add("per_sample_grad0", _try(lambda: first_sample_grad(trace, name), meta), "param")
+    if not isinstance(w, torch.Tensor):
+        if any(p.requires_grad for p in layer.module.parameters(recurse=False)):
+            reason = _unsupported(trace, name)  # parameters under other names (an LSTM's, a layer scale)
+            if reason is not None:
+                meta["unsupported"] = reason
             else:
-                meta["notes"].append(f"per-sample δ⊗a not shown: {batch} × {w.numel()} floats")
-            norms = _try(lambda: trace.per_sample_grad_norms(name), meta)
-            out.add("per_sample_norms", norms, "vector")
-        storage = _try(lambda: trace.storage(name), meta)
-        if storage is not None and any(v for v in storage.values() if isinstance(v, (int, float))):
-            meta["storage"] = {k: (_shape(v) if isinstance(v, tuple) else v) for k, v in storage.items()}
+                out.add("per_sample_norms", _try(lambda: trace.per_sample_grad_norms(name), meta), "vector")
+        return meta
+    meta["shapes"]["weight"] = _shape(w.shape)
+    pname = f"{name}.weight" if name else "weight"
+    autograd = trace.param_grads.get(pname)
+    out.add("grad_autograd", autograd, "param")
+    reason = _unsupported(trace, name)
+    if reason is not None:
+        meta["unsupported"] = reason
+        return meta
+    rebuilt = _try(lambda: trace.weight_grad(name), meta)
+    out.add("grad_rebuilt", rebuilt, "param")
+    if autograd is not None and rebuilt is not None and autograd.shape == rebuilt.shape:
+        meta["max_abs_diff"] = _num(max_abs_diff(autograd, rebuilt))
+    if rebuilt is not None and c is not None and c.a is not None:
+        batch = c.a.shape[0]
+        if batch * w.numel() <= PER_SAMPLE_LIMIT:
+            out.add("per_sample_grad0", _try(lambda: first_sample_grad(trace, name), meta), "param")
+        else:
+            meta["notes"].append(f"per-sample δ⊗a not shown: {batch} × {w.numel()} floats")
+        norms = _try(lambda: trace.per_sample_grad_norms(name), meta)
+        out.add("per_sample_norms", norms, "vector")
+    storage = _try(lambda: trace.storage(name), meta)
+    if storage is not None and any(v for v in storage.values() if isinstance(v, (int, float))):
+        meta["storage"] = {k: (_shape(v) if isinstance(v, tuple) else v) for k, v in storage.items()}
     return meta
 
 
@@ -469,6 +476,9 @@ def _unsupported(trace, name: str) -> str | None:
         from . import factors
 
         why = factors.unsupported_reason(module)
+        if why is None:  # the generic rule was refused here (random numbers, samples mixed): its note says why
+            why = next((w[len(name) + 2:] for w in trace.per_sample_left_out.values() if w.startswith(f"{name}: ")),
+                       None)
     except Exception:
         why = None
     return (f"{type(module).__name__}: no (a, δ) factor rule{f' ({why})' if why else ''}, so W.grad is shown "

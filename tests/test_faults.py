@@ -267,6 +267,12 @@ def check_autocast(out):
         assert torch.allclose(t.weight_grad(name).float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
+def check_all_covered(out):
+    """MultiheadAttention (no dropout) gets the generic rule: every parameter is in per-sample norms."""
+    assert not out.trace.per_sample_left_out, out.trace.per_sample_left_out
+    assert out.trace.per_sample_grad_norms().shape == (2,)
+
+
 def check_notes(*words):
     def check(out):
         text = " ".join(out.trace.notes)
@@ -304,7 +310,7 @@ OBSERVE = [
     ("tensor_kwargs", seq_build(KwargsCall), step, {},
      lambda out: (_check_factors(out, "exact"), check_kwargs_input(out))),
     ("multihead_attention_train", seq_build(Attention, x_shape=(2, 4, 6), y_shape=(2, 8)), step, {},
-     check_notes("MultiheadAttention")),
+     lambda out: (_check_factors(out, "exact"), check_all_covered(out))),
     ("multihead_attention_eval_fast_path", seq_build(Attention, x_shape=(2, 4, 6), y_shape=(2, 8), train=False),
      under_no_grad, {}, "refuse"),
     ("batchnorm_dropout_train", seq_build(NormDrop), step, {}, "exact"),

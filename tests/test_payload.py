@@ -189,14 +189,25 @@ def test_forward_only_trace_has_no_grads_and_says_so():
     assert any("no gradients captured" in n for n in s["notes"])
 
 
+class NoisyScale(torch.nn.Module):
+    """A parameter applied after dropout in its own forward: the generic rule cannot replay the random mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(x, 0.5, self.training) * self.scale
+
+
 def test_unsupported_layer_says_why_in_one_line_without_a_storage_table():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.PReLU(), torch.nn.Linear(4, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), NoisyScale(), torch.nn.Linear(4, 1))
     t = hw.trace(lambda: model(torch.randn(6, 3)).sum().backward())
-    if t.supports("1"):
-        pytest.skip("PReLU has a factor rule now")
+    assert not t.supports("1")
     meta, _ = payload.detail(t, "1")
-    assert "PReLU" in meta["unsupported"] and "\n" not in meta["unsupported"]
+    assert "NoisyScale" in meta["unsupported"] and "\n" not in meta["unsupported"]
+    assert "random" in meta["unsupported"]
     assert "storage" not in meta and "grad_rebuilt" not in meta["tensors"]
     assert not any(n.startswith("ValueError") for n in meta["notes"])
 
@@ -270,3 +281,22 @@ def test_first_sample_gradient_is_row_zero_of_the_per_sample_gradients():
     tc = hw.trace(lambda: conv(x).sum().backward())
     for tr, name in [(t, "0"), (t, "1"), (t, "3"), (tc, "0"), (tc, "2")]:
         assert torch.equal(payload.first_sample_grad(tr, name), tr.per_sample_grads(name)[0]), name
+
+
+def test_a_generic_rule_layer_shows_its_per_sample_norms():
+    """An LSTM's parameters have other names than `weight`: its detail still shows the per-sample norms the
+    generic rule gives (checked against an autograd loop over the samples)."""
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(3, 4, batch_first=True)
+    model = torch.nn.Sequential(lstm)
+    x = torch.randn(5, 6, 3)
+    t = hw.trace(lambda: lstm(x)[0].pow(2).sum().backward(), model)
+    meta, buffers = payload.detail(t, "0")
+    assert "unsupported" not in meta
+    ref = []
+    for i in range(5):
+        lstm.zero_grad()
+        lstm(x[i:i + 1])[0].pow(2).sum().backward()
+        ref.append(torch.cat([p.grad.flatten() for p in lstm.parameters()]).norm())
+    torch.testing.assert_close(t.per_sample_grad_norms("0"), torch.stack(ref), rtol=1e-4, atol=1e-6)
+    assert "per_sample_norms" in meta["tensors"]
