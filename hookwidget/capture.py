@@ -10,14 +10,17 @@ there; when it ends, the .grad it left is copied, so nothing done later changes 
 Module hooks belong to one ExitStack, tensor and node hooks to one list, both emptied in
 `finally`, and a last sweep removes anything an interrupt left half-registered. Each hook also
 checks an `active` flag, because a hook baked into a graph that outlives the trace can still fire.
+
+What capture keeps for per_sample's rules beyond (a, δ) (the generic rule's inputs and outputs, broadcast
+position tables, rows folded by a view) is in capture_generic.py, a mixin of the Tracer; hooks on and copies
+of single tensors are in capture_tensors.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import weakref
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from contextlib import ExitStack
 
 import torch
@@ -25,14 +28,14 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.optim import optimizer as optimizer_mod
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.hooks import RemovableHandle
 
 from . import autograd_calls
 from . import factors as fx
 from . import graph as graph_mod
+from .capture_generic import BROADCASTS_MAX, VIEW_GRAD_FNS, GenericCapture, maybe_broadcast, own_deltas
+from .capture_tensors import _NO_LAZY, _copy, _first_tensor, _hook_output, _lazy_clone, _sole_owner
 from .handles import Removing, Restoring
-from .layers import generic
+from .layers import registry
 from .records import PREVIOUS, Call, ModuleRecord, Records, StepRecord
 from .summary import StatsBatch, abs_max, stats_on_device, to_summaries
 
@@ -46,11 +49,10 @@ VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBac
                         "CloneBackward0"})
 LAZY_NODE_NUMEL = 4096  # node gradients up to this size are kept until the graph is built (it may never be)
 LAZY_NODE_TOTAL = 1 << 18  # elements kept so at most per trace; larger ones are reduced when the trace ends
-BROADCASTS_MAX = 1024  # calls per step whose (1, ...) output may be added to a batch (see _hook_broadcasts)
 OUTER_CALLS_KEPT = 4  # forward passes whose graph a trace may hold before a backward (an eval loop holds none more)
 
 
-class Tracer:
+class Tracer(GenericCapture):
     """Context manager that owns every hook of one trace; `records` is filled on exit."""
 
     def __init__(self, modules=None, capture: str = "full", budget_mb: float = DEFAULT_BUDGET_MB,
@@ -219,19 +221,22 @@ class Tracer:
 
     def _new_record(self, module) -> ModuleRecord:
         """A module's first call: what does not change between its calls is decided once."""
+        with registry.memo():  # one registry lookup for the questions below
+            return self._decide(module)
+
+    def _decide(self, module) -> ModuleRecord:
         rec = self._modules[module] = ModuleRecord(module)
         rec.needs_input = fx.needs_input(module)
         rec.stateful = fx.forward_state(module) is not None
         rec.keeps_rows = fx.keeps_rows(module)
         rec.compiled = "_orig_mod" in module._modules
         rec.generic = self.capture != "summary" and fx.is_generic(module)
-        rec.broadcast = self.capture == "full" and fx.spec_for(module) is not None and any(
-            p.requires_grad for p in module.parameters())
+        rec.broadcast = self.capture == "full" and fx.spec_for(module) is not None and _trainable(module)
         if self.capture == "norms":
             rec.norms = self.norms_rule is not None and self.norms_rule.wants(module)
         if self.state is not None:
             self.state.on_call(module)
-        if isinstance(module, nn.parallel.DistributedDataParallel):
+        if isinstance(module, _DDP):
             self._ddp = True
         return rec
 
@@ -261,14 +266,8 @@ class Tracer:
             return call  # `a` is the kept copy of its first tensor
         if a is not None:
             node = a.grad_fn
-            if node is not None and type(node) in _VIEW_NODES:  # samples may be folded into rows: see per_sample
-                lead = node._saved_self_sym_sizes[0] if node._saved_self_sym_sizes else None
-                if lead != (a.shape[0] if a.dim() else None):
-                    call.folded_from = lead
-            elif self._folds:  # the output of a row-keeping layer whose input was folded
-                fold = self._folds.get(id(a))
-                if fold is not None and fold[0]() is a:
-                    call.folded_from = fold[1]
+            if self._folds or type(node) in VIEW_GRAD_FNS:  # samples may be folded into rows: see per_sample
+                self._note_fold(call, a, node)
             self._keep_input(rec, call, a)
         return call
 
@@ -309,132 +308,17 @@ class Tracer:
         if out is not None:
             call.output_shape = tuple(out.shape)
             if call.folded_from is not None and rec.keeps_rows:
-                self._folds[id(out)] = (weakref.ref(out), call.folded_from)
+                self._fold_output(call, out)
             node = call.out_node = out.grad_fn
             if node is not None:
                 self._live.append(call)
             if out.requires_grad:
                 _hook_output(self._handles, out, self._delta_hook(module, call))
-                if rec.broadcast and len(self._broadcasts) < BROADCASTS_MAX and _maybe_broadcast(call.a, out):
+                if rec.broadcast and len(self._broadcasts) < BROADCASTS_MAX and maybe_broadcast(call.a, out):
                     self._broadcasts.append(call)
         if rec.generic and call.inputs is not None:
             self._hook_outputs(call, output, out)
         return replaced
-
-    # -- the generic rule's capture: every input, every output's δ, parameters as they were ------------
-    def _keep_call(self, module, call: Call, inputs, kwargs) -> bool:
-        """Keep all a generic-rule module's call needs (copy-on-write copies, within the budget)."""
-        kept = self._kept_tree((tuple(inputs), dict(kwargs or {})))
-        params = self._snapshot(module) if kept is not None else None
-        if params is None:
-            return False
-        call.inputs, call.params = kept, params
-        call.training = tuple(m.training for m in module.modules())
-        if self.capture == "full":
-            call.a = _first_tensor(kept[0]) if kept[0] else _first_tensor(kept[1])
-        return True
-
-    def _keep_kwargs(self, call: Call, kwargs) -> None:
-        kept = self._kept_tree(dict(kwargs))
-        if kept is None:
-            call.inputs = None
-            return
-        call.inputs = (call.inputs[0], kept)
-        if call.a is None and self.capture == "full":
-            call.a = _first_tensor(kept)
-
-    def _kept_tree(self, tree):
-        """tree with every tensor replaced by a copy-on-write copy, or None where the budget has no room."""
-        leaves, spec = tree_flatten(tree)
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if tensors and not self._fits_bytes(sum(t.numel() * t.element_size() for t in tensors)):
-            return None
-        return tree_unflatten([_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-
-    def _snapshot(self, module) -> dict | None:
-        """The module's parameters and buffers by name as they are now; calls that see the same versions share one
-        copy. Copy-on-write: no memory until the cell changes them (an optimizer step, a BatchNorm update), so
-        they do not count against budget_mb (a model holding a parameter of its own, as ViT's class token, would
-        otherwise spend the budget on a snapshot of the whole model before any layer's a and δ)."""
-        cache = self._snapshots
-        named = [*module.named_parameters(), *module.named_buffers()]
-        new = [t for _, t in named if (hit := cache.get(id(t))) is None or hit[0] is not t or hit[1] != t._version]
-        for t in new:
-            cache[id(t)] = (t, t._version, _copy(t))
-        return {name: cache[id(t)][2] for name, t in named}
-
-    def _hook_outputs(self, call: Call, output, out) -> None:
-        """A δ hook on every output tensor besides the first (whose δ is call.delta)."""
-        flat = generic.flat_outputs(output)
-        call.deltas, seen = [None] * len(flat), set()
-        for i, o in enumerate(flat):
-            if id(o) in seen:  # the same tensor twice: its gradient arrives once
-                continue
-            seen.add(id(o))
-            if o is out:
-                call.out_first = i
-            elif o.requires_grad:
-                _hook_output(self._handles, o, self._output_delta_hook(call, i))
-
-    def _output_delta_hook(self, call: Call, i: int):
-        def hook(grad):
-            if not self.active:
-                return
-            with self._lock:
-                if call.step is None and self._step is not None:
-                    call.step = self._step.index
-                deltas = call.deltas
-                if deltas is None:
-                    return
-                if deltas[i] is not None:
-                    deltas[i] = deltas[i] + grad.detach()
-                elif self._fits(grad):
-                    deltas[i] = grad.detach()
-                else:
-                    call.deltas = None  # over budget: the generic rule says so
-            return
-
-        return hook
-
-    def _hook_broadcasts(self) -> None:
-        """A position table called without a batch dimension gives (1, T, d) or (T, d), added to (B, T, d): each
-        sample's δ is the gradient arriving at that add, which autograd then sums into the table's δ. A pre-hook
-        on the add keeps it (call.bdelta; per_sample.py uses it only where it sums to δ)."""
-        calls, self._broadcasts = self._broadcasts, []
-        walk = self._walk
-        targets = {walk._index[c.out_node]: c for c in calls if c.out_node is not None and c.out_node in walk._index}
-        if not targets:
-            return
-        parents: dict = {}
-        for u, v in walk.edges:
-            if v in targets:
-                parents.setdefault(v, []).append(u)
-        for v, c in targets.items():
-            ps = parents.get(v, ())
-            if len(ps) == 1 and walk.names[ps[0]] == "AddBackward0":
-                self._node_handles.append(walk.nodes[ps[0]].register_prehook(self._broadcast_hook(c)))
-
-    def _broadcast_hook(self, call: Call):
-        def hook(grad_outputs):
-            g = grad_outputs[0] if self.active and grad_outputs else None
-            shape = call.output_shape
-            if g is not None and (g.dim() == len(shape) and tuple(g.shape[1:]) == shape[1:] and g.shape[0] > 1
-                                  or g.dim() == len(shape) + 1 and tuple(g.shape[1:]) == shape):
-                with self._lock:
-                    if call.bdelta is not None:
-                        call.bdelta = call.bdelta + g.detach()
-                    elif self._fits(g):
-                        call.bdelta = g.detach()
-            return None
-
-        return hook
-
-    def _fits_bytes(self, size: int) -> bool:
-        if self._kept_bytes + size > self.budget_bytes:
-            self._dropped += 1
-            return False
-        self._kept_bytes += size
-        return True
 
     def _backward_hook(self, module, grad_input, grad_output):
         rec = self._modules.get(module)
@@ -818,20 +702,10 @@ class Tracer:
                 if call.delta is not None and not _sole_owner(call.delta):
                     call.delta = call.delta.clone()
                 if call.deltas is not None:
-                    self._own_deltas(call)
+                    own_deltas(call)
                 if call.bdelta is not None and not _sole_owner(call.bdelta):
                     call.bdelta = call.bdelta.clone()
         self._snapshots = {}
-
-    @staticmethod
-    def _own_deltas(call: Call) -> None:
-        """The generic rule's δ per output: the first one is call.delta; one kept as a summary makes them unusable."""
-        if call.out_first >= 0:
-            if call.delta is None and call.delta_summary is not None:
-                call.deltas = None
-                return
-            call.deltas[call.out_first] = call.delta
-        call.deltas = [d if d is None or _sole_owner(d) else d.clone() for d in call.deltas]
 
     def _drop_recomputed_calls(self) -> None:
         """torch.utils.checkpoint reruns forward during backward. Of a layer's calls, the ones that
@@ -864,99 +738,18 @@ class Tracer:
         if scripted:
             notes.append(f"ScriptModule ({', '.join(scripted)}): hooks do not fire inside TorchScript, so its "
                          "layers are not shown; trace the module before torch.jit.script")
-        if any(isinstance(r.module, nn.parallel.DistributedDataParallel) for r in self._modules.values()):
+        if self._ddp:  # a DistributedDataParallel module's record was made (see _decide)
             notes.append("DistributedDataParallel: .grad is averaged over ranks after backward; a, δ, weight_grad "
                          "and per-sample gradients are this rank's own (its samples, before the all-reduce)")
         return notes
 
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
+_DDP = nn.parallel.DistributedDataParallel
 _get_ident = threading.get_ident
 _current_node = torch._C._current_autograd_node
 _peek_transform = torch._C._functorch.peek_interpreter_stack
-# A copy-on-write clone: it shares the .grad's memory until either is written to (the user's
-# zero_grad(set_to_none=False), clip_grad_norm_, the next backward accumulating into .grad), and only
-# then is the memory copied. A training step that sets .grad to None copies nothing at all.
-_lazy_clone = getattr(torch, "_lazy_clone", None)
-
-
-_NO_LAZY: set = set()  # device types where _lazy_clone failed once: plain copies there
-
-
-def _copy(g: torch.Tensor) -> torch.Tensor:
-    g = g.detach()
-    if _lazy_clone is not None and g.layout == torch.strided and g.device.type not in _NO_LAZY:
-        try:
-            return _lazy_clone(g)
-        except Exception:  # a device or tensor subclass whose storage cannot be shared copy-on-write
-            if type(g) is torch.Tensor:
-                _NO_LAZY.add(g.device.type)
-    return g.clone()
-
-
 _is_compiling = torch.compiler.is_compiling
-
-
-
-
-class _Handle:
-    """Removes one tensor hook: a RemovableHandle without its Python-level overhead (one per module call)."""
-
-    __slots__ = ("hooks_dict_ref", "id")
-
-    def __init__(self, hooks_dict, key):
-        self.hooks_dict_ref = weakref.ref(hooks_dict)
-        self.id = key
-
-    def remove(self) -> None:
-        hooks_dict = self.hooks_dict_ref()
-        if hooks_dict is not None and self.id in hooks_dict:
-            del hooks_dict[self.id]
-
-
-def _register_hook(t: torch.Tensor, fn):
-    """t.register_hook(fn), the same dict entry Tensor.register_hook makes, with a lighter handle."""
-    if type(t) is not torch.Tensor:  # a subclass may route register_hook through __torch_function__
-        return t.register_hook(fn)
-    hooks = t._backward_hooks
-    if hooks is None:
-        hooks = t._backward_hooks = OrderedDict()
-        node = t.grad_fn
-        if node is not None:
-            node._register_hook_dict(t)
-    key = RemovableHandle.next_id  # the ids RemovableHandle uses: no clash with the user's hooks in that dict
-    RemovableHandle.next_id = key + 1
-    hooks[key] = fn
-    return _Handle(hooks, key)
-
-
-def _hook_output(handles: list, out: torch.Tensor, fn) -> None:
-    """A tensor hook fn(grad) -> new grad or None on a module's output, that fires even when a later
-    in-place op rewrites the output. A hook on a plain tensor survives that; one on a view does not
-    (a 3-D Linear's output is a view of a 2-D matmul result, and ReLU(inplace=True) replaces the
-    view's grad_fn). Then a hook on the view's base, which stays in the graph, stands in for it."""
-    base = out._base
-    if (base is None or not base.requires_grad or base.numel() != out.numel() or not out.is_contiguous()
-            or not base.is_contiguous() or base.data_ptr() != out.data_ptr()):
-        handles.append(_register_hook(out, fn))
-        return
-    fired = [False]
-
-    def on_out(grad):
-        fired[0] = True
-        return fn(grad)
-
-    handles.append(_register_hook(out, on_out))
-    shape = out.shape
-
-    def on_base(grad):
-        if fired[0]:  # the view's own hook ran in this backward pass
-            fired[0] = False
-            return None
-        new = fn(grad.reshape(shape))
-        return None if new is None else new.reshape(grad.shape)
-
-    handles.append(_register_hook(base, on_base))
 
 
 def _in_functorch() -> bool:
@@ -976,49 +769,13 @@ def _outermost_outputs(records) -> list:
     return out
 
 
-def _maybe_broadcast(a, out: torch.Tensor) -> bool:
-    """Whether a layer's output may be a table added to a batch (see Tracer._hook_broadcasts): (1, T, d), or
-    (T, d) whose leading dimension its input does not have (positions (T,) or ids (B, T))."""
-    if out.dim() < 2:
-        return False
-    if out.shape[0] == 1:
-        return True
-    return a is not None and a.dim() >= 1 and (a.dim() == 1 or a.shape[0] != out.shape[0])
-
-
-def _sole_owner(t: torch.Tensor) -> bool:
-    """Whether no other tensor shares t's memory (the temporary storage object counts one)."""
-    try:
-        return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
-    except Exception:  # a tensor subclass without plain storage: assume shared
-        return False
-
-
-def _view_nodes() -> tuple:
-    x = torch.zeros(2, 2, requires_grad=True) * 1
-    return type(x.view(4).grad_fn), type(x.t().reshape(4).grad_fn)
-
-
-_VIEW_NODES = _view_nodes()  # ViewBackward0, UnsafeViewBackward0: view/reshape/flatten (their saved input sizes)
-
-
-def _first_tensor(obj) -> torch.Tensor | None:
-    """The tensor itself, or the first tensor of a tuple, list, dict, Hugging Face ModelOutput or
-    dataclass (the one out_* interventions replace; runs twice per module call: no generator)."""
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, (tuple, list)):
-        values = obj
-    elif isinstance(obj, dict):  # ModelOutput is an OrderedDict of its non-None fields
-        values = obj.values()
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        values = (getattr(obj, f.name) for f in dataclasses.fields(obj))
-    else:
-        return None
-    for x in values:
-        if isinstance(x, torch.Tensor):
-            return x
-    return None
+def _trainable(module: nn.Module) -> bool:
+    """Whether any parameter of the module (its submodules' included) requires grad; its own are asked first
+    (module.parameters() walks every submodule through generators: ~8 µs for a Linear)."""
+    for p in module._parameters.values():
+        if p is not None and p.requires_grad:
+            return True
+    return bool(module._modules) and any(p.requires_grad for p in module.parameters())
 
 
 def _as_module_list(modules):

@@ -47,6 +47,8 @@ def qualified_names(recorded: list, targets, target_names) -> tuple[dict, dict]:
 def name_filter(include, exclude):
     inc = [include] if isinstance(include, str) else list(include or [])
     exc = [exclude] if isinstance(exclude, str) else list(exclude or [])
+    if not inc and not exc:
+        return _keep_all
 
     def keep(name: str) -> bool:
         if inc and not any(fnmatch.fnmatchcase(name, p) for p in inc):
@@ -54,3 +56,7 @@ def name_filter(include, exclude):
         return not any(fnmatch.fnmatchcase(name, p) for p in exc)
 
     return keep
+
+
+def _keep_all(name: str) -> bool:
+    return True

@@ -45,13 +45,20 @@ class Options:
     @classmethod
     def from_kwargs(cls, **kwargs) -> Options:
         """Options from keyword arguments; TypeError for an unknown name, ValueError for a bad value."""
+        key = _cache_key(kwargs) if cls is Options else None
+        made = _MADE.get(key) if key is not None else None
+        if made is not None:  # immutable: the same options given again are the same object
+            return made
         valid = [f.name for f in fields(cls)]
         for name in kwargs:
             if name not in valid:
                 close = difflib.get_close_matches(name, valid, n=1)
                 hint = f"did you mean {close[0]}=? " if close else ""
                 raise TypeError(f"unknown trace option {name!r}: {hint}valid options: {', '.join(valid)}")
-        return cls(**kwargs)
+        made = cls(**kwargs)
+        if key is not None and len(_MADE) < _MADE_MAX:
+            _MADE[key] = made
+        return made
 
     def as_dict(self) -> dict:
         """The options that differ from their defaults (for a short repr)."""
@@ -59,6 +66,24 @@ class Options:
 
     def __repr__(self) -> str:
         return "Options(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) + ")"
+
+
+# Options made from plain values (str, number, bool, None, tuples of str), by (name, type, value): a trace runs
+# often with the same few options, and checking them costs ~8 µs. Values of other types (restore=[model]) are
+# never kept here, so this holds no reference to the user's objects.
+_MADE: dict = {}
+_MADE_MAX = 64
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _cache_key(kwargs: dict):
+    key = []
+    for name, value in kwargs.items():
+        if type(value) is tuple and all(type(v) is str for v in value) or type(value) in _PLAIN:
+            key.append((name, type(value), value))
+        else:
+            return None
+    return tuple(sorted(key, key=lambda k: k[0]))
 
 
 # -- one check per field: returns the normalized value or raises one line -----------------------

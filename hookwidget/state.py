@@ -134,13 +134,20 @@ def code_scope(fn, namespace=None, code=None) -> dict:
     code = code if code is not None else getattr(fn, "__code__", None)
     if code is None:
         return {}
-    scope = dict(namespace if namespace is not None else getattr(fn, "__globals__", {}))
+    base = namespace if namespace is not None else getattr(fn, "__globals__", {})  # not copied: a notebook's is large
+    cells = {}
     for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
         try:
-            scope[name] = cell.cell_contents
+            cells[name] = cell.cell_contents
         except ValueError:  # an empty cell
             pass
-    return {name: scope[name] for name in dict.fromkeys(_names(code)) if name in scope}
+    out = {}
+    for name in dict.fromkeys(_names(code)):
+        if name in cells:
+            out[name] = cells[name]
+        elif name in base:
+            out[name] = base[name]
+    return out
 
 
 def related_objects(scope: dict) -> list:

@@ -19,6 +19,7 @@ from torch import nn
 from . import factors as fx
 from . import graph as graph_mod
 from . import per_sample as ps
+from .layers import registry
 from .naming import name_filter, qualified_names
 from .records import PREVIOUS
 from .summary import TensorSummary
@@ -136,8 +137,8 @@ class Trace:
         self.user_hooks: dict[str, list[str]] = {}
         self.accumulates = False  # backward passes summed into .grad with no reset between them
         self.per_sample_left_out: dict[str, str] = {}  # parameter with a .grad -> why per-sample norms leave it out
-        self._graph: nx.DiGraph | None = nx.DiGraph()
-        self._graph_inputs = None  # what graph.build needs; the graph is built on first access
+        self._graph: nx.DiGraph | None = None  # built on first access (an empty one before the run ends)
+        self._graph_inputs = None  # what graph.build needs
         self._norms = None  # capture="norms": per step (squared norms, modules left out)
         self._no_factors = ""
         self._generic: dict = {}  # per_sample.py's cache: parameters each layer answers for, generic-rule results
@@ -153,6 +154,10 @@ class Trace:
 
     # -- filling the record (once, when the run ends) ------------------------------------------
     def _attach(self, rec, targets, namespace=None) -> None:
+        with registry.memo():  # the notes ask the registry about each layer many times; no user code runs here
+            self._attach_records(rec, targets, namespace)
+
+    def _attach_records(self, rec, targets, namespace) -> None:
         names, self.params = qualified_names(list(rec.modules), targets, self.session.names)
         self.notes = list(rec.notes)
         self._no_factors = rec.no_factors
@@ -228,6 +233,9 @@ class Trace:
         """The autograd graph of grad_fn nodes of the last backward pass (built on first access)."""
         if self._graph is None:
             walk = self._graph_inputs
+            if walk is None:  # not filled in yet (a `with hw.tracing()` block still running)
+                self._graph = nx.DiGraph()
+                return self._graph
             param_names = {p: n for n, p in self.params.items()}
             calls = [(name, c.seq_start, c.seq_end) for name, layer in self.layers.items() for c in layer.calls]
             self._graph = graph_mod.build(walk, param_names, calls,
@@ -249,15 +257,18 @@ class Trace:
     def supports(self, name: str) -> bool:
         """Whether this layer's parameter gradients rebuild: an exact (a, δ) rule, or the generic torch.func
         rule where it passed its check."""
-        return ps.supports(self, name)
+        with registry.memo():
+            return ps.supports(self, name)
 
     def weight_grad(self, name: str, step: int | None = None) -> torch.Tensor:
         """W.grad of the layer rebuilt from its factors: what backward pass `step` added to .grad, or,
         without step=, what every pass added (one pass, or passes accumulating into .grad)."""
-        return ps.summed_grad(self, name, "weight", step)
+        with registry.memo():
+            return ps.summed_grad(self, name, "weight", step)
 
     def bias_grad(self, name: str, step: int | None = None) -> torch.Tensor:
-        return ps.summed_grad(self, name, "bias", step)
+        with registry.memo():
+            return ps.summed_grad(self, name, "bias", step)
 
     def per_sample_grads(self, name: str, param: str = "weight", loss_reduction: str = "sum",
                          step: int | None = None) -> torch.Tensor:
@@ -266,20 +277,23 @@ class Trace:
 
         They sum to .grad. With a mean-reduced loss pass loss_reduction="mean" to get each
         sample's own gradient (the contributions times B)."""
-        g = ps.per_sample_grad(self, name, param, step)
+        with registry.memo():
+            g = ps.per_sample_grad(self, name, param, step)
         return g * _reduction_scale(loss_reduction, g.shape[0])
 
     def per_sample_grad_norms(self, name: str | None = None, loss_reduction: str = "sum",
                               step: int | None = None) -> torch.Tensor:
         """(N,) norms of per-sample gradients over all parameters of one layer, or of every
         supported layer (name=None). A parameter shared by several layers is counted once."""
-        norms = ps.per_sample_norms(self, name, step)
+        with registry.memo():  # a query asks the registry about each layer several times
+            norms = ps.per_sample_norms(self, name, step)
         return norms * _reduction_scale(loss_reduction, norms.shape[0])
 
     @property
     def factor_layers(self) -> list[str]:
         """Layers whose parameter gradients (a, δ) rebuild: weight_grad, per-sample gradients."""
-        return ps.factor_layers(self)
+        with registry.memo():
+            return ps.factor_layers(self)
 
     def storage(self, name: str) -> dict:
         """Floats needed to store W.grad vs its (a, δ) factors (seed 003's figures)."""

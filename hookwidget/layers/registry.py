@@ -9,6 +9,7 @@ exact_reason says why no exact rule applied.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -62,6 +63,7 @@ def register(*types, **spec):
         s = LayerSpec(name, fn, types=types, **spec)
         for t in types:
             SPECS[t] = s
+        _BY_TYPE.clear()
         return fn
 
     return deco
@@ -69,6 +71,29 @@ def register(*types, **spec):
 
 def _key(cls):
     return cls if cls in SPECS else f"{cls.__module__}.{cls.__name__}"
+
+
+# type -> what lookup learns from the type alone (its MRO against SPECS and NO_RULE), so that a lookup, asked
+# dozens of times per trace, walks no MRO and formats no names: (len(SPECS), len(NO_RULE), spec or None, the
+# classes before the spec's in the MRO (each may override its forward), whether NO_RULE names a class of the
+# MRO, and the reason where no spec applies). register() clears it; what depends on the instance (a forward
+# replaced on it, parameters, refuse, the generic rule's parameters) is still read on every lookup.
+_BY_TYPE: dict = {}
+
+
+def _type_facts(cls) -> tuple:
+    facts = _BY_TYPE.get(cls)
+    if facts is None or facts[0] != len(SPECS) or facts[1] != len(NO_RULE):
+        mro = cls.__mro__
+        i, spec = next(((i, SPECS[k]) for i, k in enumerate(map(_key, mro)) if k in SPECS), (None, None))
+        no_rule = any(c in NO_RULE for c in mro)
+        why = None
+        if spec is None:
+            why = next((NO_RULE[c] for c in mro if c in NO_RULE), None)
+            why = f"no factor rule for {cls.__name__}" + (f": {why}" if why else "")
+        facts = _BY_TYPE[cls] = (len(SPECS), len(NO_RULE), spec, mro[:i] if spec is not None else (),
+                                 mro[i] if spec is not None else None, no_rule, why)
+    return facts
 
 
 def _no_generic_rule(m, a, delta, state=None):
@@ -80,40 +105,85 @@ def _no_generic_rule(m, a, delta, state=None):
 GENERIC = LayerSpec("generic (torch.func)", _no_generic_rule, keeps_input=lambda m: False, params=(), generic=True)
 
 
+class _Memo(threading.local):
+    table = None  # id(module) -> (module, exact_lookup's answer, lookup's answer or None), while memo() runs
+
+
+_memo = _Memo()
+
+
+class memo:
+    """`with memo():` lookups on this thread answer each module once for the block. For code that asks about
+    the same modules many times and runs none of the user's code in between (a module's first call, a trace's
+    attach): nothing can change what a lookup reads there, so the answers are those an uncached lookup gives.
+    Nested blocks share the outermost block's answers."""
+
+    __slots__ = ("outer",)
+
+    def __enter__(self):
+        self.outer = _memo.table
+        if self.outer is None:
+            _memo.table = {}
+        return self
+
+    def __exit__(self, *exc):
+        if self.outer is None:
+            _memo.table = None
+
+
 def lookup(module: nn.Module):
     """(spec, reason): the spec whose rule is exact for this module, else GENERIC where the generic rule may
     serve it, and None; or None and why no rule applies."""
-    spec, reason = exact_lookup(module)
-    if spec is None and not any(c in NO_RULE for c in type(module).__mro__) and generic.may_serve(module):
-        return GENERIC, None
+    table = _memo.table
+    if table is not None:
+        hit = table.get(id(module))
+        if hit is not None and hit[0] is module and hit[2] is not None:
+            return hit[2]
+    facts = _type_facts(type(module))
+    exact = spec, reason = _exact(module, facts)
+    if spec is None and not facts[5] and generic.may_serve(module):
+        spec, reason = GENERIC, None
+    if table is not None:
+        table[id(module)] = (module, exact, (spec, reason))
     return spec, reason
 
 
 def exact_lookup(module: nn.Module):
     """(spec, reason): the spec whose rule is exact for this module and None, or None and why not."""
-    mro = type(module).__mro__
-    for i, cls in enumerate(mro):
-        spec = SPECS.get(_key(cls))
-        if spec is None:
-            continue
-        for sub in mro[:i]:
-            over = next((m for m in spec.forward_methods if m in vars(sub)), None)
-            if over:
-                return None, (f"{sub.__name__} overrides {cls.__name__}.{over}: no exact (a, δ) rule; the rule "
-                              f"rebuilds {cls.__name__}'s own forward, not what this subclass computes")
-        patched = next((m for m in spec.forward_methods if m in vars(module)), None)
-        if patched:
-            return None, (f"{type(module).__name__}.{patched} is replaced on this instance: no exact (a, δ) rule; "
-                          f"the rule rebuilds {cls.__name__}'s own forward")
-        for p in spec.params:
-            if p not in module._parameters and isinstance(getattr(module, p, None), torch.Tensor):
-                return None, (f"{type(module).__name__}.{p} is computed (parametrize, weight_norm or spectral_norm),"
-                              f" not a parameter: (a, δ) give the gradient of the computed {p}, not of the "
-                              "parameters it is made from")
-        reason = spec.refuse(module)
-        return (None, reason) if reason else (spec, None)
-    why = next((NO_RULE[c] for c in mro if c in NO_RULE), None)
-    return None, f"no factor rule for {type(module).__name__}" + (f": {why}" if why else "")
+    table = _memo.table
+    if table is not None:
+        hit = table.get(id(module))
+        if hit is not None and hit[0] is module:
+            return hit[1]
+        exact = _exact(module, _type_facts(type(module)))
+        table[id(module)] = (module, exact, None)
+        return exact
+    return _exact(module, _type_facts(type(module)))
+
+
+def _exact(module: nn.Module, facts: tuple):
+    spec, subs, cls = facts[2], facts[3], facts[4]
+    if spec is None:
+        return None, facts[6]
+    methods = spec.forward_methods
+    for sub in subs:
+        over = next((m for m in methods if m in vars(sub)), None)
+        if over:
+            return None, (f"{sub.__name__} overrides {cls.__name__}.{over}: no exact (a, δ) rule; the rule "
+                          f"rebuilds {cls.__name__}'s own forward, not what this subclass computes")
+    own = vars(module)
+    patched = next((m for m in methods if m in own), None)
+    if patched:
+        return None, (f"{type(module).__name__}.{patched} is replaced on this instance: no exact (a, δ) rule; "
+                      f"the rule rebuilds {cls.__name__}'s own forward")
+    params = module._parameters
+    for p in spec.params:
+        if p not in params and isinstance(getattr(module, p, None), torch.Tensor):
+            return None, (f"{type(module).__name__}.{p} is computed (parametrize, weight_norm or spectral_norm),"
+                          f" not a parameter: (a, δ) give the gradient of the computed {p}, not of the "
+                          "parameters it is made from")
+    reason = spec.refuse(module)
+    return (None, reason) if reason else (spec, None)
 
 
 def spec_for(module: nn.Module) -> LayerSpec | None:

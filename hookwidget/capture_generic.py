@@ -1,0 +1,191 @@
+"""What capture keeps beyond (a, δ), for the rules of per_sample.py: a mixin of the Tracer (capture.py).
+
+- The generic torch.func rule (layers/generic.py): every tensor a call got (positional and keyword, copy-on-write,
+  within the memory budget), the δ of every output tensor, the module's parameters and buffers as they were.
+  Entry points: `_keep_call` (pre-hook), `_keep_kwargs` and `_hook_outputs` (forward hook), `own_deltas` (end).
+- Position tables broadcast-added to a batch: `maybe_broadcast` (forward hook) picks the candidates, and
+  `_hook_broadcasts` (when backward starts) puts a pre-hook on the add that each one's output feeds.
+- Samples folded into rows ((B, T, d) viewed as (B·T, d)): `_note_fold` (pre-hook, where the input is a view or a
+  row-keeping layer's output on folded rows) and `_fold_output` (forward hook).
+
+The Tracer attributes these read and write: capture, active, _lock, _step, _handles, _node_handles, _walk,
+_broadcasts, _folds, _snapshots, _kept_bytes, budget_bytes, _dropped, and its `_fits`. The per-call fast path
+stays in capture.py; the methods here run only for the calls that need them.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .capture_tensors import _copy, _first_tensor, _hook_output, _sole_owner
+from .layers import generic
+from .records import Call
+
+BROADCASTS_MAX = 1024  # calls per step whose (1, ...) output may be added to a batch (see _hook_broadcasts)
+
+
+class GenericCapture:
+    """Mixin of capture.Tracer: the generic rule's capture, broadcast position tables, folded rows."""
+
+    # -- the generic rule's capture: every input, every output's δ, parameters as they were ------------
+    def _keep_call(self, module, call: Call, inputs, kwargs) -> bool:
+        """Keep all a generic-rule module's call needs (copy-on-write copies, within the budget)."""
+        kept = self._kept_tree((tuple(inputs), dict(kwargs or {})))
+        params = self._snapshot(module) if kept is not None else None
+        if params is None:
+            return False
+        call.inputs, call.params = kept, params
+        call.training = tuple(m.training for m in module.modules())
+        if self.capture == "full":
+            call.a = _first_tensor(kept[0]) if kept[0] else _first_tensor(kept[1])
+        return True
+
+    def _keep_kwargs(self, call: Call, kwargs) -> None:
+        kept = self._kept_tree(dict(kwargs))
+        if kept is None:
+            call.inputs = None
+            return
+        call.inputs = (call.inputs[0], kept)
+        if call.a is None and self.capture == "full":
+            call.a = _first_tensor(kept)
+
+    def _kept_tree(self, tree):
+        """tree with every tensor replaced by a copy-on-write copy, or None where the budget has no room."""
+        leaves, spec = tree_flatten(tree)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if tensors and not self._fits_bytes(sum(t.numel() * t.element_size() for t in tensors)):
+            return None
+        return tree_unflatten([_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+    def _snapshot(self, module) -> dict | None:
+        """The module's parameters and buffers by name as they are now; calls that see the same versions share one
+        copy. Copy-on-write: no memory until the cell changes them (an optimizer step, a BatchNorm update), so
+        they do not count against budget_mb (a model holding a parameter of its own, as ViT's class token, would
+        otherwise spend the budget on a snapshot of the whole model before any layer's a and δ)."""
+        cache = self._snapshots
+        named = [*module.named_parameters(), *module.named_buffers()]
+        new = [t for _, t in named if (hit := cache.get(id(t))) is None or hit[0] is not t or hit[1] != t._version]
+        for t in new:
+            cache[id(t)] = (t, t._version, _copy(t))
+        return {name: cache[id(t)][2] for name, t in named}
+
+    def _hook_outputs(self, call: Call, output, out) -> None:
+        """A δ hook on every output tensor besides the first (whose δ is call.delta)."""
+        flat = generic.flat_outputs(output)
+        call.deltas, seen = [None] * len(flat), set()
+        for i, o in enumerate(flat):
+            if id(o) in seen:  # the same tensor twice: its gradient arrives once
+                continue
+            seen.add(id(o))
+            if o is out:
+                call.out_first = i
+            elif o.requires_grad:
+                _hook_output(self._handles, o, self._output_delta_hook(call, i))
+
+    def _output_delta_hook(self, call: Call, i: int):
+        def hook(grad):
+            if not self.active:
+                return
+            with self._lock:
+                if call.step is None and self._step is not None:
+                    call.step = self._step.index
+                deltas = call.deltas
+                if deltas is None:
+                    return
+                if deltas[i] is not None:
+                    deltas[i] = deltas[i] + grad.detach()
+                elif self._fits(grad):
+                    deltas[i] = grad.detach()
+                else:
+                    call.deltas = None  # over budget: the generic rule says so
+            return
+
+        return hook
+
+    def _hook_broadcasts(self) -> None:
+        """A position table called without a batch dimension gives (1, T, d) or (T, d), added to (B, T, d): each
+        sample's δ is the gradient arriving at that add, which autograd then sums into the table's δ. A pre-hook
+        on the add keeps it (call.bdelta; per_sample.py uses it only where it sums to δ)."""
+        calls, self._broadcasts = self._broadcasts, []
+        walk = self._walk
+        targets = {walk._index[c.out_node]: c for c in calls if c.out_node is not None and c.out_node in walk._index}
+        if not targets:
+            return
+        parents: dict = {}
+        for u, v in walk.edges:
+            if v in targets:
+                parents.setdefault(v, []).append(u)
+        for v, c in targets.items():
+            ps = parents.get(v, ())
+            if len(ps) == 1 and walk.names[ps[0]] == "AddBackward0":
+                self._node_handles.append(walk.nodes[ps[0]].register_prehook(self._broadcast_hook(c)))
+
+    def _broadcast_hook(self, call: Call):
+        def hook(grad_outputs):
+            g = grad_outputs[0] if self.active and grad_outputs else None
+            shape = call.output_shape
+            if g is not None and (g.dim() == len(shape) and tuple(g.shape[1:]) == shape[1:] and g.shape[0] > 1
+                                  or g.dim() == len(shape) + 1 and tuple(g.shape[1:]) == shape):
+                with self._lock:
+                    if call.bdelta is not None:
+                        call.bdelta = call.bdelta + g.detach()
+                    elif self._fits(g):
+                        call.bdelta = g.detach()
+            return None
+
+        return hook
+
+    def _fits_bytes(self, size: int) -> bool:
+        if self._kept_bytes + size > self.budget_bytes:
+            self._dropped += 1
+            return False
+        self._kept_bytes += size
+        return True
+
+    # -- samples folded into rows ---------------------------------------------------------------------
+    def _note_fold(self, call: Call, a: torch.Tensor, node) -> None:
+        """call.folded_from: the leading dimension of the tensor the call's input is a view of, where that is not
+        the input's own (samples folded into rows); or the output of a row-keeping layer whose input was so."""
+        if type(node) in VIEW_GRAD_FNS:
+            lead = node._saved_self_sym_sizes[0] if node._saved_self_sym_sizes else None
+            if lead != (a.shape[0] if a.dim() else None):
+                call.folded_from = lead
+        elif self._folds:  # the output of a row-keeping layer whose input was folded
+            fold = self._folds.get(id(a))
+            if fold is not None and fold[0]() is a:
+                call.folded_from = fold[1]
+
+    def _fold_output(self, call: Call, out: torch.Tensor) -> None:
+        """A row-keeping layer on folded rows: its output's rows are folded the same way."""
+        self._folds[id(out)] = (weakref.ref(out), call.folded_from)
+
+
+def own_deltas(call: Call) -> None:
+    """The generic rule's δ per output: the first one is call.delta; one kept as a summary makes them unusable."""
+    if call.out_first >= 0:
+        if call.delta is None and call.delta_summary is not None:
+            call.deltas = None
+            return
+        call.deltas[call.out_first] = call.delta
+    call.deltas = [d if d is None or _sole_owner(d) else d.clone() for d in call.deltas]
+
+
+def maybe_broadcast(a, out: torch.Tensor) -> bool:
+    """Whether a layer's output may be a table added to a batch (see GenericCapture._hook_broadcasts): (1, T, d), or
+    (T, d) whose leading dimension its input does not have (positions (T,) or ids (B, T))."""
+    if out.dim() < 2:
+        return False
+    if out.shape[0] == 1:
+        return True
+    return a is not None and a.dim() >= 1 and (a.dim() == 1 or a.shape[0] != out.shape[0])
+
+
+def _view_nodes() -> tuple:
+    x = torch.zeros(2, 2, requires_grad=True) * 1
+    return type(x.view(4).grad_fn), type(x.t().reshape(4).grad_fn)
+
+
+VIEW_GRAD_FNS = _view_nodes()  # ViewBackward0, UnsafeViewBackward0: view/reshape/flatten (their saved input sizes)

@@ -1,0 +1,118 @@
+"""Hooks on and copies of single tensors, for the Tracer (capture.py) and what it keeps for the generic rule
+(capture_generic.py): a copy-on-write copy, a tensor hook with a light handle, a hook on a module's output that
+survives a later in-place op, the first tensor of a module's inputs or output, sole ownership of memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections import OrderedDict
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+# A copy-on-write clone: it shares the .grad's memory until either is written to (the user's
+# zero_grad(set_to_none=False), clip_grad_norm_, the next backward accumulating into .grad), and only
+# then is the memory copied. A training step that sets .grad to None copies nothing at all.
+_lazy_clone = getattr(torch, "_lazy_clone", None)
+
+
+_NO_LAZY: set = set()  # device types where _lazy_clone failed once: plain copies there
+
+
+def _copy(g: torch.Tensor) -> torch.Tensor:
+    g = g.detach()
+    if _lazy_clone is not None and g.layout == torch.strided and g.device.type not in _NO_LAZY:
+        try:
+            return _lazy_clone(g)
+        except Exception:  # a device or tensor subclass whose storage cannot be shared copy-on-write
+            if type(g) is torch.Tensor:
+                _NO_LAZY.add(g.device.type)
+    return g.clone()
+
+
+class _Handle:
+    """Removes one tensor hook: a RemovableHandle without its Python-level overhead (one per module call)."""
+
+    __slots__ = ("hooks_dict_ref", "id")
+
+    def __init__(self, hooks_dict, key):
+        self.hooks_dict_ref = weakref.ref(hooks_dict)
+        self.id = key
+
+    def remove(self) -> None:
+        hooks_dict = self.hooks_dict_ref()
+        if hooks_dict is not None and self.id in hooks_dict:
+            del hooks_dict[self.id]
+
+
+def _register_hook(t: torch.Tensor, fn):
+    """t.register_hook(fn), the same dict entry Tensor.register_hook makes, with a lighter handle."""
+    if type(t) is not torch.Tensor:  # a subclass may route register_hook through __torch_function__
+        return t.register_hook(fn)
+    hooks = t._backward_hooks
+    if hooks is None:
+        hooks = t._backward_hooks = OrderedDict()
+        node = t.grad_fn
+        if node is not None:
+            node._register_hook_dict(t)
+    key = RemovableHandle.next_id  # the ids RemovableHandle uses: no clash with the user's hooks in that dict
+    RemovableHandle.next_id = key + 1
+    hooks[key] = fn
+    return _Handle(hooks, key)
+
+
+def _hook_output(handles: list, out: torch.Tensor, fn) -> None:
+    """A tensor hook fn(grad) -> new grad or None on a module's output, that fires even when a later
+    in-place op rewrites the output. A hook on a plain tensor survives that; one on a view does not
+    (a 3-D Linear's output is a view of a 2-D matmul result, and ReLU(inplace=True) replaces the
+    view's grad_fn). Then a hook on the view's base, which stays in the graph, stands in for it."""
+    base = out._base
+    if (base is None or not base.requires_grad or base.numel() != out.numel() or not out.is_contiguous()
+            or not base.is_contiguous() or base.data_ptr() != out.data_ptr()):
+        handles.append(_register_hook(out, fn))
+        return
+    fired = [False]
+
+    def on_out(grad):
+        fired[0] = True
+        return fn(grad)
+
+    handles.append(_register_hook(out, on_out))
+    shape = out.shape
+
+    def on_base(grad):
+        if fired[0]:  # the view's own hook ran in this backward pass
+            fired[0] = False
+            return None
+        new = fn(grad.reshape(shape))
+        return None if new is None else new.reshape(grad.shape)
+
+    handles.append(_register_hook(base, on_base))
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether no other tensor shares t's memory (the temporary storage object counts one)."""
+    try:
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
+    except Exception:  # a tensor subclass without plain storage: assume shared
+        return False
+
+
+def _first_tensor(obj) -> torch.Tensor | None:
+    """The tensor itself, or the first tensor of a tuple, list, dict, Hugging Face ModelOutput or
+    dataclass (the one out_* interventions replace; runs twice per module call: no generator)."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, (tuple, list)):
+        values = obj
+    elif isinstance(obj, dict):  # ModelOutput is an OrderedDict of its non-None fields
+        values = obj.values()
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        values = (getattr(obj, f.name) for f in dataclasses.fields(obj))
+    else:
+        return None
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            return x
+    return None
