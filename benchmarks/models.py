@@ -50,7 +50,64 @@ class GPT2(nn.Module):
         return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
 
 
-MODELS = ("mlp", "cnn", "transformer", "gpt2", "hooks")
+class MHABlock(nn.Module):
+    """Pre-norm block as real models write it: nn.MultiheadAttention(batch_first=True) (fused in_proj_weight,
+    out_proj called functionally inside it), LayerNorm, GELU MLP."""
+
+    def __init__(self, d: int, heads: int, ffn: int, causal: bool):
+        super().__init__()
+        self.causal = causal
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.fc1, self.fc2 = nn.Linear(d, ffn), nn.Linear(ffn, d)
+
+    def forward(self, x):
+        h = self.ln1(x)
+        mask = None
+        if self.causal:
+            T = x.shape[1]
+            mask = torch.triu(torch.full((T, T), float("-inf"), device=x.device), 1)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class ViT(nn.Module):
+    """ViT-shaped as torchvision/timm write it: patch embedding conv, class token and position embedding as
+    Parameters of the model itself (concatenated with / added to the batch), MultiheadAttention blocks."""
+
+    def __init__(self, d=192, heads=3, layers=6, patch=4, image=32, classes=10):
+        super().__init__()
+        n = (image // patch) ** 2
+        self.patch = nn.Conv2d(3, d, patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.02)
+        self.pos_embedding = nn.Parameter(torch.randn(1, n + 1, d) * 0.02)
+        self.blocks = nn.Sequential(*[MHABlock(d, heads, 4 * d, causal=False) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], 1) + self.pos_embedding
+        return self.head(self.ln(self.blocks(x))[:, 0])
+
+
+class GPT2MHA(nn.Module):
+    """GPT-2-shaped the way real models are written: fused q/k/v (nn.MultiheadAttention, causal mask), position
+    embedding called on arange(T) (one (T, d) table added to the batch)."""
+
+    def __init__(self, vocab=8192, d=256, heads=4, layers=4, seq=64):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.Sequential(*[MHABlock(d, heads, 4 * d, causal=True) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
+
+
+MODELS = ("mlp", "cnn", "transformer", "gpt2", "hooks", "vit", "gpt2mha")
 
 
 def build(name: str, device: str, small: bool = False):
@@ -75,6 +132,15 @@ def build(name: str, device: str, small: bool = False):
         model = GPT2(vocab=vocab, layers=layers)
         x = torch.randint(0, vocab, (B, 128), generator=g)
         y = torch.randint(0, vocab, (B, 128), generator=g)
+        loss = _ce_seq
+    elif name == "vit":  # 32x32 images, 4x4 patches: 64 patches + class token, d=192, 3 heads, 6 blocks
+        model = ViT() if not small else ViT(layers=2)
+        x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        loss = _ce
+    elif name == "gpt2mha":  # d=256, 4 heads, 4 blocks, vocabulary 8192, seq 64, B=8
+        model = GPT2MHA() if not small else GPT2MHA(vocab=1000, layers=2)
+        x = torch.randint(0, model.tok.num_embeddings, (8, 64), generator=g)
+        y = torch.randint(0, model.tok.num_embeddings, (8, 64), generator=g)
         loss = _ce_seq
     elif name == "hooks":  # many tiny layers: the per-module cost of hooks, not arithmetic
         model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(100)])

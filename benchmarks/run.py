@@ -24,7 +24,7 @@ import torch
 from . import models
 from .graphs import graph_build_times
 from .report import markdown
-from .variants import NORM_VARIANTS, VARIANTS, Unavailable
+from .variants import ALL_VARIANTS, NORM_VARIANTS, VARIANTS, Unavailable
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -193,7 +193,7 @@ def measure_memory(name: str, device: str, variants: list, quick: bool) -> dict:
     out = {}
     for v in variants:
         try:
-            step = VARIANTS[v](model, x, y, loss)
+            step = ALL_VARIANTS[v](model, x, y, loss)
             step()
         except Exception:  # noqa: BLE001 - already reported by the timing run
             continue

@@ -59,6 +59,16 @@ def make_hookwidget(capture: str):
     return make
 
 
+def make_hookwidget_full_norms(model, x, y, loss):
+    """capture="full", then per_sample_grad_norms() from the kept factors (the generic rule's rows included)."""
+    plain = make_plain(model, x, y, loss)
+
+    def run():
+        return hw.trace(plain, capture="full").per_sample_grad_norms()
+
+    return Step(run, model.parameters())
+
+
 def make_torch_func(model, x, y, loss):
     params = {k: v.detach() for k, v in model.named_parameters()}
     buffers = {k: v.detach() for k, v in model.named_buffers()}
@@ -84,7 +94,16 @@ def make_opacus(model, x, y, loss):
     m = copy.deepcopy(model)
     note = ""
     if any(isinstance(mod, nn.MultiheadAttention) for mod in m.modules()):
-        m, note = ModuleValidator.fix(m), "on a ModuleValidator.fix copy (DPMultiheadAttention)"
+        fixed = ModuleValidator.fix(m)
+        for name, mod in m.named_modules():  # fix() builds DPMultiheadAttention with fresh weights: load ours
+            if isinstance(mod, nn.MultiheadAttention):
+                fixed.get_submodule(name).load_state_dict(mod.state_dict())
+        m, note = fixed, "on a ModuleValidator.fix copy (DPMultiheadAttention, our weights loaded)"
+        with torch.no_grad():
+            diff = float((fixed(x) - model(x)).abs().max())
+        if diff > 1e-4:  # opacus 1.6: DPMultiheadAttention(batch_first=True) mixes up its head/batch layout
+            note += (f"; that copy computes another function (outputs differ by up to {diff:.2g}: DPMultiheadAttention "
+                     "with batch_first=True), so its norms are not compared")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         wrapped = wrap_model(m, grad_sample_mode="hooks", loss_reduction="sum")
@@ -100,7 +119,9 @@ def make_opacus(model, x, y, loss):
         loss(wrapped(x), y).backward()
         return torch.stack([p.grad_sample.flatten(1).pow(2).sum(1) for p in params]).sum(0).sqrt()
 
-    return Step(run, params, note, clear)
+    step = Step(run, params, note, clear)
+    step.partial = "not compared" in note
+    return step
 
 
 def make_backpack(model, x, y, loss):
@@ -123,7 +144,7 @@ def make_backpack(model, x, y, loss):
         clear()
         with backpack(BatchGrad()):
             loss(m(x), y).backward()
-        got = [p for p in params if hasattr(p, "grad_batch")]
+        got = [p for p in params if hasattr(p, "grad_batch") and p.grad_batch.shape[0] == x.shape[0]]
         if not got:
             raise Unavailable("BatchGrad computed no per-sample gradient for this model")
         return torch.stack([p.grad_batch.flatten(1).pow(2).sum(1) for p in got]).sum(0).sqrt()
@@ -131,7 +152,8 @@ def make_backpack(model, x, y, loss):
     step = Step(run, params, extra_reset=clear)
     step()  # which parameters does it skip?
     names = {id(p): n for n, p in m.named_parameters()}
-    missing = [names[id(p)] for p in params if not hasattr(p, "grad_batch")]
+    # no grad_batch, or one whose leading dimension is not the batch (a position table called on arange(T))
+    missing = [names[id(p)] for p in params if not hasattr(p, "grad_batch") or p.grad_batch.shape[0] != x.shape[0]]
     if missing:
         kinds = sorted({type(m.get_submodule(n.rpartition(".")[0])).__name__ for n in missing})
         step.note = (f"skips {len(missing)} of {len(params)} parameters ({', '.join(kinds)}): "
@@ -168,4 +190,35 @@ VARIANTS = {
     "BackPACK norms": make_backpack,
     "TorchLens +grads": make_torchlens,
 }
-NORM_VARIANTS = ("hookwidget norms", "torch.func norms", "Opacus norms", "BackPACK norms")
+def without_fast_rules(make):
+    """The same variant with the generic rule's fast rules (layers/attention.py) switched off: vmap of each
+    module's vjp for every module without an exact (a, δ) rule, as before those rules existed."""
+
+    def wrapped(model, x, y, loss):
+        from hookwidget.layers import generic
+
+        step = make(model, x, y, loss)
+        inner = step.run
+
+        def run():
+            saved = list(generic.FAST_RULES)
+            generic.FAST_RULES[:] = []
+            try:
+                return inner()
+            finally:
+                generic.FAST_RULES[:] = saved
+
+        step.run = run
+        return step
+
+    return wrapped
+
+
+# not in the default table of run.py: benchmarks/full_coverage.py measures them
+EXTRA_VARIANTS = {
+    "hookwidget full norms": make_hookwidget_full_norms,
+    "hookwidget norms (vmap rule only)": without_fast_rules(make_hookwidget("norms")),
+    "hookwidget full norms (vmap rule only)": without_fast_rules(make_hookwidget_full_norms),
+}
+ALL_VARIANTS = {**VARIANTS, **EXTRA_VARIANTS}
+NORM_VARIANTS = ("hookwidget norms", "hookwidget full norms", "torch.func norms", "Opacus norms", "BackPACK norms")

@@ -231,7 +231,7 @@ class Tracer(GenericCapture):
         rec.keeps_rows = fx.keeps_rows(module)
         rec.compiled = "_orig_mod" in module._modules
         rec.generic = self.capture != "summary" and fx.is_generic(module)
-        rec.broadcast = self.capture == "full" and fx.spec_for(module) is not None and _trainable(module)
+        rec.broadcast = self.capture in ("full", "norms") and fx.spec_for(module) is not None and _trainable(module)
         if self.capture == "norms":
             rec.norms = self.norms_rule is not None and self.norms_rule.wants(module)
         if self.state is not None:

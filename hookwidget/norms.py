@@ -9,12 +9,14 @@ has its own rows: under gradient accumulation every micro-batch's samples are ke
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import torch
 from torch import nn
 
 from . import factors as fx
+from .layers import generic
 
 
 class StreamingNorms:
@@ -66,10 +68,10 @@ class StreamingNorms:
 
     def _consume(self, module, calls, modules) -> None:
         if self._owners is None:
-            self._owners = Counter(id(p) for m in modules for p in m.parameters(recurse=False))
+            self._owners = _owners(modules)
         x_gram = self._shared_gram(module, calls, modules)
         own = []
-        for f in fx.factors(module, calls):
+        for f in fx.factors(module, [_per_sample_call(c) for c in calls]):
             p = getattr(module, f.param)
             if self._owners[id(p)] > 1:
                 self._shared.setdefault(p, []).append((module, f))
@@ -86,6 +88,8 @@ class StreamingNorms:
             self._add(module, fx.per_sample_norm_sq(f, x_gram if f.kind == "outer" else None))
         for c in calls:
             c.a = c.delta = None
+            if getattr(c, "bdelta", None) is not None:
+                c.bdelta = None
         left = [c for c in self._open.get(module, ()) if c.a is not None]
         if left:
             self._open[module] = left
@@ -138,6 +142,43 @@ class StreamingNorms:
         return list(self._steps)
 
 
+def _per_sample_call(call):
+    """A position table's call whose (1, ...) or (T, d) output was added to the batch: each sample's δ is the
+    gradient that arrived at that add (call.bdelta, kept where capture hooks the add), exact where autograd's sum
+    of it over the samples is the call's δ; its input is then the same for every sample. Any other call as it is
+    (per_sample._batched does the same for capture="full")."""
+    bd = getattr(call, "bdelta", None)
+    if bd is None or call.delta is None or call.a is None:
+        return call
+    summed = bd.sum(0, keepdim=bd.dim() == call.delta.dim())
+    if summed.shape != call.delta.shape or not torch.allclose(
+            summed, call.delta, rtol=1e-4, atol=1e-5 * float(call.delta.abs().max()) + 1e-12):
+        return call
+    out = copy.copy(call)
+    out.delta = bd
+    if bd.dim() > call.delta.dim():  # (T, d) added to (B, T, d): a new leading dimension
+        out.a = call.a.expand(bd.shape[0], *call.a.shape)
+    elif call.a.dim() and call.a.shape[0] == 1:
+        out.a = call.a.expand(bd.shape[0], *call.a.shape[1:])
+    else:
+        return call
+    return out
+
+
 def _input_key(module, a: torch.Tensor) -> tuple:
     """Same key, same values: one storage, offset, shape, strides, version, and the layer's dtype."""
     return (a.data_ptr(), a.device, a.dtype, tuple(a.shape), a.stride(), a._version, module.weight.dtype)
+
+
+def _owners(modules) -> Counter:
+    """id(parameter) -> how many called modules answer for it: a generic-rule module does not answer for a
+    parameter a called layer inside it holds too (BERT's head holds its decoder's bias: the decoder answers)."""
+    called = {id(m) for m in modules}
+    out = Counter()
+    for m in modules:
+        own = m.parameters(recurse=False)
+        if fx.is_generic(m):
+            answered = {id(p) for p in generic.owned(m, called).values()}
+            own = [p for p in own if id(p) in answered]
+        out.update(id(p) for p in own)
+    return out

@@ -14,6 +14,7 @@ the note that names what they leave out.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import Counter, defaultdict
 
 import torch
@@ -91,7 +92,8 @@ def layer_factors(trace, name: str, calls: list) -> list[fx.Factor]:
     if isinstance(rows, str):
         raise ValueError(f"layer {name!r} ({type(module).__name__}, generic torch.func rule): {rows}")
     owned = owned_params(trace, name)
-    return [fx.Factor(n, "dense", g.to(owned[n].dtype), None, tuple(owned[n].shape)) for n, g in rows.items()]
+    return [fx._in_param_dtype(g, owned[n].dtype) if isinstance(g, fx.Factor) else
+            fx.Factor(n, "dense", g.to(owned[n].dtype), None, tuple(owned[n].shape)) for n, g in rows.items()]
 
 
 def _batched(trace, call, module=None):
@@ -191,6 +193,9 @@ def per_sample_norms(trace, name: str | None, step: int | None) -> torch.Tensor:
         if names:
             rows.append(_norm_sq(trace, names, k))
     if not rows:
+        if trace.session.options.capture == "summary":
+            raise ValueError("capture='summary' keeps statistics, not (a, δ): trace with capture='norms' (or 'full') "
+                             "for per-sample gradient norms")
         raise ValueError("no layer with (a, δ) factors in this trace: " + ("; ".join(trace.notes) or
                          "run a backward inside the trace"))
     return torch.cat(rows).sqrt()
@@ -270,6 +275,8 @@ def _complete(trace, p, fs: list, k: int) -> bool:
         return False
     if made is None:
         return False
+    if len(fs) == 1 and _cache(trace).get(("complete", id(p), k, (id(fs[0].D),))):
+        return True  # the generic rule's check (_generic_rows) found the same rows add up to this .grad
     rebuilt = sum(fx.summed_grad(f) for f in fs)
     return _close(rebuilt, made)
 
@@ -352,22 +359,42 @@ def _generic_rows(trace, name: str, k: int):
         return "its inputs have no batch dimension"
     size = B * sum(p.numel() * p.element_size() for p in owned.values())
     budget = _budget_bytes(trace)
+    fast = _fast_rows(module, calls, names, B)
+    if fast is not None and (size <= budget or all(f.kind != "dense" for f in fast.values())):
+        why = _check_rows(trace, name, module, calls, names, owned, B, k, fast)
+        if why is None:  # else the vmap rule answers (and names what is wrong where it is refused too)
+            return fast
     if size > budget:
         return (f"its per-sample gradients would take {size / 2**20:.0f} MB (batch {B}), over budget_mb="
                 f"{budget / 2**20:g}; raise budget_mb to have them")
     try:
         rows = _sum_calls(generic.per_sample(module, c, list(names.values()), B) for c in calls)
         rows = {pn: rows[cn] for pn, cn in names.items()}
+    except generic.Refused as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001  (the module changed since the call, say: named, never raised at attach)
+        return f"the generic rule could not rerun it: {generic.first_line(e)}"
+    why = _check_rows(trace, name, module, calls, names, owned, B, k, rows)
+    return rows if why is None else why
+
+
+def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | None:
+    """None where the per-sample rows add up to the gradient the step made (the step's .grad where the layer is
+    the parameter's only holder and that matches, else a full-batch vjp of the same calls), else why not."""
+    try:
         holders = _holders(trace)
-        full = None
+        full, matched = None, []
         for pn, g in rows.items():
-            summed = g.sum(0)
-            if holders.get(id(owned[pn])) == [name] and _step_grad_matches(trace, owned[pn], k, summed):
-                continue
+            if holders.get(id(owned[pn])) == [name]:
+                made = _step_grad(trace, owned[pn], k)
+                if made is not None and _adds_up(g, made):
+                    matched.append(("complete", id(owned[pn]), k, (id(g.D if isinstance(g, fx.Factor) else g),)))
+                    continue
             if full is None:
                 full = _sum_calls(generic.full_batch(module, c, list(names.values()), B) for c in calls)
             want = full[names[pn]]
-            if not _close(summed, want):
+            if not _adds_up(g, want):
+                summed = _summed(g)
                 rel = float((summed - want).abs().max() / want.abs().max().clamp_min(1e-30))
                 return (f"{type(module).__name__} {generic.MIXES} (their sum differs from the batch's gradient of "
                         f"{pn} by {rel:.1e} relative)")
@@ -375,6 +402,54 @@ def _generic_rows(trace, name: str, k: int):
         return str(e)
     except Exception as e:  # noqa: BLE001  (the module changed since the call, say: named, never raised at attach)
         return f"the generic rule could not rerun it: {generic.first_line(e)}"
+    _cache(trace).update(dict.fromkeys(matched, True))  # _complete: these rows rebuild .grad (rows are cached too)
+    return None
+
+
+# (fast rule, code-path key, id) -> weak reference to the module whose rows matched a sample rerun alone (_fast_rows):
+# verified per module (its class, its configuration) and code path, never for another module at the same address
+_VERIFIED: dict = {}
+
+
+def _fast_rows(module, calls: list, names: dict, B: int):
+    """Parameter name -> Factor from a fast rule (generic.FAST_RULES: token factors or rows from one full-batch
+    backward: nn.MultiheadAttention, a model's own (1, ...) parameters) that covers this call; else None (the vmap
+    rule answers). Besides the check in _generic_rows (rows add up to the step's gradient, every call), the first
+    call of each module and code path the rule names (its key: layout, masks, shapes, which parameters) has one
+    sample's rows (the middle one) compared with the gradient of the module's forward rerun on that sample alone: a
+    sum does not see tokens of several samples mixed up by a wrong layout, and such a mix-up would be the code
+    path's, the same on every call."""
+    if len(calls) != 1:
+        return None
+    for rule in generic.fast_rules(module):
+        rows = _fast_rule_rows(rule, module, calls[0], names, B)
+        if rows is not None:
+            return rows
+    return None
+
+
+def _fast_rule_rows(rule, module, call, names: dict, B: int):
+    try:
+        facs, key = rule(module, call, list(names.values()), B)
+        rows = {pn: fx.Factor(pn, facs[cn].kind, facs[cn].D, facs[cn]._X, facs[cn].shape) for pn, cn in names.items()}
+        seen = _VERIFIED.get((rule, key, id(module)))
+        if seen is None or seen() is not module:
+            b = B // 2
+            want = generic.one_sample(module, call, list(names.values()), B, b)
+            for pn, cn in names.items():
+                f = rows[pn]
+                one = fx.Factor(pn, f.kind, f.D[b:b + 1], None if f._X is None else f._X[b:b + 1], f.shape)
+                if not _adds_up(one, want[cn]):
+                    return None
+            if B > 1:
+                if len(_VERIFIED) > 4096:  # forget modules that are gone
+                    for k in [k for k, r in _VERIFIED.items() if r() is None]:
+                        del _VERIFIED[k]
+                _VERIFIED[(rule, key, id(module))] = weakref.ref(module)
+    except generic.NotApplicable:
+        return None
+    except Exception:  # noqa: BLE001  (the vmap rule decides, and names the reason where it fails too)
+        return None
     return rows
 
 
@@ -392,13 +467,38 @@ def _sum_calls(parts) -> dict:
     return total
 
 
-def _step_grad_matches(trace, p, k: int, summed: torch.Tensor) -> bool:
+def _step_grad(trace, p, k: int):
+    """The .grad of parameter p that step k made, or None."""
     name = next((n for n, q in trace.params.items() if q is p), None)
     try:
         made = trace.steps[k].grad(name)
     except (KeyError, ValueError):
-        return False
-    return made is not None and _close(summed, made)
+        return None
+    return made
+
+
+def _summed(g) -> torch.Tensor:
+    return fx.summed_grad(g) if isinstance(g, fx.Factor) else g.sum(0)
+
+
+def _adds_up(g, want: torch.Tensor) -> bool:
+    """Whether per-sample rows (a tensor, or a fast rule's Factor) add up to `want`. An outer factor's sum
+    Σ_bt δ_bt x_btᵀ is compared along two random directions per side (Freivalds: uᵀ(ΣδxᵀV) against uᵀ want v,
+    O(BT(o + i)) instead of the O(BT·o·i) of the sum itself), with a tolerance scaled to the magnitudes that
+    enter it; the fast rule's rows are besides compared element by element on one sample (_fast_rows)."""
+    if not (isinstance(g, fx.Factor) and g.kind == "outer" and g._X is not None and g.D.dim() == 3
+            and want.dim() == 2 and not want.is_sparse and tuple(want.shape) == (g.D.shape[-1], g.X.shape[-1])
+            and want.dtype in (torch.float32, torch.float64) and g.D.dtype == g.X.dtype == want.dtype):
+        return _close(_summed(g), want)
+    gen = torch.Generator(device=want.device).manual_seed(0)
+    D, X, W = g.D.double(), g.X.double(), want.double()
+    U = torch.randn(W.shape[0], 2, generator=gen, device=W.device, dtype=W.dtype)
+    V = torch.randn(W.shape[1], 2, generator=gen, device=W.device, dtype=W.dtype)
+    du, xv = D @ U, X @ V  # (B, T, 2)
+    got = (du * xv).sum((0, 1))
+    ref = ((U.T @ W) * V.T).sum(1)
+    scale = (du.abs() * xv.abs()).sum((0, 1)) + ((U.abs().T @ W.abs()) * V.abs().T).sum(1)
+    return bool(((got - ref).abs() <= 3e-5 * scale + 1e-30).all())
 
 
 def _batch_size(trace, k: int) -> int | None:
@@ -446,13 +546,13 @@ def left_out(trace) -> dict:
             k = max(c.step for h in hs for c in trace.layers[h].calls if c.step is not None)
             reasons = {h: _layer_reason(trace, h, k, unbatched_names, norms_mode)
                        if any(q is p for q in owned_params(trace, h).values()) else _ONLY_HOLDS for h in hs}
-            generic_holders = [h for h in hs if fx.is_generic(trace.layers[h].module)]
+            generic_holders = [h for h in hs if fx.is_generic(trace.layers[h].module) and reasons[h] is not _ONLY_HOLDS]
             if norms_mode and generic_holders and len(hs) > 1:
                 why = "; ".join(f"{h}: {r}" for h, r in reasons.items() if r is not None) or (
                     f"shared by {', '.join(hs)}: with capture='norms' a parameter that a generic-rule layer shares "
                     "is left out; capture='full' counts it")
             elif norms_mode and not generic_holders:  # capture="norms" counted it as it streamed: all holders or none
-                why = "; ".join(f"{h}: {r}" for h, r in reasons.items() if r is not None) or None
+                why = "; ".join(f"{h}: {r}" for h, r in reasons.items() if r not in (None, _ONLY_HOLDS)) or None
             else:
                 why = coverage_gap(trace, p, k, reasons, lambda ok, p=p, k=k: _factors_of(trace, p, ok, k))
         if why:
@@ -472,13 +572,15 @@ def _layer_reason(trace, name: str, k: int, unbatched_names, norms_mode: bool) -
     if name in unbatched_names:
         return ("its input's leading dimension is not the batch size: a table called on positions (its gradient "
                 "is already summed over the batch), or samples folded into rows other than by a view")
-    if fx.is_generic(module):
-        if any(c.step == k for c in trace.layers[name].calls):
-            rows = generic_rows(trace, name, k)
-            if isinstance(rows, str):
-                exact = fx.exact_reason(module) or ""
-                why = "" if exact.startswith("no factor rule for") else f" (no exact rule: {exact})"
-                return f"{type(module).__name__}, generic torch.func rule: {rows}{why}"
+    if not fx.is_generic(module):
+        if not norms_mode and any(c.a is None or c.delta is None for c in trace.layers[name].calls if c.step == k):
+            return "its a or δ was not kept (capture='summary', or over budget_mb)"
+    elif any(c.step == k for c in trace.layers[name].calls):
+        rows = generic_rows(trace, name, k)
+        if isinstance(rows, str):
+            exact = fx.exact_reason(module) or ""
+            why = "" if exact.startswith("no factor rule for") else f" (no exact rule: {exact})"
+            return f"{type(module).__name__}, generic torch.func rule: {rows}{why}"
     return None
 
 
@@ -486,6 +588,8 @@ def _factors_of(trace, p, names: list, k: int) -> list:
     fs = []
     for h in names:
         calls = [c for c in trace.layers[h].calls if c.step == k]
+        if calls and not fx.is_generic(trace.layers[h].module) and any(c.a is None or c.delta is None for c in calls):
+            raise ValueError(f"layer {h!r}: a or δ not kept")  # capture="summary", or over the memory budget
         if calls:
             fs += [f for f in layer_factors(trace, h, calls) if _param(trace, h, f.param) is p]
     return fs

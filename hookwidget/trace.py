@@ -221,7 +221,7 @@ class Trace:
             self.notes.append("no (a, δ) factor rule, so no weight_grad / per-sample gradients for: "
                               + ", ".join(unsupported))
         left = self.per_sample_left_out = ps.left_out(self) if self.steps else {}
-        if left:
+        if left and self.session.options.capture != "summary":  # summaries keep no (a, δ): no news in a note
             total = sum(g.numel() for g in self.param_grads.values() if g is not None)
             lost = sum(self.params[n].numel() for n in left)
             self.notes.append(f"per-sample gradient norms leave out {len(left)} parameters ({lost:,} of {total:,} "

@@ -190,17 +190,19 @@ def _position_reference(model, idx):
     return vmap(grad(one), in_dims=(None, 0))(params, idx)
 
 
-def test_positions_added_to_the_batch_get_each_samples_delta():
+@pytest.mark.parametrize("capture", ["full", "norms"])
+def test_positions_added_to_the_batch_get_each_samples_delta(capture):
     """pos(arange(T)) is (T, d), added to (B, T, d): each sample's δ is what arrives at that add (exact)."""
     torch.manual_seed(0)
     model, idx = WithPositions(), torch.randint(0, 9, (5, 4))
-    t = hw.trace(lambda: model(idx).pow(2).sum().backward())
+    t = hw.trace(lambda: model(idx).pow(2).sum().backward(), capture=capture)
     ref = _position_reference(model, idx)
     assert not t.per_sample_left_out
-    assert torch.allclose(t.per_sample_grads("pos"), ref["pos.weight"], atol=1e-5)
-    assert torch.allclose(t.weight_grad("pos"), model.pos.weight.grad, atol=1e-5)
     norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
     assert torch.allclose(t.per_sample_grad_norms(), norms, rtol=1e-4)
+    if capture == "full":
+        assert torch.allclose(t.per_sample_grads("pos"), ref["pos.weight"], atol=1e-5)
+        assert torch.allclose(t.weight_grad("pos"), model.pos.weight.grad, atol=1e-5)
 
 
 class ScaledByPositions(WithPositions):
@@ -208,10 +210,9 @@ class ScaledByPositions(WithPositions):
         return self.out(self.tok(idx) * self.pos(torch.arange(idx.shape[1])))
 
 
-@pytest.mark.parametrize("model_type, capture", [(WithPositions, "norms"), (ScaledByPositions, "full"),
-                                                 (ScaledByPositions, "norms")])
+@pytest.mark.parametrize("model_type, capture", [(ScaledByPositions, "full"), (ScaledByPositions, "norms")])
 def test_an_unbatched_embedding_is_left_out_and_said(model_type, capture):
-    """Positions that are not added to the batch (multiplied), or capture="norms": left out, by name."""
+    """Positions that are not added to the batch (multiplied): left out, by name."""
     torch.manual_seed(0)
     model, idx = model_type(), torch.randint(0, 9, (5, 4))
     t = hw.trace(lambda: model(idx).pow(2).sum().backward(), capture=capture)
@@ -224,3 +225,14 @@ def test_an_unbatched_embedding_is_left_out_and_said(model_type, capture):
         with pytest.raises(ValueError, match="'pos': its input's leading dimension is 4, not the batch size 5"):
             t.per_sample_grads("pos")
         assert torch.allclose(t.weight_grad("pos"), model.pos.weight.grad, atol=1e-5)  # .grad itself is fine
+
+
+def test_summary_capture_says_how_to_get_per_sample_norms():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    t = hw.trace(lambda: model(x).sum().backward(), model, capture="summary")
+    assert not any("per-sample" in n for n in t.notes)  # no (a, δ) is what summaries are: not news
+    assert set(t.per_sample_left_out) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    with pytest.raises(ValueError, match=r"capture='summary' keeps statistics, not \(a, δ\): trace with"):
+        t.per_sample_grad_norms()

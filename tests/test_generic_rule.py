@@ -571,3 +571,35 @@ def test_gradient_accumulation_stacks_each_micro_batch():
     close(t.per_sample_grad_norms(), torch.cat([norms_of(r) for r in refs]))
     close(t.per_sample_grads("1", "weight_hh_l0", step=1), refs[1]["1.weight_hh_l0"])
     close(t.per_sample_grads("1", "weight_hh_l0").sum(0), model[1].weight_hh_l0.grad)
+
+
+class TiedHead(nn.Module):
+    """BERT's prediction head: it holds its decoder's bias as its own parameter too."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoder = nn.Linear(4, 5)
+        self.bias = self.decoder.bias
+
+    def forward(self, x):
+        return self.decoder(x)
+
+
+@pytest.mark.parametrize("capture", ["summary", "norms", "full"])
+def test_a_bias_held_twice_in_every_capture_mode(capture):
+    """Summaries keep no a: deciding whether the shared bias is covered must not need the decoder's factors."""
+    torch.manual_seed(0)
+    model, x = TiedHead(), torch.randn(3, 4)
+    t = hw.trace(lambda: model(x).pow(2).sum().backward(), model, capture=capture)
+    left = t.per_sample_left_out
+    if capture == "summary":  # nothing is covered, and each parameter says why
+        assert set(left) == {"decoder.weight", "bias"}
+        assert all("not kept (capture='summary'" in why for why in left.values())
+    else:
+        assert not left
+        ref = []
+        for i in range(3):
+            model.zero_grad()
+            model(x[i:i + 1]).pow(2).sum().backward()
+            ref.append(torch.cat([model.decoder.weight.grad.flatten(), model.decoder.bias.grad]).norm())
+        torch.testing.assert_close(t.per_sample_grad_norms(), torch.stack(ref), rtol=1e-4, atol=1e-6)

@@ -1,6 +1,6 @@
 """Layer specs: one small module per layer family registers its exact (a, δ) rule (see registry.py)."""
 
-from . import conv, embedding, generic, linear, norm  # noqa: F401  (each registers its specs)
+from . import attention, conv, embedding, generic, linear, norm  # noqa: F401  (each registers its specs)
 from .base import KINDS, ConvCall, ConvCalls, Factor, Kind, gram_applies
 from .registry import (
     GENERIC,

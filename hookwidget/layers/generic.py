@@ -28,6 +28,22 @@ class Refused(Exception):
     """The generic rule is not exact for this module here; the message says why, in one line."""
 
 
+class NotApplicable(Exception):
+    """A fast rule (FAST_RULES) does not cover this call: the vmap rule answers instead."""
+
+
+# (applies(module) -> bool, rule(module, call, names, B) -> ({name: Factor}, key)): exact token factors for a module
+# type the generic rule serves, cheaper than vmap of its vjp (attention.py: nn.MultiheadAttention); key names the code
+# path the call took (layout, masks, parameters). Checked in per_sample.py like the vmap rule's rows (they add up to
+# the step's gradient), and, on the first call of each key, one sample's rows against its own vjp (one_sample).
+FAST_RULES: list = []
+
+
+def fast_rules(module) -> list:
+    """The fast rules that may serve this module, in order."""
+    return [rule for applies, rule in FAST_RULES if applies(module)]
+
+
 # -- which parameters a module answers for -----------------------------------------------------------
 def is_parametrization(module: nn.Module) -> bool:
     """A weight_norm / parametrize container: its parameters are its parametrized module's."""
@@ -245,6 +261,64 @@ def _looped(module, prep: _Prepared, train: dict, xs: list, B: int) -> dict:
                           "per-sample gradients need the same random numbers; put it in eval mode")
         rows.append(vjp_fn(cots_b)[0])
     return {n: torch.stack([r[n] for r in rows]) for n in train}
+
+
+def one_sample(module, call, names: list, B: int, b: int) -> dict:
+    """name -> the gradient of sample b alone: the forward rerun on that sample only, its δ pulled back."""
+    prep = _prepare(module, call, names, B)
+    train = {n: call.params[n] for n in names}
+    xs = [prep.leaves[i].narrow(d, b, 1) for i, d in zip(prep.batched, prep.in_dims)]
+    cots = tuple(c.narrow(d, b, 1) for c, d in zip(prep.cots, prep.out_dims))
+    with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)):
+        _, vjp_fn = torch.func.vjp(lambda tr: _forward(module, prep, tr, xs, False), train)
+        return vjp_fn(cots)[0]
+
+
+def _leading_one(p) -> bool:
+    return p.dim() >= 2 and p.shape[0] == 1
+
+
+def has_broadcast_params(module) -> bool:
+    """Whether the module holds parameters of its own shaped (1, ...) (a class token, a position embedding)."""
+    return any(p is not None and p.requires_grad and _leading_one(p) for p in module._parameters.values())
+
+
+def broadcast_params(module, call, names: list, B: int) -> tuple:
+    """A model's own (1, ...) parameters concatenated with or added to the batch (ViT's class token and position
+    embedding): each replaced, for one rerun of the forward on the whole batch, by B copies of itself (B, ...),
+    the batch dimension its (1, ...) was broadcast along. Where the forward uses them only so, it computes the
+    same outputs and the gradient of copy b is sample b's: one backward of the batch instead of vmap of the
+    module's vjp over it (the rerun, not a per-sample one). per_sample.py checks the rows as the vmap rule's and,
+    once per module and code path (key: shapes), one sample's rows against its own vjp: a forward that indexes or
+    reduces the parameter over its first dimension (p[0], p.sum(0)) gives other rows, or other outputs: refused.
+    Raises NotApplicable where a parameter is not (1, ...), the outputs differ in shape, or the forward draws
+    random numbers."""
+    if not names or any("." in n for n in names):
+        raise NotApplicable("parameters of submodules")
+    params = {n: call.params[n] for n in names}
+    if not all(_leading_one(p) for p in params.values()) or B < 2:
+        raise NotApplicable("not (1, ...) parameters")
+    prep = _prepare(module, call, names, B)
+    xs = [prep.leaves[i] for i in prep.batched]
+    copies = {n: p.detach().expand(B, *p.shape[1:]).clone().requires_grad_() for n, p in params.items()}
+    with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)), torch.enable_grad():
+        state = torch.get_rng_state()
+        outs = _forward(module, prep, copies, xs, False)
+        if not torch.equal(state, torch.get_rng_state()):
+            raise NotApplicable("its forward draws random numbers")
+        if any(o.shape != c.shape for o, c in zip(outs, prep.cots)):
+            raise NotApplicable("other outputs with the parameters copied per sample")
+        grads = torch.autograd.grad(outs, list(copies.values()), prep.cots, allow_unused=True)
+    from .base import Factor
+
+    rows = {n: Factor(n, "dense", (torch.zeros_like(c) if g is None else g).reshape(B, *params[n].shape), None,
+                      tuple(params[n].shape)) for (n, c), g in zip(copies.items(), grads)}
+    key = ("broadcast", tuple(names), tuple(tuple(x.shape) for x in xs),
+           tuple(tuple(c.shape) for c in prep.cots))
+    return rows, key
+
+
+FAST_RULES.append((has_broadcast_params, broadcast_params))
 
 
 def full_batch(module, call, names: list, B: int) -> dict:
