@@ -146,7 +146,7 @@ def _per_sample_call(call):
     """A position table's call whose (1, ...) or (T, d) output was added to the batch: each sample's δ is the
     gradient that arrived at that add (call.bdelta, kept where capture hooks the add), exact where autograd's sum
     of it over the samples is the call's δ; its input is then the same for every sample. Any other call as it is
-    (per_sample._batched does the same for capture="full")."""
+    (per_sample.batched_call does the same for capture="full")."""
     bd = getattr(call, "bdelta", None)
     if bd is None or call.delta is None or call.a is None:
         return call

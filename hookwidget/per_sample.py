@@ -14,12 +14,12 @@ the note that names what they leave out.
 from __future__ import annotations
 
 import copy
-import weakref
 from collections import Counter, defaultdict
 
 import torch
 
 from . import factors as fx
+from .generic_rows import generic_rows
 from .layers import generic
 
 
@@ -87,7 +87,7 @@ def layer_factors(trace, name: str, calls: list) -> list[fx.Factor]:
     rule's, or the generic rule's per-sample gradients (kind "dense"), once they passed the check."""
     module = trace.layers[name].module
     if not fx.is_generic(module):
-        return fx.factors(module, [_batched(trace, c, module) for c in calls])
+        return fx.factors(module, [batched_call(trace, c, module) for c in calls])
     rows = generic_rows(trace, name, calls[0].step)
     if isinstance(rows, str):
         raise ValueError(f"layer {name!r} ({type(module).__name__}, generic torch.func rule): {rows}")
@@ -96,7 +96,7 @@ def layer_factors(trace, name: str, calls: list) -> list[fx.Factor]:
             fx.Factor(n, "dense", g.to(owned[n].dtype), None, tuple(owned[n].shape)) for n, g in rows.items()]
 
 
-def _batched(trace, call, module=None):
+def batched_call(trace, call, module=None):
     """The call as its samples saw it: a position table's (1, ...) output added to a batch gets each sample's δ
     (call.bdelta) and its input repeated per sample; samples folded into rows are unfolded; any other call as
     it is."""
@@ -126,11 +126,11 @@ def broadcast_delta(trace, call):
     the samples is the call's δ (so the rows are exact), else None."""
     if call.bdelta is None or call.delta is None:
         return None
-    cache = _cache(trace)
+    cache = trace_cache(trace)
     key = ("bdelta", id(call))
     if key not in cache:
         summed = call.bdelta.sum(0, keepdim=call.bdelta.dim() == call.delta.dim())
-        cache[key] = call.bdelta if _close(summed, call.delta) else None
+        cache[key] = call.bdelta if allclose_grad(summed, call.delta) else None
     return cache[key]
 
 
@@ -204,7 +204,7 @@ def per_sample_norms(trace, name: str | None, step: int | None) -> torch.Tensor:
 def _generic_norm_sq(trace, k: int) -> torch.Tensor | None:
     """capture="norms": squared per-sample norms of the generic-rule layers of step k (capture streamed the
     others), over the parameters each is the only holder of (left_out names the rest)."""
-    holders, sq = _holders(trace), None
+    holders, sq = param_holders(trace), None
     for n, layer in trace.layers.items():
         calls = [c for c in layer.calls if c.step == k]
         if not calls or not fx.is_generic(layer.module) or not owned_params(trace, n) or trace._no_factors:
@@ -229,7 +229,7 @@ def _norm_sq(trace, names: list, k: int) -> torch.Tensor:
             by_param[id(p)].append(f)
             holder_of[id(p)] = p
     asked = set(names)
-    holders = _holders(trace)
+    holders = param_holders(trace)
     sq = 0
     for pid, fs in by_param.items():
         reasons = {h: None if h in asked else "not among the layers asked" for h in holders.get(pid, ())}
@@ -275,13 +275,13 @@ def _complete(trace, p, fs: list, k: int) -> bool:
         return False
     if made is None:
         return False
-    if len(fs) == 1 and _cache(trace).get(("complete", id(p), k, (id(fs[0].D),))):
-        return True  # the generic rule's check (_generic_rows) found the same rows add up to this .grad
+    if len(fs) == 1 and trace_cache(trace).get(("complete", id(p), k, (id(fs[0].D),))):
+        return True  # the generic rule's check (generic_rows) found the same rows add up to this .grad
     rebuilt = sum(fx.summed_grad(f) for f in fs)
-    return _close(rebuilt, made)
+    return allclose_grad(rebuilt, made)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+def allclose_grad(got: torch.Tensor, want: torch.Tensor) -> bool:
     if want.is_sparse:
         want = want.to_dense()
     got = got.to(want.dtype).reshape(want.shape)
@@ -289,7 +289,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 # -- who answers for which parameter -----------------------------------------------------------------
-def _cache(trace) -> dict:
+def trace_cache(trace) -> dict:
     cache = getattr(trace, "_generic", None)
     if cache is None:
         cache = trace._generic = {}
@@ -300,7 +300,7 @@ def owned_params(trace, name: str) -> dict:
     """Parameter name -> trainable parameter the layer answers for: its own (an exact rule's), or with the
     generic rule also those of descendants no call of the trace reached (MultiheadAttention's out_proj, a
     weight-normed conv's parametrizations). A parametrization container answers for none: its module does."""
-    cache = _cache(trace)
+    cache = trace_cache(trace)
     key = ("owned", name)
     if key not in cache:
         module = trace.layers[name].module
@@ -316,7 +316,7 @@ def owned_params(trace, name: str) -> dict:
     return cache[key]
 
 
-def _holders(trace) -> dict:
+def param_holders(trace) -> dict:
     """id(parameter) -> names of the called layers that answer for it (tied weights: several)."""
     out = defaultdict(list)
     for n, layer in trace.layers.items():
@@ -329,179 +329,7 @@ def _holders(trace) -> dict:
     return out
 
 
-# -- the generic rule, checked: exact or absent ------------------------------------------------------
-def generic_rows(trace, name: str, k: int):
-    """Parameter name -> (B, *shape) per-sample gradients of a generic-rule layer in step k, or why not (a
-    str). Used only after the check: their sum over samples and calls equals the gradient the step made
-    (the step's .grad where the layer is the parameter's only holder and that matches, else a full-batch vjp
-    of the same calls). Cached per (layer, step)."""
-    cache = _cache(trace)
-    key = ("rows", name, k)
-    if key not in cache:
-        cache[key] = _generic_rows(trace, name, k)
-    return cache[key]
-
-
-def _generic_rows(trace, name: str, k: int):
-    module = trace.layers[name].module
-    calls = [c for c in trace.layers[name].calls if c.step == k]
-    if not calls:
-        return f"no backward reached it in step {k}"
-    calls = [_batched(trace, c) for c in calls]
-    why = next((generic.missing(c) for c in calls if generic.missing(c)), None)
-    if why:
-        return why
-    owned = owned_params(trace, name)
-    canonical = {id(p): n for n, p in module.named_parameters()}
-    names = {pn: canonical[id(p)] for pn, p in owned.items()}
-    B = _batch_size(trace, k) or generic.batch_size_hint(module, calls[0].inputs)
-    if not B:
-        return "its inputs have no batch dimension"
-    size = B * sum(p.numel() * p.element_size() for p in owned.values())
-    budget = _budget_bytes(trace)
-    fast = _fast_rows(module, calls, names, B)
-    if fast is not None and (size <= budget or all(f.kind != "dense" for f in fast.values())):
-        why = _check_rows(trace, name, module, calls, names, owned, B, k, fast)
-        if why is None:  # else the vmap rule answers (and names what is wrong where it is refused too)
-            return fast
-    if size > budget:
-        return (f"its per-sample gradients would take {size / 2**20:.0f} MB (batch {B}), over budget_mb="
-                f"{budget / 2**20:g}; raise budget_mb to have them")
-    try:
-        rows = _sum_calls(generic.per_sample(module, c, list(names.values()), B) for c in calls)
-        rows = {pn: rows[cn] for pn, cn in names.items()}
-    except generic.Refused as e:
-        return str(e)
-    except Exception as e:  # noqa: BLE001  (the module changed since the call, say: named, never raised at attach)
-        return f"the generic rule could not rerun it: {generic.first_line(e)}"
-    why = _check_rows(trace, name, module, calls, names, owned, B, k, rows)
-    return rows if why is None else why
-
-
-def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | None:
-    """None where the per-sample rows add up to the gradient the step made (the step's .grad where the layer is
-    the parameter's only holder and that matches, else a full-batch vjp of the same calls), else why not."""
-    try:
-        holders = _holders(trace)
-        full, matched = None, []
-        for pn, g in rows.items():
-            if holders.get(id(owned[pn])) == [name]:
-                made = _step_grad(trace, owned[pn], k)
-                if made is not None and _adds_up(g, made):
-                    matched.append(("complete", id(owned[pn]), k, (id(g.D if isinstance(g, fx.Factor) else g),)))
-                    continue
-            if full is None:
-                full = _sum_calls(generic.full_batch(module, c, list(names.values()), B) for c in calls)
-            want = full[names[pn]]
-            if not _adds_up(g, want):
-                summed = _summed(g)
-                rel = float((summed - want).abs().max() / want.abs().max().clamp_min(1e-30))
-                return (f"{type(module).__name__} {generic.MIXES} (their sum differs from the batch's gradient of "
-                        f"{pn} by {rel:.1e} relative)")
-    except generic.Refused as e:
-        return str(e)
-    except Exception as e:  # noqa: BLE001  (the module changed since the call, say: named, never raised at attach)
-        return f"the generic rule could not rerun it: {generic.first_line(e)}"
-    _cache(trace).update(dict.fromkeys(matched, True))  # _complete: these rows rebuild .grad (rows are cached too)
-    return None
-
-
-# (fast rule, code-path key, id) -> weak reference to the module whose rows matched a sample rerun alone (_fast_rows):
-# verified per module (its class, its configuration) and code path, never for another module at the same address
-_VERIFIED: dict = {}
-
-
-def _fast_rows(module, calls: list, names: dict, B: int):
-    """Parameter name -> Factor from a fast rule (generic.FAST_RULES: token factors or rows from one full-batch
-    backward: nn.MultiheadAttention, a model's own (1, ...) parameters) that covers this call; else None (the vmap
-    rule answers). Besides the check in _generic_rows (rows add up to the step's gradient, every call), the first
-    call of each module and code path the rule names (its key: layout, masks, shapes, which parameters) has one
-    sample's rows (the middle one) compared with the gradient of the module's forward rerun on that sample alone: a
-    sum does not see tokens of several samples mixed up by a wrong layout, and such a mix-up would be the code
-    path's, the same on every call."""
-    if len(calls) != 1:
-        return None
-    for rule in generic.fast_rules(module):
-        rows = _fast_rule_rows(rule, module, calls[0], names, B)
-        if rows is not None:
-            return rows
-    return None
-
-
-def _fast_rule_rows(rule, module, call, names: dict, B: int):
-    try:
-        facs, key = rule(module, call, list(names.values()), B)
-        rows = {pn: fx.Factor(pn, facs[cn].kind, facs[cn].D, facs[cn]._X, facs[cn].shape) for pn, cn in names.items()}
-        seen = _VERIFIED.get((rule, key, id(module)))
-        if seen is None or seen() is not module:
-            b = B // 2
-            want = generic.one_sample(module, call, list(names.values()), B, b)
-            for pn, cn in names.items():
-                f = rows[pn]
-                one = fx.Factor(pn, f.kind, f.D[b:b + 1], None if f._X is None else f._X[b:b + 1], f.shape)
-                if not _adds_up(one, want[cn]):
-                    return None
-            if B > 1:
-                if len(_VERIFIED) > 4096:  # forget modules that are gone
-                    for k in [k for k, r in _VERIFIED.items() if r() is None]:
-                        del _VERIFIED[k]
-                _VERIFIED[(rule, key, id(module))] = weakref.ref(module)
-    except generic.NotApplicable:
-        return None
-    except Exception:  # noqa: BLE001  (the vmap rule decides, and names the reason where it fails too)
-        return None
-    return rows
-
-
-def _budget_bytes(trace) -> float:
-    try:
-        return float(trace.session.options.budget_mb) * 2**20
-    except AttributeError:  # a trace without a session (built by hand)
-        return float("inf")
-
-
-def _sum_calls(parts) -> dict:
-    total = None
-    for g in parts:
-        total = dict(g) if total is None else {n: total[n] + g[n] for n in total}
-    return total
-
-
-def _step_grad(trace, p, k: int):
-    """The .grad of parameter p that step k made, or None."""
-    name = next((n for n, q in trace.params.items() if q is p), None)
-    try:
-        made = trace.steps[k].grad(name)
-    except (KeyError, ValueError):
-        return None
-    return made
-
-
-def _summed(g) -> torch.Tensor:
-    return fx.summed_grad(g) if isinstance(g, fx.Factor) else g.sum(0)
-
-
-def _adds_up(g, want: torch.Tensor) -> bool:
-    """Whether per-sample rows (a tensor, or a fast rule's Factor) add up to `want`. An outer factor's sum
-    Σ_bt δ_bt x_btᵀ is compared along two random directions per side (Freivalds: uᵀ(ΣδxᵀV) against uᵀ want v,
-    O(BT(o + i)) instead of the O(BT·o·i) of the sum itself), with a tolerance scaled to the magnitudes that
-    enter it; the fast rule's rows are besides compared element by element on one sample (_fast_rows)."""
-    if not (isinstance(g, fx.Factor) and g.kind == "outer" and g._X is not None and g.D.dim() == 3
-            and want.dim() == 2 and not want.is_sparse and tuple(want.shape) == (g.D.shape[-1], g.X.shape[-1])
-            and want.dtype in (torch.float32, torch.float64) and g.D.dtype == g.X.dtype == want.dtype):
-        return _close(_summed(g), want)
-    gen = torch.Generator(device=want.device).manual_seed(0)
-    D, X, W = g.D.double(), g.X.double(), want.double()
-    U = torch.randn(W.shape[0], 2, generator=gen, device=W.device, dtype=W.dtype)
-    V = torch.randn(W.shape[1], 2, generator=gen, device=W.device, dtype=W.dtype)
-    du, xv = D @ U, X @ V  # (B, T, 2)
-    got = (du * xv).sum((0, 1))
-    ref = ((U.T @ W) * V.T).sum(1)
-    scale = (du.abs() * xv.abs()).sum((0, 1)) + ((U.abs().T @ W.abs()) * V.abs().T).sum(1)
-    return bool(((got - ref).abs() <= 3e-5 * scale + 1e-30).all())
-
-
-def _batch_size(trace, k: int) -> int | None:
+def step_batch_size(trace, k: int) -> int | None:
     """The batch size the exact-rule layers of step k agree on (the most common leading dimension; with
     capture="norms", the one the streamed norms have)."""
     if trace._norms is not None:
@@ -525,7 +353,7 @@ def supports(trace, name: str) -> bool:
 def left_out(trace) -> dict:
     """Parameters with a gradient that per-sample norms over the whole model leave out -> why: nothing
     is dropped without a note that names it."""
-    holders = _holders(trace)
+    holders = param_holders(trace)
     norms_mode = trace._norms is not None
     if norms_mode:
         odd = {m for _, modules in trace._norms for m in modules}
@@ -676,7 +504,7 @@ def unbatched_by_step(trace, eligible=None) -> dict:
 def model_batches(trace) -> dict:
     """Step -> the batch size the model was called with: the leading dimension of the first input of the
     outermost module calls that step reached (most common, where the cell calls several)."""
-    cache = _cache(trace)
+    cache = trace_cache(trace)
     if "model_batches" not in cache:
         counts: dict = defaultdict(Counter)
         for layer in trace.layers.values():

@@ -206,8 +206,8 @@ def test_rows_of_swapped_samples_are_caught_and_the_vmap_rule_answers(monkeypatc
 
 def test_rows_that_do_not_add_up_are_caught_by_the_projected_sum(monkeypatch):
     """One sample's rows off by 1% (not the sample checked element by element): the random-direction check of
-    the sum (per_sample._adds_up) refuses them and the vmap rule answers, exactly."""
-    from hookwidget import per_sample
+    the sum (generic_rows._adds_up) refuses them and the vmap rule answers, exactly."""
+    from hookwidget import generic_rows
     from hookwidget.layers import generic
 
     def off(*args):
@@ -230,8 +230,8 @@ def test_rows_that_do_not_add_up_are_caught_by_the_projected_sum(monkeypatch):
     call = t.layers["mha"].calls[0]
     names = ["in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"]
     f = good(model.mha, call, names, B)[0]["in_proj_weight"]
-    assert per_sample._adds_up(f, model.mha.in_proj_weight.grad)
-    assert not per_sample._adds_up(f, model.mha.in_proj_weight.grad * 1.001)
+    assert generic_rows._adds_up(f, model.mha.in_proj_weight.grad)
+    assert not generic_rows._adds_up(f, model.mha.in_proj_weight.grad * 1.001)
 
 
 def test_capture_norms_takes_each_sample_delta_of_a_position_table_where_capture_kept_it():

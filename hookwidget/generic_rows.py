@@ -1,0 +1,188 @@
+"""The generic rule's rows, checked: exact or absent.
+
+A layer without an exact (a, δ) rule gets its per-sample gradients from layers/generic.py (a fast rule
+where one applies: nn.MultiheadAttention's factors, a model's own (1, ...) parameters; else vmap of the
+module's own vjp). They are used only after they add up to the gradient the step made; per_sample.py asks
+generic_rows and treats a str as the reason it was refused.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import factors as fx
+from . import per_sample as ps
+from .layers import generic
+
+
+def generic_rows(trace, name: str, k: int):
+    """Parameter name -> (B, *shape) per-sample gradients of a generic-rule layer in step k, or why not (a
+    str). Used only after the check: their sum over samples and calls equals the gradient the step made
+    (the step's .grad where the layer is the parameter's only holder and that matches, else a full-batch vjp
+    of the same calls). Cached per (layer, step)."""
+    cache = ps.trace_cache(trace)
+    key = ("rows", name, k)
+    if key not in cache:
+        cache[key] = _generic_rows(trace, name, k)
+    return cache[key]
+
+
+def _generic_rows(trace, name: str, k: int):
+    module = trace.layers[name].module
+    calls = [c for c in trace.layers[name].calls if c.step == k]
+    if not calls:
+        return f"no backward reached it in step {k}"
+    calls = [ps.batched_call(trace, c) for c in calls]
+    why = next((generic.missing(c) for c in calls if generic.missing(c)), None)
+    if why:
+        return why
+    owned = ps.owned_params(trace, name)
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    names = {pn: canonical[id(p)] for pn, p in owned.items()}
+    B = ps.step_batch_size(trace, k) or generic.batch_size_hint(module, calls[0].inputs)
+    if not B:
+        return "its inputs have no batch dimension"
+    size = B * sum(p.numel() * p.element_size() for p in owned.values())
+    budget = _budget_bytes(trace)
+    fast = _fast_rows(module, calls, names, B)
+    if fast is not None and (size <= budget or all(f.kind != "dense" for f in fast.values())):
+        why = _check_rows(trace, name, module, calls, names, owned, B, k, fast)
+        if why is None:  # else the vmap rule answers (and names what is wrong where it is refused too)
+            return fast
+    if size > budget:
+        return (f"its per-sample gradients would take {size / 2**20:.0f} MB (batch {B}), over budget_mb="
+                f"{budget / 2**20:g}; raise budget_mb to have them")
+    try:
+        rows = _sum_calls(generic.per_sample(module, c, list(names.values()), B) for c in calls)
+        rows = {pn: rows[cn] for pn, cn in names.items()}
+    except generic.Refused as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001  (the module changed since the call, say: named, never raised at attach)
+        return f"the generic rule could not rerun it: {generic.first_line(e)}"
+    why = _check_rows(trace, name, module, calls, names, owned, B, k, rows)
+    return rows if why is None else why
+
+
+def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | None:
+    """None where the per-sample rows add up to the gradient the step made (the step's .grad where the layer is
+    the parameter's only holder and that matches, else a full-batch vjp of the same calls), else why not."""
+    try:
+        holders = ps.param_holders(trace)
+        full, matched = None, []
+        for pn, g in rows.items():
+            if holders.get(id(owned[pn])) == [name]:
+                made = _step_grad(trace, owned[pn], k)
+                if made is not None and _adds_up(g, made):
+                    matched.append(("complete", id(owned[pn]), k, (id(g.D if isinstance(g, fx.Factor) else g),)))
+                    continue
+            if full is None:
+                full = _sum_calls(generic.full_batch(module, c, list(names.values()), B) for c in calls)
+            want = full[names[pn]]
+            if not _adds_up(g, want):
+                summed = _summed(g)
+                rel = float((summed - want).abs().max() / want.abs().max().clamp_min(1e-30))
+                return (f"{type(module).__name__} {generic.MIXES} (their sum differs from the batch's gradient of "
+                        f"{pn} by {rel:.1e} relative)")
+    except generic.Refused as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001  (the module changed since the call, say: named, never raised at attach)
+        return f"the generic rule could not rerun it: {generic.first_line(e)}"
+    ps.trace_cache(trace).update(dict.fromkeys(matched, True))  # _complete: these rows rebuild .grad (cached too)
+    return None
+
+
+# (fast rule, code-path key, id) -> weak reference to the module whose rows matched a sample rerun alone (_fast_rows):
+# verified per module (its class, its configuration) and code path, never for another module at the same address
+_VERIFIED: dict = {}
+
+
+def _fast_rows(module, calls: list, names: dict, B: int):
+    """Parameter name -> Factor from a fast rule (generic.FAST_RULES: token factors or rows from one full-batch
+    backward: nn.MultiheadAttention, a model's own (1, ...) parameters) that covers this call; else None (the vmap
+    rule answers). Besides the check in _generic_rows (rows add up to the step's gradient, every call), the first
+    call of each module and code path the rule names (its key: layout, masks, shapes, which parameters) has one
+    sample's rows (the middle one) compared with the gradient of the module's forward rerun on that sample alone: a
+    sum does not see tokens of several samples mixed up by a wrong layout, and such a mix-up would be the code
+    path's, the same on every call."""
+    if len(calls) != 1:
+        return None
+    for rule in generic.fast_rules(module):
+        rows = _fast_rule_rows(rule, module, calls[0], names, B)
+        if rows is not None:
+            return rows
+    return None
+
+
+def _fast_rule_rows(rule, module, call, names: dict, B: int):
+    try:
+        facs, key = rule(module, call, list(names.values()), B)
+        rows = {pn: fx.Factor(pn, facs[cn].kind, facs[cn].D, facs[cn]._X, facs[cn].shape) for pn, cn in names.items()}
+        seen = _VERIFIED.get((rule, key, id(module)))
+        if seen is None or seen() is not module:
+            b = B // 2
+            want = generic.one_sample(module, call, list(names.values()), B, b)
+            for pn, cn in names.items():
+                f = rows[pn]
+                one = fx.Factor(pn, f.kind, f.D[b:b + 1], None if f._X is None else f._X[b:b + 1], f.shape)
+                if not _adds_up(one, want[cn]):
+                    return None
+            if B > 1:
+                if len(_VERIFIED) > 4096:  # forget modules that are gone
+                    for k in [k for k, r in _VERIFIED.items() if r() is None]:
+                        del _VERIFIED[k]
+                _VERIFIED[(rule, key, id(module))] = weakref.ref(module)
+    except generic.NotApplicable:
+        return None
+    except Exception:  # noqa: BLE001  (the vmap rule decides, and names the reason where it fails too)
+        return None
+    return rows
+
+
+def _budget_bytes(trace) -> float:
+    try:
+        return float(trace.session.options.budget_mb) * 2**20
+    except AttributeError:  # a trace without a session (built by hand)
+        return float("inf")
+
+
+def _sum_calls(parts) -> dict:
+    total = None
+    for g in parts:
+        total = dict(g) if total is None else {n: total[n] + g[n] for n in total}
+    return total
+
+
+def _step_grad(trace, p, k: int):
+    """The .grad of parameter p that step k made, or None."""
+    name = next((n for n, q in trace.params.items() if q is p), None)
+    try:
+        made = trace.steps[k].grad(name)
+    except (KeyError, ValueError):
+        return None
+    return made
+
+
+def _summed(g) -> torch.Tensor:
+    return fx.summed_grad(g) if isinstance(g, fx.Factor) else g.sum(0)
+
+
+def _adds_up(g, want: torch.Tensor) -> bool:
+    """Whether per-sample rows (a tensor, or a fast rule's Factor) add up to `want`. An outer factor's sum
+    Σ_bt δ_bt x_btᵀ is compared along two random directions per side (Freivalds: uᵀ(ΣδxᵀV) against uᵀ want v,
+    O(BT(o + i)) instead of the O(BT·o·i) of the sum itself), with a tolerance scaled to the magnitudes that
+    enter it; the fast rule's rows are besides compared element by element on one sample (_fast_rows)."""
+    if not (isinstance(g, fx.Factor) and g.kind == "outer" and g._X is not None and g.D.dim() == 3
+            and want.dim() == 2 and not want.is_sparse and tuple(want.shape) == (g.D.shape[-1], g.X.shape[-1])
+            and want.dtype in (torch.float32, torch.float64) and g.D.dtype == g.X.dtype == want.dtype):
+        return ps.allclose_grad(_summed(g), want)
+    gen = torch.Generator(device=want.device).manual_seed(0)
+    D, X, W = g.D.double(), g.X.double(), want.double()
+    U = torch.randn(W.shape[0], 2, generator=gen, device=W.device, dtype=W.dtype)
+    V = torch.randn(W.shape[1], 2, generator=gen, device=W.device, dtype=W.dtype)
+    du, xv = D @ U, X @ V  # (B, T, 2)
+    got = (du * xv).sum((0, 1))
+    ref = ((U.T @ W) * V.T).sum(1)
+    scale = (du.abs() * xv.abs()).sum((0, 1)) + ((U.abs().T @ W.abs()) * V.abs().T).sum(1)
+    return bool(((got - ref).abs() <= 3e-5 * scale + 1e-30).all())
