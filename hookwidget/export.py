@@ -34,11 +34,16 @@ def to_html(trace, path, diff: dict | None = None) -> pathlib.Path:
 
 def page(trace, title: str = "hookwidget trace", diff: dict | None = None) -> str:
     """The HTML text of the standalone page."""
-    bundle_path = STATIC / "standalone.js"
+    return standalone_page("standalone.js", {"summary": payload.summary(trace), "diff": diff, **details(trace)}, title)
+
+
+def standalone_page(bundle: str, data: dict, title: str) -> str:
+    """One self-contained page: `data` as JSON, the built front-end `bundle` (in hookwidget/static) inline, a
+    strict CSP that lets only these two run."""
+    bundle_path = STATIC / bundle
     if not bundle_path.exists():
         raise FileNotFoundError(f"{bundle_path} is missing: build the front-end with `npm run build` "
                                 "(or `pip install -e .`, which runs it)")
-    data = {"summary": payload.summary(trace), "diff": diff, **details(trace)}
     nonce = secrets.token_urlsafe(18)
     csp = (f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; img-src data: blob:; "
            "connect-src 'none'; base-uri 'none'; form-action 'none'; object-src 'none'")

@@ -187,14 +187,16 @@ class HookWidget(anywidget.AnyWidget):
         self.send({"type": "status", "request_id": request_id, "state": state, "text": text})
 
 
-def validate(content) -> dict:
-    """The message if it follows the schema exactly, else MessageError naming what is wrong."""
+def check_envelope(content, schema: dict) -> str:
+    """The message's type if it is an object with exactly the keys `schema` gives its type (plus type and
+    request_id) and a sane request_id, else MessageError naming what is wrong (front-end messages of every
+    widget go through it)."""
     if not isinstance(content, dict):
         raise MessageError(f"expected an object, got {type(content).__name__}")
     kind = content.get("type")
-    if not isinstance(kind, str) or kind not in SCHEMA:
-        raise MessageError(f"unknown type {str(kind)[:80]!r}; expected one of {', '.join(SCHEMA)}")
-    expected = SCHEMA[kind] | {"type", "request_id"}
+    if not isinstance(kind, str) or kind not in schema:
+        raise MessageError(f"unknown type {str(kind)[:80]!r}; expected one of {', '.join(schema)}")
+    expected = schema[kind] | {"type", "request_id"}
     if set(content) != expected:
         extra, missing = set(content) - expected, expected - set(content)
         raise MessageError(f"{kind}: " + "; ".join(
@@ -203,6 +205,12 @@ def validate(content) -> dict:
     rid = content["request_id"]
     if isinstance(rid, bool) or not isinstance(rid, (str, int)) or len(str(rid)) > 64:
         raise MessageError(f"{kind}: request_id must be a string or integer of at most 64 characters")
+    return kind
+
+
+def validate(content) -> dict:
+    """The message if it follows the schema exactly, else MessageError naming what is wrong."""
+    kind = check_envelope(content, SCHEMA)
     for key in ("target", "kind"):
         if key in content and (not isinstance(content[key], str) or not 0 < len(content[key]) <= MAX_TEXT):
             raise MessageError(f"{kind}: {key} must be a non-empty string of at most {MAX_TEXT} characters")

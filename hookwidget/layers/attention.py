@@ -42,7 +42,7 @@ def mha_factors(module: nn.MultiheadAttention, call, names: list, B: int) -> tup
     prep = generic._prepare(module, call, names, B)
     if prep.outs != [0]:
         raise NotApplicable("a gradient reached the attention weights")
-    args, kwargs = _rebuild(prep, _same_inputs(prep))
+    args, kwargs = generic.rebuild(prep, _same_inputs(prep))
     bound = _bind(*args, **kwargs)
     q, k, v = bound["query"], bound["key"], bound["value"]
     if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
@@ -145,20 +145,6 @@ def _same_inputs(prep) -> list:
         if a.shape == b.shape and (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() or torch.equal(a, b)):
             leaves[i] = a
     return leaves
-
-
-def _rebuild(prep, leaves) -> tuple:
-    from torch.utils._pytree import tree_unflatten
-
-    args, kwargs, at = [], {}, 0
-    for key, spec, n in prep.parts:
-        value = tree_unflatten(leaves[at:at + n], spec)
-        at += n
-        if isinstance(key, int):
-            args.append(value)
-        else:
-            kwargs[key] = value
-    return args, kwargs
 
 
 generic.FAST_RULES.append((applies, mha_factors))

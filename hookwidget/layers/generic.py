@@ -191,11 +191,8 @@ def _prepare(module, call, names: list, B: int) -> _Prepared:
     return _Prepared(parts, leaves, batched, [dims[i] for i in batched], outs, out_dims, cots, frozen, buffers)
 
 
-def _forward(module, prep: _Prepared, train: dict, batched: list, squeeze: bool) -> tuple:
-    """The module's outputs that have a δ, from the given parameters and batched arguments."""
-    leaves = list(prep.leaves)
-    for i, d, x in zip(prep.batched, prep.in_dims, batched):
-        leaves[i] = x.unsqueeze(d) if squeeze else x
+def rebuild(prep: _Prepared, leaves: list) -> tuple:
+    """(args, kwargs) of a call from its flattened tensors (prep.parts says how they nest)."""
     args, kwargs, at = [], {}, 0
     for key, spec, n in prep.parts:
         value = tree_unflatten(leaves[at:at + n], spec)
@@ -204,6 +201,15 @@ def _forward(module, prep: _Prepared, train: dict, batched: list, squeeze: bool)
             args.append(value)
         else:
             kwargs[key] = value
+    return args, kwargs
+
+
+def _forward(module, prep: _Prepared, train: dict, batched: list, squeeze: bool) -> tuple:
+    """The module's outputs that have a δ, from the given parameters and batched arguments."""
+    leaves = list(prep.leaves)
+    for i, d, x in zip(prep.batched, prep.in_dims, batched):
+        leaves[i] = x.unsqueeze(d) if squeeze else x
+    args, kwargs = rebuild(prep, leaves)
     # module.forward, not module(): the module's own hooks (the user's, another trace's) do not run again
     # buffers as fresh copies: a forward that updates them (BatchNorm's running statistics) writes to those
     frozen = {n: t.clone() if n in prep.buffers else t for n, t in prep.frozen.items()}

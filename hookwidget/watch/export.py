@@ -9,12 +9,10 @@ kept Traces carry their summaries, and their tensor detail while the page stays 
 from __future__ import annotations
 
 import base64
-import html
 import pathlib
-import secrets
 
 from .. import payload
-from ..export import STATIC, details, js_for_script, json_for_script
+from ..export import details, standalone_page
 
 DETAIL_BUDGET = 24 * 2**20  # bytes of kept Traces' tensor detail inlined, over all of them
 
@@ -56,25 +54,4 @@ def data(watch) -> dict:
 
 def page(watch, title: str = "hookwidget watch") -> str:
     """The HTML text of the standalone page."""
-    bundle_path = STATIC / "watch_standalone.js"
-    if not bundle_path.exists():
-        raise FileNotFoundError(f"{bundle_path} is missing: build the front-end with `npm run build` "
-                                "(or `pip install -e .`, which runs it)")
-    nonce = secrets.token_urlsafe(18)
-    csp = (f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; img-src data: blob:; "
-           "connect-src 'none'; base-uri 'none'; form-action 'none'; object-src 'none'")
-    return f"""<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta http-equiv="Content-Security-Policy" content="{html.escape(csp, quote=False)}">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{html.escape(title)}</title>
-</head>
-<body class="hw-page">
-<div id="hw-app" class="hw-standalone"></div>
-<script type="application/json" id="hw-data">{json_for_script(data(watch))}</script>
-<script nonce="{nonce}">{js_for_script(bundle_path.read_text(encoding="utf-8"))}</script>
-</body>
-</html>
-"""
+    return standalone_page("watch_standalone.js", data(watch), title)

@@ -19,7 +19,7 @@ import anywidget
 import torch
 import traitlets
 
-from ..widget import HookWidget, MessageError, _one_line
+from ..widget import HookWidget, MessageError, _one_line, check_envelope
 
 log = logging.getLogger("hookwidget")
 
@@ -202,17 +202,7 @@ class WatchWidget(anywidget.AnyWidget):
 
 def validate(content) -> dict:
     """The message if it follows the schema exactly, else MessageError naming what is wrong."""
-    if not isinstance(content, dict):
-        raise MessageError(f"expected an object, got {type(content).__name__}")
-    kind = content.get("type")
-    if not isinstance(kind, str) or kind not in SCHEMA:
-        raise MessageError(f"unknown type {str(kind)[:80]!r}; expected one of {', '.join(SCHEMA)}")
-    expected = SCHEMA[kind] | {"type", "request_id"}
-    if set(content) != expected:
-        raise MessageError(f"{kind}: expected exactly the keys {', '.join(sorted(expected))}")
-    rid = content["request_id"]
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or len(str(rid)) > 64:
-        raise MessageError(f"{kind}: request_id must be a string or integer of at most 64 characters")
+    kind = check_envelope(content, SCHEMA)
     for key in SCHEMA[kind]:
         v = content[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
