@@ -1,17 +1,9 @@
 """The live widget in a real JupyterLab and Notebook 7: %%hooktrace, click a layer, toggle grad_zero, see the
 kernel's answer."""
 
-import json
-import os
-import pathlib
-import secrets
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
+from lab_server import jupyter, write_notebook
 
 pytestmark = pytest.mark.browser
 
@@ -56,12 +48,6 @@ EVIL_TRACE = """\
 evil(xe).pow(2).sum().backward()"""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # (command, app class for its options, the notebook's URL path): both expose window.jupyterapp
 FRONT_ENDS = {"jupyterlab": ("lab", "LabApp", "lab/tree"), "notebook7": ("notebook", "JupyterNotebookApp", "notebooks")}
 
@@ -71,41 +57,9 @@ def lab(request, tmp_path_factory):
     """A JupyterLab or Notebook 7 server on 127.0.0.1 with the notebook; killed in the finalizer."""
     command, app, path = FRONT_ENDS[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
-             for src in (SETUP, TRACE, EVIL_TRACE)]
-    nb = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                      "language": "python"}}, "nbformat": 4, "nbformat_minor": 5}
-    (root / "explore.ipynb").write_text(json.dumps(nb))
-    port, token = _free_port(), secrets.token_hex(16)
-    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".runtime"), "JUPYTER_CONFIG_DIR": str(root / ".config"),
-           "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
-    jupyter = pathlib.Path(sys.executable).parent / "jupyter"
-    proc = subprocess.Popen(
-        [str(jupyter), command, "--no-browser", f"--port={port}", "--ip=127.0.0.1", f"--ServerApp.token={token}",
-         f"--ServerApp.root_dir={root}", f"--{app}.expose_app_in_browser=True",
-         f"--{app}.workspaces_dir={root / '.ws'}", "--ServerApp.port_retries=0",
-         *(["--LabApp.extension_manager=readonly"] if command == "lab" else []),
-         *(["--allow-root"] if os.geteuid() == 0 else [])],
-        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except Exception:
-                if proc.poll() is not None or time.time() > deadline:
-                    pytest.fail(f"{request.param} did not start: " + (root / "server.log").read_text()[-2000:])
-                time.sleep(0.3)
+    write_notebook(root / "explore.ipynb", [SETUP, TRACE, EVIL_TRACE])
+    with jupyter(root, command, app) as (base, token):
         yield {"url": f"{base}/{path}/explore.ipynb?token={token}", "root": root, "name": request.param}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_toggle_grad_zero_live(browser, lab, img_dir):

@@ -5,16 +5,10 @@ in these three; what JupyterLab shows for a trusted notebook saved without widge
 "model not found" (see the report of issue 16)."""
 
 import json
-import os
-import pathlib
-import secrets
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
-from test_live_widget import _free_port
+from lab_server import jupyter, write_notebook
 
 pytestmark = pytest.mark.browser
 
@@ -30,44 +24,12 @@ IDLE = """() => window.jupyterapp?.shell?.currentWidget?.sessionContext?.session
 def lab(tmp_path_factory):
     """JupyterLab with widget state saved into notebooks (ipywidgets' saveState setting), isolated dirs."""
     root = tmp_path_factory.mktemp("snapshot")
-    nb = {"cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": c}
-                    for c in CELLS],
-          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-          "nbformat": 4, "nbformat_minor": 5}
-    (root / "snap.ipynb").write_text(json.dumps(nb))
+    write_notebook(root / "snap.ipynb", CELLS)
     settings = root / ".settings" / "@jupyter-widgets" / "jupyterlab-manager"
     settings.mkdir(parents=True)
     (settings / "plugin.jupyterlab-settings").write_text('{"saveState": true}')
-    port, token = _free_port(), secrets.token_hex(16)
-    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".rt"), "JUPYTER_CONFIG_DIR": str(root / ".cfg"),
-           "JUPYTER_DATA_DIR": str(root / ".data"), "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
-    jupyter = pathlib.Path(sys.executable).parent / "jupyter"
-    proc = subprocess.Popen(
-        [str(jupyter), "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1", f"--ServerApp.token={token}",
-         f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
-         f"--LabApp.workspaces_dir={root / '.ws'}",
-         f"--LabApp.user_settings_dir={root / '.settings'}", "--ServerApp.port_retries=0",
-         "--LabApp.extension_manager=readonly", *(["--allow-root"] if os.geteuid() == 0 else [])],
-        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except Exception:
-                if proc.poll() is not None or time.time() > deadline:
-                    pytest.fail("jupyterlab did not start: " + (root / "server.log").read_text()[-2000:])
-                time.sleep(0.3)
+    with jupyter(root, extra=(f"--LabApp.user_settings_dir={root / '.settings'}",)) as (base, token):
         yield {"url": lambda name: f"{base}/lab/tree/{name}?token={token}", "root": root}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _outputs(page):

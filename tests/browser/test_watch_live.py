@@ -1,17 +1,10 @@
 """The watch explorer in a real JupyterLab: %%hookwatch shows it before the loop, the heatmap grows while
 the loop runs (the kernel still busy), and clicking a kept step opens its Trace in the trace explorer."""
 
-import json
-import os
 import pathlib
-import secrets
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
+from lab_server import jupyter, write_notebook
 
 pytestmark = pytest.mark.browser
 STATIC = pathlib.Path(__file__).resolve().parents[2] / "hookwidget" / "static"
@@ -57,51 +50,13 @@ for step in range(STEPS):
 STEPS = 40
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """JupyterLab on 127.0.0.1 with the notebook; killed in the finalizer."""
     root = tmp_path_factory.mktemp("watchlab")
-    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
-             for src in (SETUP, LOOP.replace("STEPS", str(STEPS)))]
-    nb = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                      "language": "python"}}, "nbformat": 4, "nbformat_minor": 5}
-    (root / "watch.ipynb").write_text(json.dumps(nb))
-    port, token = _free_port(), secrets.token_hex(16)
-    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".runtime"), "JUPYTER_CONFIG_DIR": str(root / ".config"),
-           "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
-    jupyter = pathlib.Path(sys.executable).parent / "jupyter"
-    proc = subprocess.Popen(
-        [str(jupyter), "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1", f"--ServerApp.token={token}",
-         f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
-         f"--LabApp.workspaces_dir={root / '.ws'}",
-         "--ServerApp.port_retries=0", "--LabApp.extension_manager=readonly",
-         *(["--allow-root"] if os.geteuid() == 0 else [])],
-        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except Exception:
-                if proc.poll() is not None or time.time() > deadline:
-                    pytest.fail("jupyterlab did not start: " + (root / "server.log").read_text()[-2000:])
-                time.sleep(0.3)
+    write_notebook(root / "watch.ipynb", [SETUP, LOOP.replace("STEPS", str(STEPS))])
+    with jupyter(root) as (base, token):
         yield {"url": f"{base}/lab/tree/watch.ipynb?token={token}", "root": root}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # The first cell has run (an execution count) and the kernel is idle.
