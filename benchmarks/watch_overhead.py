@@ -1,22 +1,36 @@
 """What hw.watch costs per training step, on CPU with one thread.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/watch_overhead.py [--steps 400] [--repeats 3]
+    PYTHONPATH=. .venv/bin/python benchmarks/watch_overhead.py [--steps 500] [--repeats 3]
+        [--models mlp,transformer,gpt2] [--variants plain,watch,watch+fr,per_sample,histograms]
 
 Loops (Adam, zero_grad / forward / backward / step):
   plain        no hooks
   watch        hw.watch(model, flight_recorder=False): statistics only, every step
-  watch+fr     hw.watch(model): statistics and the flight recorder (a full recording per step)
+  watch+fr     hw.watch(model): statistics and the flight recorder
+  per_sample   hw.watch(model, flight_recorder=False, per_sample=True): also the largest per-sample
+               gradient norm of each step and its sample (ghost norms)
   histograms   a hand-written "wandb.watch-style" logger: torch.histc (64 bins) of every parameter's
                .grad every step, with its min and max, moved to the host (as a logger would send it)
-Models: the MLP 784-512-512-10 at B=32, and a small pre-norm transformer encoder (d=128, 2 blocks,
-4 heads, T=32, B=16). Each variant runs `--steps` timed steps after 20 warm-up steps; the variants
-alternate over `--repeats` rounds and the median per-step time is reported, with its ratio to plain.
+Models: the MLP 784-512-512-10 at B=32; a small pre-norm transformer encoder (d=128, 2 blocks,
+4 heads, T=32, B=16); a GPT-2-shaped decoder (vocabulary 2048, tied embedding and head, learned
+positions, d=128, 2 causal blocks, 4 heads, T=64, B=8).
+Timing: time.process_time (CPU time of this process: the machine may be shared, wall time is not
+reliable there), torch.set_num_threads(1), glibc's heap trimming off (MALLOC_TRIM_THRESHOLD_ and
+MALLOC_MMAP_THRESHOLD_ set, the script re-executes itself; --default-malloc keeps glibc's defaults, under
+which page faults add ~1 ms of system time to some MLP steps and not others). An untimed plain loop
+of 50 steps comes first (a process's first loop pays one-off costs that would be charged to plain).
+Each variant runs `--steps` timed steps after 20 warm-up steps; the variants alternate within each of
+`--repeats` rounds (so load changes hit them alike) and the median per-step time is reported with its
+ratio to plain's median.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -27,9 +41,9 @@ from hookwidget.watch import watch
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int, ffn: int):
+    def __init__(self, d: int, heads: int, ffn: int, causal: bool = False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.causal = heads, causal
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc1, self.fc2 = nn.Linear(d, ffn), nn.Linear(ffn, d)
@@ -37,7 +51,7 @@ class Block(nn.Module):
     def forward(self, x):
         B, T, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.proj(att.transpose(1, 2).reshape(B, T, d))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
@@ -52,15 +66,38 @@ class Encoder(nn.Module):
         return self.head(self.ln(self.blocks(x)).mean(1))
 
 
+class GPT2(nn.Module):
+    """GPT-2's shape, small: token and position embeddings, pre-norm causal blocks, final LayerNorm,
+    a head tied to the token embedding."""
+
+    def __init__(self, vocab=2048, d=128, heads=4, layers=2, T=64):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(T, d)
+        self.blocks = nn.Sequential(*[Block(d, heads, 4 * d, causal=True) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.ln_f(self.blocks(self.wte(idx) + self.wpe(pos))))
+
+
 def build(name: str):
     torch.manual_seed(0)
     if name == "mlp":
         model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
         x = torch.randn(32, 784)
-    else:
+        return model, x, torch.randint(0, 10, (32,))
+    if name == "transformer":
         model = Encoder()
         x = torch.randn(16, 32, 128)
-    return model, x, torch.randint(0, 10, (x.shape[0],))
+        return model, x, torch.randint(0, 10, (16,))
+    if name == "gpt2":
+        model = GPT2()
+        idx = torch.randint(0, 2048, (8, 65))
+        return model, idx[:, :-1], idx[:, 1:]
+    raise ValueError(name)
 
 
 def histograms(model):
@@ -71,28 +108,34 @@ def histograms(model):
     return torch.cat(out).tolist()
 
 
+def loss_of(out, y):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
 def time_loop(model, x, y, steps: int, variant: str) -> float:
     opt = torch.optim.Adam(model.parameters(), 1e-4)
 
     def step():
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        loss_of(model(x), y).backward()
         if variant == "histograms":
             histograms(model)
         opt.step()
 
     w = None
-    if variant.startswith("watch"):
+    if variant in ("watch", "watch+fr"):
         w = watch(model, flight_recorder=variant == "watch+fr")
+    elif variant == "per_sample":
+        w = watch(model, flight_recorder=False, per_sample=True)
     try:
         for _ in range(20):
             step()
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for _ in range(steps):
             step()
         if w is not None:
             _ = w.stats  # what is still on device comes to the host: part of the cost
-        elapsed = time.perf_counter() - t0
+        elapsed = time.process_time() - t0
     finally:
         if w is not None:
             w.close()
@@ -101,25 +144,40 @@ def time_loop(model, x, y, steps: int, variant: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--models", default="mlp,transformer")
+    ap.add_argument("--models", default="mlp,transformer,gpt2")
+    ap.add_argument("--variants", default="plain,watch,watch+fr,per_sample,histograms")
+    ap.add_argument("--default-malloc", action="store_true", help="keep glibc's default trimming (see above)")
     args = ap.parse_args()
+    if not args.default_malloc and "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        # glibc hands freed memory back to the OS and faults it in again on the next step: in a plain loop that
+        # was 650 page faults and ~1 ms of system time per MLP step, varying with the heap's history (so from
+        # variant to variant). Run again with trimming and mmap thresholds out of reach, so CPU time measures
+        # the work, not the allocator's luck.
+        env = dict(os.environ, MALLOC_TRIM_THRESHOLD_="4294967296", MALLOC_MMAP_THRESHOLD_="4294967296")
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     torch.set_num_threads(1)
-    variants = ("plain", "watch", "watch+fr", "histograms")
-    print(f"torch {torch.__version__}, 1 thread, {args.steps} steps, median of {args.repeats} rounds")
+    variants = [v for v in args.variants.split(",")
+                if v != "per_sample" or "per_sample" in inspect.signature(watch).parameters]
+    if "plain" not in variants:
+        variants.insert(0, "plain")
+    print(f"torch {torch.__version__}, 1 thread, {args.steps} steps, median of {args.repeats} rounds, "
+          f"process_time")
     for name in args.models.split(","):
         model, x, y = build(name)
+        time_loop(model, x, y, 50, "plain")  # untimed: the process's first loop pays one-off costs (allocator)
         times: dict = {v: [] for v in variants}
         for _ in range(args.repeats):
             for v in variants:
                 times[v].append(time_loop(model, x, y, args.steps, v))
         plain = statistics.median(times["plain"])
         print(f"\n{name} ({sum(p.numel() for p in model.parameters()):,} parameters)")
-        print(f"  {'variant':<12}{'ms/step':>10}{'x plain':>10}")
+        print(f"  {'variant':<12}{'ms/step':>10}{'x plain':>10}   rounds (x plain)")
         for v in variants:
             t = statistics.median(times[v])
-            print(f"  {v:<12}{t * 1e3:>10.3f}{t / plain:>10.2f}")
+            each = " ".join(f"{s / p:.3f}" for s, p in zip(times[v], times["plain"]))
+            print(f"  {v:<12}{t * 1e3:>10.3f}{t / plain:>10.3f}   {each}", flush=True)
 
 
 if __name__ == "__main__":

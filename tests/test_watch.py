@@ -114,20 +114,25 @@ def run_loop(model, opt, x, y, steps, on_step=None, scale=None, skip_nonfinite=F
 
 
 # -- observing changes nothing, and no hook outlives the watch -----------------------------------
+STEPS = 200
+
+
 @pytest.mark.parametrize("flight_recorder", [True, False])
 def test_bitwise_unchanged_adam_batchnorm_dropout(flight_recorder):
+    """200 Adam steps (the issue's figure) with BatchNorm and Dropout: every loss and .grad, the parameters,
+    buffers and the RNG stream bitwise those of the same loop without the watch."""
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
     x, y = data()
     opt, ref_opt = torch.optim.Adam(model.parameters(), 1e-2), torch.optim.Adam(ref.parameters(), 1e-2)
     torch.manual_seed(123)
-    plain = run_loop(ref, ref_opt, x, y, 60)
+    plain = run_loop(ref, ref_opt, x, y, STEPS)
     rng_plain = torch.get_rng_state()
     before = hook_state(list(model.modules()))
     torch.manual_seed(123)
     with watch(model, flight_recorder=flight_recorder) as w:
-        watched = run_loop(model, opt, x, y, 60)
+        watched = run_loop(model, opt, x, y, STEPS)
     assert torch.equal(torch.get_rng_state(), rng_plain)
     assert_no_hooks_left(model, before)
     for k, ((l1, g1), (l2, g2)) in enumerate(zip(plain, watched)):
@@ -138,7 +143,7 @@ def test_bitwise_unchanged_adam_batchnorm_dropout(flight_recorder):
         assert torch.equal(p, q), n
     for b, c in zip(model.buffers(), ref.buffers()):
         assert torch.equal(b, c)
-    assert w.steps == list(range(60)) and w.stats.shape == (60, 4, len(STAT_NAMES))
+    assert w.steps == list(range(STEPS)) and w.stats.shape == (STEPS, 4, len(STAT_NAMES))
     assert w.layer_names == ["fc1", "bn", "fc2", "fc"]
 
 
@@ -637,3 +642,81 @@ def test_reading_mid_step_changes_no_statistic(flight_recorder):
         results.append(w.stats)
     assert torch.isfinite(results[0][:, :, STAT_NAMES.index("update_ratio")]).all()
     assert torch.equal(results[0], results[1])
+
+
+class TiedWithIdle(nn.Module):
+    """An embedding and a head sharing one weight, a Linear between, and a Linear called but not in the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.idle = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.head = nn.Linear(4, 10)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx, poison=None):
+        h = self.fc(self.emb(idx))
+        if poison is not None:
+            h = h * poison
+        self.idle(h)  # δ never reaches it
+        return self.head(torch.tanh(h))
+
+
+def test_counts_shared_parameters_and_unreached_layers_exact():
+    """NaN/Inf counts of δ, a and .grad, a weight shared by two layers, and a layer backward never reaches,
+    against hand-written hooks in the plain loop."""
+    torch.manual_seed(0)
+    model = TiedWithIdle()
+    ref = copy.deepcopy(model)
+    ref.head.weight = ref.emb.weight
+    idx, tgt = torch.randint(0, 10, (5, 3)), torch.randint(0, 10, (5, 3))
+    poison = torch.ones(5, 3, 4)
+    poison[1, 0, 2], poison[3, 2, 0] = float("inf"), float("nan")
+    seen = {}
+    for n in ("fc", "head"):
+        def hook(m, i, out, n=n):
+            seen[n + ".a"] = i[0].detach().clone()
+            out.register_hook(lambda g: seen.__setitem__(n + ".d", g.clone()))
+        getattr(ref, n).register_forward_hook(hook)
+
+    def loop(m, opt, on_step=None):
+        for k in range(3):
+            opt.zero_grad()
+            out = m(idx, poison if k == 1 else None)
+            F.cross_entropy(out.reshape(-1, 10), tgt.reshape(-1)).backward()
+            if on_step is not None:
+                on_step(k)
+            if k != 1:
+                opt.step()
+
+    want = {}
+
+    def record(k):
+        grads = {n: torch.cat([p.grad.flatten() for p in getattr(ref, n).parameters()]) for n in ("fc", "head")}
+        want[k] = {n: (seen[n + ".d"], seen[n + ".a"], grads[n]) for n in ("fc", "head")}
+        want[k]["emb"] = ref.emb.weight.grad.clone()
+
+    loop(ref, torch.optim.SGD(ref.parameters(), 0.1), record)
+    with watch(model, flight_recorder=False) as w:
+        loop(model, torch.optim.SGD(model.parameters(), 0.1))
+    assert w.layer_names == ["emb", "fc", "idle", "head"]
+    col = {n: STAT_NAMES.index(n) for n in STAT_NAMES}
+    for k in range(3):
+        for li, n in ((1, "fc"), (3, "head")):
+            d, a, g = want[k][n]
+            row = w.stats[k, li]
+            assert row[col["delta_nan"]] == torch.isnan(d).sum() and row[col["delta_inf"]] == torch.isinf(d).sum()
+            assert row[col["a_nonfinite"]] == (~torch.isfinite(a)).sum()
+            assert row[col["grad_nan"]] == torch.isnan(g).sum() and row[col["grad_inf"]] == torch.isinf(g).sum()
+            if k != 1:
+                assert row[col["grad_norm"]].item() == pytest.approx(torch.linalg.vector_norm(g).item(), rel=1e-6)
+                assert row[col["delta_max"]].item() == d.abs().max().item()
+        # the shared weight counts in both layers that hold it
+        if k != 1:
+            emb_norm = w.stats[k, 0, col["grad_norm"]].item()
+            assert emb_norm == pytest.approx(torch.linalg.vector_norm(want[k]["emb"]).item(), rel=1e-6)
+        idle = w.stats[k, 2]
+        for c in ("delta_norm", "delta_max", "delta_nan", "a_rms", "a_zero_frac", "a_nonfinite", "grad_norm"):
+            assert math.isnan(idle[col[c]].item()), (k, c)
+        assert idle[col["weight_norm"]].item() > 0
+    assert w.stats[1, 1, col["a_nonfinite"]] == 0 and w.stats[1, 3, col["a_nonfinite"]] == 1  # tanh(inf) = 1
+    assert [a.where for a in w.anomalies if a.step == 1][:1] == ["loss"]

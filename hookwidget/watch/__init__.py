@@ -12,7 +12,7 @@ __all__ = ["STAT_NAMES", "STEP_STAT_NAMES", "Anomaly", "Watch", "hookwatch_magic
 
 def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None, flight_recorder: bool = True,
           max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256, scaler=None,
-          tensorboard=None) -> Watch:
+          tensorboard=None, per_sample: bool = False) -> Watch:
     """Watch `model` across a training loop: `with hw.watch(model) as w: ...`, or `w = hw.watch(model)`
     ... `w.close()` (the hooks go on when watch() returns). They stay on across steps and are removed
     by close() / the end of the `with` block, whatever happened (exceptions, KeyboardInterrupt); the
@@ -53,6 +53,16 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
         "global_grad_norm" floats); where="keep".
 
     Anomalies are judged on recorded steps only (every=N thins them too).
+
+    per_sample=True: per recorded step also the largest per-sample gradient norm and which sample it was
+    (w.per_sample: (steps, 2), [norm, index in the batch]; w.series("per_sample_max"),
+    w.series("per_sample_argmax")). A sample's gradient is its contribution to .grad (a mean-reduced loss's
+    1/B included), its norm taken over every layer with an exact (a, δ) rule: ghost norms (Linear: two
+    Gram products per layer, the per-sample gradients never built where that is cheaper), computed while
+    backward runs, each layer's a and δ let go as soon as its last call's δ arrived. The batch is the
+    leading dimension of the first watched layer's input. Left out, named in w.notes: layers with no exact
+    rule, layers holding a parameter shared with another (weight tying), layers whose input does not lead
+    with the batch (a position embedding).
 
     Flight recorder (flight_recorder=True): a full recording (capture="full", as hw.trace does) runs
     from the end of backward k-1 (or the opening of the watch) to the end of backward k, so the Trace
@@ -105,4 +115,4 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     """
     return Watch(model, every=every, spike=spike, window=window, keep=keep, flight_recorder=flight_recorder,
                  max_kept=max_kept, batch=batch, trace_budget_mb=trace_budget_mb, scaler=scaler,
-                 tensorboard=tensorboard).open()
+                 tensorboard=tensorboard, per_sample=per_sample).open()

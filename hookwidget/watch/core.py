@@ -19,7 +19,20 @@ from . import amp, compiled
 from .amp import SKIPPED, ScaleTrack
 from .detect import Detector
 from .flight import FlightRecorder
-from .reduce import NAN, STAT_NAMES, STEP_STAT_NAMES, Rows, S, add_delta, delta_stats, input_stats, local
+from .reduce import (
+    F64,
+    NAN,
+    STAT_NAMES,
+    STEP_STAT_NAMES,
+    PerSample,
+    Rows,
+    S,
+    _locals,
+    add_delta,
+    local,
+    reduce_delta,
+    reduce_input,
+)
 
 _hook_output = getattr(capture_mod, "_hook_output", None)  # δ hook that survives an in-place op after a view
 
@@ -32,10 +45,6 @@ def _first_tensor(obj):
     return None
 
 
-INPLACE = ("hw.watch: a watched layer's input was changed in place after the layer read it (before backward "
-           "ended): its a_rms, a_zero_frac and a_nonfinite are NaN (not known) in those steps")
-
-
 class _Step:
     """What hooks gathered for one step (backward pass) while it runs; all on device."""
 
@@ -45,7 +54,7 @@ class _Step:
         self.a: dict = {}  # layer index -> [Σa², zeros, entries] over its calls that δ reached
         self.order: dict = {}  # layer index -> position in backward order (δ arrival)
         self.a_order: dict = {}  # layer index -> position in forward order (of the calls δ reached)
-        self.ds: list = []  # (layer index, forward position, δ, a or None, a's version then) per call δ reached
+        self.ds: list = []  # (layer index, forward position, reduce_delta(δ), reduce_input(a) or None) per call
         self.calls = 0  # forward calls of watched layers so far
         self.loss = None
         self.has_loss = False
@@ -55,6 +64,8 @@ class _Step:
         self.compiled = False  # statistics came (also) from compiled code (compiled.py)
         self.scale = self.next_scale = None  # a GradScaler's scale at this backward and at the next (amp.py)
         self.roots = None  # the tensors backward started from, kept while nothing was recorded (see _unseen)
+        self.ps_batch, self.ps_calls, self.ps_sq, self.ps_bad = None, {}, {}, False  # per_sample=True (PerSample)
+        self.ps = None  # [largest per-sample gradient norm, its sample], when backward ends
 
 
 class Watch:
@@ -62,7 +73,7 @@ class Watch:
 
     def __init__(self, model: nn.Module, every: int = 1, spike: float = 6.0, window: int = 20, keep=None,
                  flight_recorder: bool = True, max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256,
-                 scaler=None, tensorboard=None):
+                 scaler=None, tensorboard=None, per_sample: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch(model): model must be an nn.Module, got {type(model).__name__}")
         if int(every) < 1 or int(window) < 2 or int(batch) < 1:
@@ -126,6 +137,10 @@ class Watch:
             self.notes.append(script_note)
             warnings.warn(script_note, stacklevel=3)
         self._amp = ScaleTrack(scaler) if scaler is not None else None
+        self._ps = PerSample(self._layers, self.layer_names, pairs) if per_sample else None
+        self._ps_chunks: list = []  # per_sample=True: (recorded steps, 2) on the host
+        if self._ps is not None and self._ps.note:
+            self.notes.append(self._ps.note)
         self.skipped: list = []  # steps whose optimizer step the GradScaler skipped (found inf/NaN)
         self._listeners: list = []  # fn("rows", stats, step_stats, steps) as rows reach the host; fn("closed")
         if tensorboard is not None:  # written as rows reach the host
@@ -203,30 +218,35 @@ class Watch:
             return compiled.probe(self._sinks[self._layer_of[module]], inputs, output) if self.active else None
         cur = self._cur
         if (not self.active or cur is None or not cur.recorded or threading.get_ident() != self.thread
-                or torch._C._current_autograd_node() is not None or torch.compiler.is_compiling()):
+                or torch._C._current_autograd_node() is not None):
             return None
         out = _first_tensor(output)
         if out is None or not out.requires_grad:
             return None
         a = _first_tensor(inputs)
         cur.calls += 1
-        # Only references here: the step's tensors are reduced together when backward ends (few kernels).
-        hook = self._delta_hook(self._layer_of[module], a, a._version if a is not None else 0, cur.calls)
+        # Reduced now, while a is hot in cache, to 0-d tensors; put together into the row when backward ends.
+        li = self._layer_of[module]
+        call = self._ps.forward(cur, li, module, a) if self._ps is not None else None
+        hook = self._delta_hook(li, reduce_input(a) if a is not None else None, cur.calls, call)
         if _hook_output is not None:
             _hook_output(self._handles, out, hook)
         else:
             self._handles.append(out.register_hook(hook))
         return None
 
-    def _delta_hook(self, li: int, a, version: int, seq: int):
+    def _delta_hook(self, li: int, a_red, seq: int, call=None):
         def hook(grad):
             if not self.active or not self._kinds or self._kinds[0] != "backward":
                 return None  # autograd.grad calls (gradient penalties) are not steps
+            red = reduce_delta(grad)
             with self._lock:
                 cur = self._cur
                 if cur is None or not cur.recorded:
                     return None
-                cur.ds.append((li, seq, grad, a, version))
+                cur.ds.append((li, seq, red, a_red))
+                if call is not None:
+                    self._ps.delta(cur, li, call, grad)
             return None
 
         return hook
@@ -277,39 +297,36 @@ class Watch:
             self._flush(upto=step.index - 1)
 
     def _reduce(self, step) -> None:
-        """The step's (layers, stats) row from the δ and a its hooks kept, reduced together on device."""
+        """The step's (layers, stats) row from what its hooks reduced, put together on device in a few kernels."""
         dev = self._params[0].device
-        ds, a_bad, seen = [], set(), set()
-        for li, seq, g, a, version in step.ds:
-            if li not in seen:
-                seen.add(li)
+        for li, seq, _, a_red in step.ds:
+            if li not in step.order:
                 step.order[li] = len(step.order)  # backward order: the first δ of each layer
-            ds.append((li, seq, g, a if a is not None and a._version == version else None))
-            if a is not None and a._version != version:
-                a_bad.add(li)  # changed in place after the layer read it: its statistics are not known
-        for li, seq, _, a in ds:
-            if a is not None and li not in a_bad:
+            if a_red is not None:
                 step.a_order[li] = min(seq, step.a_order.get(li, seq))
-        if step.delta or step.a:  # compiled code left statistics too (compiled.take): per-call reductions
-            for li, _, g, a in ds:
-                st = delta_stats(g)
+        if step.delta or step.a:  # compiled code left statistics too (compiled.take): merged per layer
+            for li, _, (n, lo, hi, counts), a_red in step.ds:
+                z = torch.zeros(2, dtype=F64, device=n.device) if counts is None else counts
+                st = torch.cat([torch.stack([n.double().square(), torch.maximum(lo.abs(), hi.abs()).double()]), z])
                 step.delta[li] = add_delta(step.delta[li], st) if li in step.delta else st
-                if a is not None and li not in a_bad:
-                    st = input_stats(a)
+                if a_red is not None:
+                    n, nz, k, bad = a_red
+                    st = torch.stack([n.double().square(), k - nz.double(),
+                                      bad if bad is not None else torch.zeros((), dtype=F64, device=n.device),
+                                      torch.full((), float(k), dtype=F64, device=n.device)])
                     step.a[li] = step.a[li] + st if li in step.a else st
-            for li in a_bad:
-                step.a.pop(li, None)
             step.row, step.step_row = self._rows.row(step.delta, step.a, step.loss, dev)
         else:
-            step.row, step.step_row = self._rows.row_from([(li, g) for li, _, g, _ in ds],
-                                                          [(li, a) for li, _, _, a in ds
-                                                           if a is not None and li not in a_bad], step.loss, dev)
-        if a_bad:
-            for c in ("a_rms", "a_zero_frac", "a_nonfinite"):
-                step.row[sorted(a_bad), S[c]] = NAN
-            if INPLACE not in self.notes:
-                self.notes.append(INPLACE)
-                warnings.warn(INPLACE, stacklevel=5)
+            step.row, step.step_row = self._rows.row_from([(li, *d) for li, _, d, _ in step.ds],
+                                                          [(li, *a) for li, _, _, a in step.ds if a is not None],
+                                                          step.loss, dev)
+        if self._ps is not None:
+            step.ps = self._ps.end(step, dev)
+            if step.scale is not None:  # backward ran on loss · scale: so did every sample's gradient
+                step.ps[0].div_(step.scale.to(dev, F64))
+            odd = self._ps.odd_note()
+            if odd is not None and odd not in self.notes:
+                self.notes.append(odd)
 
     def saw_scaler(self, scaler) -> None:
         """A GradScaler.scale() call on the watch's thread (amp.py): unscale by it, unless told scaler=."""
@@ -345,8 +362,7 @@ class Watch:
         _, idx, copies = hit
         if not idx:
             return
-        with torch.no_grad():
-            torch._foreach_copy_(copies, [local(self._params[i]) for i in idx])
+        torch._foreach_copy_(copies, _locals([self._params[i] for i in idx]))  # detached: nothing recorded
         self._snap = (opt, step, idx, copies)
 
     def _opt_post(self, opt, args, kwargs):
@@ -355,9 +371,8 @@ class Watch:
             return
         _, step, idx, copies = snap
         dev = copies[0].device
-        with torch.no_grad():
-            torch._foreach_sub_(copies, [local(self._params[i]) for i in idx])
-            sq, mask = self._rows.update(idx, list(torch._foreach_norm(copies)), dev)
+        torch._foreach_sub_(copies, _locals([self._params[i] for i in idx]))
+        sq, mask = self._rows.update(idx, list(torch._foreach_norm(copies)), dev)
         step.update = sq if step.update is None else step.update + sq
         step.touched = mask if step.touched is None else step.touched | mask
         col = S["update_ratio"]
@@ -379,10 +394,16 @@ class Watch:
         self._pending = self._pending[len(take):]
         n, L = len(take), len(self.layer_names)
         scales = [self._amp.pairs(take, take[0].row.device).flatten()] if self._amp is not None else []
+        ps = [torch.stack([s.ps for s in take]).flatten()] if self._ps is not None else []
         both = torch.cat([torch.stack([s.row for s in take]).flatten(),
-                          torch.stack([s.step_row for s in take]).flatten(), *scales]).cpu()  # one transfer
+                          torch.stack([s.step_row for s in take]).flatten(), *ps, *scales]).cpu()  # one transfer
         skipped = both[-2 * n:].view(n, 2) if scales else None  # (scale, scale after) per step
         both = both[:-2 * n] if scales else both
+        if ps:
+            self._ps_chunks.append(both[-2 * n:].view(n, 2))
+            both = both[:-2 * n]
+            for s in take:
+                s.ps = None
         rows, step_rows = both[:n * L * len(STAT_NAMES)].view(n, L, -1), both[n * L * len(STAT_NAMES):].view(n, 2)
         for r, s in enumerate(take):
             s.host, s.row, s.step_row = (rows, r), None, None
@@ -438,10 +459,22 @@ class Watch:
     def grad_norm(self) -> torch.Tensor:
         return self.step_stats[:, 1]
 
+    @property
+    def per_sample(self) -> torch.Tensor:
+        """per_sample=True: (recorded steps, 2) float64, the largest per-sample gradient norm of each step (over
+        the layers with an exact (a, δ) rule; w.notes names any left out) and the index of that sample in
+        the batch; NaN where not known."""
+        if self._ps is None:
+            raise KeyError("per-sample norms are off: hw.watch(model, per_sample=True) records them")
+        self._flush()
+        return torch.cat(self._ps_chunks) if self._ps_chunks else torch.zeros(0, 2, dtype=F64)
+
     def series(self, layer: str, stat: str | None = None) -> torch.Tensor:
         """One statistic of one layer over the recorded steps; series("loss") and series("grad_norm")
         give the per-step ones."""
         if stat is None:
+            if layer in ("per_sample_max", "per_sample_argmax"):
+                return self.per_sample[:, 0 if layer == "per_sample_max" else 1]
             if layer not in self.step_stat_names:
                 raise KeyError(f"series({layer!r}): give a layer and a statistic, or one of {self.step_stat_names}")
             return self.step_stats[:, self.step_stat_names.index(layer)]

@@ -10,6 +10,8 @@ import torch
 
 from .reduce import STAT_NAMES, S
 
+_COUNTS = [S[c] for c in ("delta_nan", "delta_inf", "a_nonfinite", "grad_nan", "grad_inf")]
+
 
 class Anomaly(NamedTuple):
     step: int
@@ -43,13 +45,14 @@ class Detector:
             loss = None  # backward started from no scalar: nothing to judge
         if loss is not None and not math.isfinite(loss):
             self._add(step, "loss", f"non-finite loss ({loss})")
-        self._first_bad(step, row, order, ("delta_nan", "delta_inf"), "δ (output gradient) non-finite: the first "
-                        "layer in backward order whose δ is; every layer the gradient reached before it had a "
-                        "finite δ")
-        self._first_bad(step, row, a_order, ("a_nonfinite",), "input activation non-finite: the first layer in forward "
-                        "order whose input is")
-        self._first_bad(step, row, order, ("grad_nan", "grad_inf"), ".grad non-finite (first such layer in backward "
-                        "order)")
+        if bool(row[:, _COUNTS].nan_to_num(0.0).any()):  # else (the usual case) nothing to locate
+            self._first_bad(step, row, order, ("delta_nan", "delta_inf"), "δ (output gradient) non-finite: the first "
+                            "layer in backward order whose δ is; every layer the gradient reached before it had a "
+                            "finite δ")
+            self._first_bad(step, row, a_order, ("a_nonfinite",), "input activation non-finite: the first layer in "
+                            "forward order whose input is")
+            self._first_bad(step, row, order, ("grad_nan", "grad_inf"), ".grad non-finite (first such layer in "
+                            "backward order)")
         for name, value in (("loss", loss), ("grad_norm", gnorm)):
             if value is None or not math.isfinite(value):
                 continue
@@ -74,7 +77,7 @@ class Detector:
 
     def _first_bad(self, step: int, row: torch.Tensor, order: dict, cols: tuple, reason: str) -> None:
         bad = sum(row[:, S[c]].nan_to_num(0.0) for c in cols) > 0
-        where = [i for i in range(len(self.layer_names)) if bad[i]]
+        where = bad.nonzero().flatten().tolist()
         if not where:
             return
         first = min(where, key=lambda i: (order.get(i, math.inf), i))

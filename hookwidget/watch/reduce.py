@@ -10,6 +10,7 @@ import math
 import sys
 
 import torch
+from torch import nn
 
 # Per-layer statistics, in this order along the last axis of Watch.stats.
 STAT_NAMES = ("delta_norm", "delta_max", "delta_nan", "delta_inf", "a_rms", "a_zero_frac", "a_nonfinite",
@@ -55,6 +56,36 @@ def delta_stats(g: torch.Tensor) -> torch.Tensor:
     return torch.stack([n.double().square(), _max_abs(g).double(), *_counts(g, n)])
 
 
+def reduce_delta(g: torch.Tensor) -> tuple:
+    """What the δ hook keeps of one call's δ (while it is hot in cache): (‖g‖, min, max, [NaN, Inf] or None);
+    the counts only where they may be non-zero (on CPU: a non-finite norm; elsewhere always: no sync)."""
+    g = _float(g)
+    if g.numel() == 0:
+        z = torch.zeros((), dtype=F64, device=g.device)
+        return z, z, z, None
+    n = norm(g)
+    lo, hi = torch.aminmax(g)
+    counts = None
+    if g.device.type != "cpu" or not math.isfinite(n.item()):
+        counts = torch.stack([torch.isnan(g).sum(dtype=F64), torch.isinf(g).sum(dtype=F64)])
+    return n, lo, hi, counts
+
+
+def reduce_input(a: torch.Tensor) -> tuple:
+    """What the forward hook keeps of one call's input: (‖a‖, nonzero entries, entries, non-finite or None)."""
+    a = _float(a)
+    k = a.numel()
+    if k == 0:
+        z = torch.zeros((), dtype=F64, device=a.device)
+        return z, z, 0, None
+    n = norm(a)
+    bad = None
+    if a.device.type != "cpu" or not math.isfinite(n.item()):  # ‖a‖ also overflows past ~1e19: count
+        bad = k - torch.isfinite(a).sum(dtype=F64)
+    # a.bool().sum(), not torch.count_nonzero: that one branches per entry on CPU (~10x slower on fresh data)
+    return n, a.bool().sum(), k, bad
+
+
 def add_delta(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Statistics of two calls' δ together."""
     out = old + new
@@ -74,7 +105,7 @@ def input_stats(a: torch.Tensor) -> torch.Tensor:
         bad = torch.zeros((), dtype=F64)
     else:  # ‖a‖ also overflows for finite entries past ~1e19: count
         bad = count - torch.isfinite(a).sum(dtype=F64)
-    return torch.stack([n2.double().square(), count - torch.count_nonzero(a), bad, count])
+    return torch.stack([n2.double().square(), count - a.bool().sum(dtype=F64), bad, count])
 
 
 class Rows:
@@ -130,134 +161,129 @@ class Rows:
         return row, torch.stack([loss, total])
 
     def _entry_index(self, key: tuple, dev):
-        """Cached index tensors for a step's layout: which layer each δ and a entry belongs to, which
-        params have a .grad. key = (layers of the δ entries, layers of the a entries, params with a .grad)."""
+        """Cached tensors for a step's layout. key = (layers of the δ entries, (layer, entries) of the a entries,
+        params with a .grad). row_from stacks, in order: ‖·‖ of each δ, of each a, of each .grad present, of each
+        parameter; min and max of each δ; the nonzero entries of each a; the loss. `src`/`dst` route them
+        (squared, zeros = entries − nonzero) into L·5 sums [‖δ‖², Σa², zeros of a, ‖grad‖², ‖W‖²] and one
+        global Σ‖grad‖² slot; `base` holds NaN where a layer has no entry (not reached: not measured)."""
         hit = self._cache.get(key)
         if hit is None or hit["dev"] != dev:
-            d_layers, a_layers, present = key
-            L, nd, na, ng = self.L, len(d_layers), len(a_layers), len(present)
+            d_layers, a_entries, present = key
+            a_layers = [li for li, _ in a_entries]
+            L, nd, na, ng, npar = self.L, len(d_layers), len(a_entries), len(present), len(self.params)
             pos = {pi: j for j, pi in enumerate(present)}
             g_pairs = [(li, pos[pi]) for li, pi in self.pairs if pi in pos]
-            # one index_add_ into (L, 6) sums: [‖δ‖², Σa², zeros of a, entries of a, ‖grad‖², ‖W‖²]
-            src = (list(range(nd)) + [nd + j for j in range(na)] + [nd + na + j for j in range(na)]
-                   + [nd + 2 * na + j for j in range(na)] + [nd + 3 * na + j for _, j in g_pairs]
-                   + [nd + 3 * na + ng + pi for _, pi in self.pairs])
-            dst = ([li * 6 for li in d_layers] + [li * 6 + 1 for li in a_layers] + [li * 6 + 2 for li in a_layers]
-                   + [li * 6 + 3 for li in a_layers] + [li * 6 + 4 for li, _ in g_pairs]
-                   + [li * 6 + 5 for li, _ in self.pairs])
-            missing = torch.ones(L, 6, dtype=torch.bool)
+            src, dst = [], []
+            for j, li in enumerate(d_layers):
+                src.append(j), dst.append(li * 5)
+            for j, li in enumerate(a_layers):
+                src.append(nd + j), dst.append(li * 5 + 1)
+            for li, j in g_pairs:  # a shared parameter adds to each layer that holds it
+                src.append(nd + na + j), dst.append(li * 5 + 3)
+            for j in range(ng):  # the global norm: each parameter once
+                src.append(nd + na + j), dst.append(L * 5)
+            for li, pi in self.pairs:
+                src.append(nd + na + ng + pi), dst.append(li * 5 + 4)
+            zc = nd + na + ng + npar + 2 * nd
+            for j, li in enumerate(a_layers):
+                src.append(zc + j), dst.append(li * 5 + 2)
+            base = torch.full((L, 5), NAN, dtype=F64)
+            denom = torch.ones(L, 5, dtype=F64)
+            entries = torch.zeros(L, dtype=F64)
             for li in d_layers:
-                missing[li, 0] = False
-            for li in a_layers:
-                missing[li, 1:4] = False
+                base[li, 0] = 0.0
+            for li, k in a_entries:
+                base[li, 1:3] = 0.0
+                entries[li] += k
             for li, _ in g_pairs:
-                missing[li, 4] = False
-            missing[:, 5] = False
+                base[li, 3] = 0.0
+            base[:, 4] = 0.0
+            denom[:, 1] = denom[:, 2] = entries.clamp(min=1)
+            zero_d = torch.full((L, 2), NAN, dtype=F64)
+            zero_d[list(d_layers)] = 0.0
+            zero_a = torch.full((L, 1), NAN, dtype=F64)
+            zero_a[a_layers] = 0.0
             t = torch.tensor
+            # columns of the matrix row_from concatenates: sqrt of the 5 sums (a_rms at 1), zero fraction,
+            # max|δ|, δ NaN, δ Inf, a non-finite, .grad NaN, .grad Inf, NaN (update ratio, filled later)
+            perm = [0, 6, 7, 8, 1, 5, 9, 3, 4, 12, 10, 11]
             hit = self._cache[key] = {
                 "dev": dev, "src": t(src, dtype=torch.long, device=dev), "dst": t(dst, dtype=torch.long, device=dev),
-                "missing": missing.to(dev), "d_layers": t(list(d_layers), dtype=torch.long, device=dev),
-                "d_missing": missing[:, 0].to(dev), "g_layers": t([li for li, _ in g_pairs], dtype=torch.long,
-                                                                   device=dev),
-                "g_pos": [j for _, j in g_pairs], "a_layers": t(list(a_layers), dtype=torch.long, device=dev)}
+                "base": torch.cat([base.flatten(), t([0.0 if ng else NAN], dtype=F64)]).to(dev),
+                "denom": denom.to(dev), "perm": t(perm, dtype=torch.long, device=dev),
+                "a_entries": t([float(k) for _, k in a_entries], dtype=F64, device=dev),
+                "nan_l": torch.full((L,), NAN, dtype=F64, device=dev),
+                "nan_col": torch.full((L, 1), NAN, dtype=F64, device=dev), "zero_d": zero_d.to(dev),
+                "zero_a": zero_a.to(dev), "zero_g": torch.zeros(L, 2, dtype=F64, device=dev),
+                "d_layers": t(list(d_layers), dtype=torch.long, device=dev),
+                "a_layers": t(a_layers, dtype=torch.long, device=dev),
+                "g_layers": t([li for li, _ in g_pairs], dtype=torch.long, device=dev),
+                "g_pos": [j for _, j in g_pairs]}
         return hit
 
     def row_from(self, ds: list, as_: list, loss, dev) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's row from the tensors themselves, reduced once at the end of backward with few kernels.
-        ds: (layer, δ) per call backward reached; as_: (layer, a) per such call with an input."""
+        """The step's row from what its hooks reduced (see reduce_delta, reduce_input), put together once when
+        backward ends in a few kernels. ds: (layer, ‖δ‖, min δ, max δ, [NaN, Inf] or None) per call backward
+        reached; as_: (layer, ‖a‖, nonzero entries of a, entries, non-finite entries or None) per such call."""
         L, params = self.L, self.params
-        dg = [_float(g) for _, g in ds]
-        ag = [_float(a) for _, a in as_]
         present = tuple(i for i, p in enumerate(params) if p.grad is not None)
-        grads = [_dense(params[i].grad) for i in present]
-        ws = [local(p) for p in params]
-        key = (tuple(li for li, _ in ds), tuple(li for li, _ in as_), present)
+        key = (tuple(e[0] for e in ds), tuple((e[0], e[3]) for e in as_), present)
         ix = self._entry_index(key, dev)
-        nd, na, ng = len(dg), len(ag), len(grads)
-        with torch.no_grad():
-            norms = _norms(dg + ag + grads + ws)
-            mm = [x for g in dg for x in (torch.aminmax(g) if g.numel() else (_ZERO, _ZERO))]
-            zeros = [torch.count_nonzero(a) for a in ag]
-            sq = torch.stack([n.to(dev) for n in norms]).double().square_()
-            parts = [sq[:nd + na]]
+        nd, na = len(ds), len(as_)
+        with torch.no_grad():  # nothing here is recorded by autograd: no detach needed
+            grads = [_dense(params[i].grad) for i in present]
+            ws = params if sys.modules.get("torch.distributed.tensor") is None else _locals(params)
+            norms = _norms(grads + list(ws))
+            nN = nd + na + len(norms)
+            vals = ([e[1] for e in ds] + [e[1] for e in as_] + norms + [x for e in ds for x in (e[2], e[3])]
+                    + [e[2] for e in as_] + ([loss.reshape(())] if loss is not None else []))
+            V = _stack(vals, dev).double()
+            V[:nN].square_()
             if na:
-                entries = torch.tensor([float(a.numel()) for a in ag], dtype=F64, device=dev)
-                parts += [entries - torch.stack(zeros).to(dev, F64), entries]
-            parts.append(sq[nd + na:])
-            vals = torch.cat(parts) if len(parts) > 1 else parts[0]
-            sums = torch.zeros(L * 6, dtype=F64, device=dev).index_add_(0, ix["dst"], vals[ix["src"]]).view(L, 6)
-            sums.masked_fill_(ix["missing"], NAN)
-            row = torch.empty(L, len(STAT_NAMES), dtype=F64, device=dev)
-            row[:, S["delta_norm"]] = sums[:, 0].sqrt()
+                V[nN + 2 * nd:nN + 2 * nd + na].neg_().add_(ix["a_entries"])  # zeros = entries − nonzero
+            flat = ix["base"].index_add(0, ix["dst"], V[ix["src"]])
+            sums, total = flat[:L * 5].view(L, 5), flat[L * 5].sqrt()
             if nd:
-                lohi = torch.stack([m.to(dev) for m in mm]).double().abs_().view(nd, 2).amax(1)
-                dmax = torch.zeros(L, dtype=F64, device=dev).scatter_reduce_(0, ix["d_layers"], lohi, "amax",
-                                                                             include_self=False)
-                row[:, S["delta_max"]] = dmax.masked_fill_(ix["d_missing"], NAN)
+                lohi = V[nN:nN + 2 * nd].abs().view(nd, 2).amax(1)
+                dmax = ix["nan_l"].scatter_reduce(0, ix["d_layers"], lohi, "amax", include_self=False).view(L, 1)
             else:
-                row[:, S["delta_max"]] = NAN
-            count = sums[:, 3].clamp(min=1)
-            row[:, S["a_rms"]] = (sums[:, 1] / count).sqrt_()
-            row[:, S["a_zero_frac"]] = sums[:, 2] / count
-            row[:, S["grad_norm"]] = sums[:, 4].sqrt()
-            row[:, S["weight_norm"]] = sums[:, 5].sqrt()
-            row[:, S["update_ratio"]] = NAN
-            total = sq[nd + na:nd + na + ng].sum().sqrt() if ng else torch.full((), NAN, dtype=F64, device=dev)
-            # NaN/Inf counts: on CPU only where a norm is not finite (reading it there is no device sync)
-            counted = dev.type != "cpu" or not bool(torch.isfinite(sq[:nd + na + ng]).all())
-            if counted:
-                self._counts(row, ds, dg, as_, ag, grads, ix, dev)
-            else:
-                row[:, S["delta_nan"]] = row[:, S["delta_inf"]] = row[:, S["a_nonfinite"]] = 0.0
-                row[:, S["grad_nan"]] = row[:, S["grad_inf"]] = 0.0
-            for c in ("delta_nan", "delta_inf"):
-                row[:, S[c]].masked_fill_(ix["missing"][:, 0], NAN)
-            row[:, S["a_nonfinite"]].masked_fill_(ix["missing"][:, 1], NAN)
-            loss = loss.to(dev).double().reshape(()) if loss is not None else torch.full((), NAN, dtype=F64,
-                                                                                         device=dev)
-            return row, torch.stack([loss, total])
-
-    @staticmethod
-    def _counts(row, ds, dg, as_, ag, grads, ix, dev) -> None:
-        L = row.shape[0]
-        z = torch.zeros(L, dtype=F64, device=dev)
-        if dg:
-            c = torch.stack([torch.stack([torch.isnan(g).sum(), torch.isinf(g).sum()]) for g in dg]).to(dev, F64)
-            row[:, S["delta_nan"]] = z.clone().index_add_(0, ix["d_layers"], c[:, 0])
-            row[:, S["delta_inf"]] = z.clone().index_add_(0, ix["d_layers"], c[:, 1])
-        else:
-            row[:, S["delta_nan"]] = row[:, S["delta_inf"]] = 0.0
-        if ag:
-            bad = torch.stack([(a.numel() - torch.isfinite(a).sum()) for a in ag]).to(dev, F64)
-            row[:, S["a_nonfinite"]] = z.clone().index_add_(0, ix["a_layers"], bad)
-        else:
-            row[:, S["a_nonfinite"]] = 0.0
-        if grads:
-            c = torch.stack([torch.stack([torch.isnan(g).sum(), torch.isinf(g).sum()]) for g in grads]).double()
-            c = c.to(dev)[ix["g_pos"]]
-            row[:, S["grad_nan"]] = z.clone().index_add_(0, ix["g_layers"], c[:, 0])
-            row[:, S["grad_inf"]] = z.clone().index_add_(0, ix["g_layers"], c[:, 1])
-        else:
-            row[:, S["grad_nan"]] = row[:, S["grad_inf"]] = 0.0
+                dmax = ix["nan_col"]
+            d_counts, a_bad, g_counts = ix["zero_d"], ix["zero_a"], ix["zero_g"]
+            if any(e[4] is not None for e in ds):
+                c = torch.stack([e[4] if e[4] is not None else torch.zeros(2, dtype=F64, device=dev) for e in ds])
+                d_counts = d_counts.index_add(0, ix["d_layers"], c.to(dev, F64))
+            if any(e[4] is not None for e in as_):
+                c = torch.stack([e[4] if e[4] is not None else torch.zeros((), dtype=F64, device=dev) for e in as_])
+                a_bad = a_bad.index_add(0, ix["a_layers"], c.to(dev, F64).view(-1, 1))
+            # .grad's NaN/Inf counts: on CPU only where its norm is not finite (reading it there is no sync)
+            if grads and (dev.type != "cpu" or not math.isfinite(total.item())):
+                c = torch.stack([torch.stack([torch.isnan(g).sum(), torch.isinf(g).sum()]) for g in grads]).double()
+                g_counts = g_counts.index_add(0, ix["g_layers"], c.to(dev)[ix["g_pos"]])
+            scaled = sums / ix["denom"]  # Σa² and the zeros of a over the entries
+            m = torch.cat([scaled.sqrt(), scaled[:, 2:3], dmax, d_counts, a_bad, g_counts, ix["nan_col"]], dim=1)
+            row = m.index_select(1, ix["perm"])
+            return row, torch.stack([V[-1] if loss is not None else ix["nan_l"][0], total])
 
     def update(self, key: tuple, deltas: list, dev) -> tuple[torch.Tensor, torch.Tensor]:
         """Σ‖ΔW‖² per layer from the ΔW of params `key` (param indices), and the mask of layers touched."""
         hit = self._cache.get(("u", key))
-        if hit is None or hit[0].device != dev:
+        if hit is None or hit[2].device != dev:
             pos = {pi: j for j, pi in enumerate(key)}
             pairs = [(li, pos[pi]) for li, pi in self.pairs if pi in pos]
             mask = [False] * self.L
             for li, _ in pairs:
                 mask[li] = True
+            same = [j for _, j in pairs] == list(range(len(key)))
             hit = self._cache[("u", key)] = (torch.tensor([li for li, _ in pairs], device=dev),
-                                             torch.tensor([j for _, j in pairs], device=dev),
+                                             None if same else torch.tensor([j for _, j in pairs], device=dev),
                                              torch.tensor(mask, device=dev))
         layers, gather, mask = hit
-        sq = torch.stack([n.to(dev) for n in deltas]).double().square_()[gather]
+        sq = _stack(deltas, dev).double().square_()
+        if gather is not None:
+            sq = sq[gather]
         return torch.zeros(self.L, dtype=F64, device=dev).index_add_(0, layers, sq), mask
 
 
-_ZERO = torch.zeros(())
 _FOREACH = (torch.float32, torch.float64)
 
 
@@ -272,6 +298,22 @@ def _norms(ts: list) -> list:
     return [norm(t) if t.numel() else torch.zeros((), dtype=F64, device=t.device) for t in ts]
 
 
+def _stack(ts: list, dev) -> torch.Tensor:
+    """torch.stack of 0-d tensors onto `dev` (moved one by one only where they are elsewhere)."""
+    try:
+        return torch.stack(ts).to(dev)
+    except RuntimeError:  # on several devices
+        return torch.stack([t.to(dev) for t in ts])
+
+
+def _locals(params: list) -> list:
+    """The parameters detached (their local shards where they are DTensors)."""
+    dt = sys.modules.get("torch.distributed.tensor")
+    if dt is None:
+        return [p.detach() for p in params]
+    return [local(p) for p in params]
+
+
 def _dense(g: torch.Tensor) -> torch.Tensor:
     return g.coalesce().values() if g.is_sparse else local(g)
 
@@ -282,3 +324,122 @@ def local(t: torch.Tensor) -> torch.Tensor:
     module was imported: importing it here would cost every user 0.4 s.)"""
     dt = sys.modules.get("torch.distributed.tensor")
     return t.detach().to_local() if dt is not None and isinstance(t, dt.DTensor) else t.detach()
+
+
+def _linear_norm_sq(m, call) -> torch.Tensor | None:
+    """(B,) squared per-sample gradient norms of an nn.Linear's weight and bias from one call, as
+    layers/linear.py's rule gives them (ghost form Σ_{t,t'} (a_t·a_t' + 1)(δ_t·δ_t') where T² < in·out), without
+    building its Factors: the common case, kept cheap. None where the dtypes call for the general path."""
+    a, d, w, b = call.a, call.delta, m.weight, m.bias
+    if not (a.is_floating_point() and a.dtype == d.dtype == w.dtype) or a.dim() < 2:
+        return None
+    wg, bg = w.requires_grad, b is not None and b.requires_grad
+    if not (wg or bg):
+        return None
+    B = a.shape[0]
+    A, D = a.reshape(B, -1, a.shape[-1]), d.reshape(B, -1, d.shape[-1])
+    T = A.shape[1]
+    if T * T < w.numel():
+        gd = torch.bmm(D, D.transpose(1, 2))
+        if not wg:
+            return gd.sum((1, 2)) if bg else None
+        gx = torch.bmm(A, A.transpose(1, 2))
+        return ((gx + 1) * gd).sum((1, 2)) if bg else (gx * gd).sum((1, 2))
+    sq = torch.bmm(D.transpose(1, 2), A).square().sum((1, 2)) if wg else 0
+    return sq + D.sum(1).square().sum(1) if bg else sq
+
+
+class _Call:
+    """One forward call of a layer, as the per-sample rules read it (a, δ, the layer's state then)."""
+
+    __slots__ = ("a", "delta", "state", "version")
+
+    def __init__(self, a: torch.Tensor, state):
+        self.a, self.delta, self.state, self.version = a.detach(), None, state, a._version
+
+
+class PerSample:
+    """Per step, the largest per-sample gradient norm and its sample, from the layers' (a, δ) shortcuts
+    (ghost norms: Linear's ‖Σ_t δ_t a_tᵀ‖² from two Gram products, never the per-sample gradients
+    themselves, where that is cheaper). A layer's squared norms are computed as soon as the δ of its
+    last call of the step arrives, and its a and δ let go at once."""
+
+    def __init__(self, layers: list, layer_names: list, pairs: list):
+        from .. import factors as fx
+
+        self.fx = fx
+        owners: dict = {}
+        for li, pi in pairs:
+            owners.setdefault(pi, set()).add(li)
+        shared = {li for ls in owners.values() if len(ls) > 1 for li in ls}
+        self.eligible, left = set(), []
+        for li, m in enumerate(layers):
+            why = fx.unsupported_reason(m)
+            if why is None and fx.is_generic(m):
+                why = "no exact (a, δ) rule"
+            if why is None and li in shared:
+                why = "a parameter shared with another layer (weight tying)"
+            if why is None and not any(p.requires_grad for p in m.parameters(recurse=False)):
+                continue
+            if why is None:
+                self.eligible.add(li)
+            else:
+                left.append(f"{layer_names[li]} ({why})")
+        self.layers, self.layer_names, self.odd = layers, layer_names, set()
+        self.note = (f"hw.watch(per_sample=True): per-sample norms leave out {', '.join(left[:6])}"
+                     f"{' ...' if len(left) > 6 else ''}") if left else None
+
+    def forward(self, step, li: int, module, a: torch.Tensor):
+        """A call of layer li read a: its _Call (None where the layer is left out)."""
+        if step.ps_batch is None and a is not None and a.dim() > 0:
+            step.ps_batch = a.shape[0]  # the first watched call reads the model's input: its batch
+        if li not in self.eligible or a is None or a.dim() == 0:
+            return None
+        call = _Call(a, self.fx.forward_state(module))
+        step.ps_calls.setdefault(li, []).append(call)
+        return call
+
+    def delta(self, step, li: int, call, grad: torch.Tensor) -> None:
+        """δ of that call arrived (under the watch's lock): reduce the layer once all its calls have theirs."""
+        call.delta = grad.detach()
+        calls = step.ps_calls.get(li)
+        if calls and all(c.delta is not None for c in calls):
+            self._reduce(step, li, calls)
+
+    def end(self, step, dev):
+        """The step's [largest per-sample gradient norm, its sample] (float64, on dev), NaN if not known."""
+        for li, calls in list(step.ps_calls.items()):
+            got = [c for c in calls if c.delta is not None]
+            if got:
+                self._reduce(step, li, got)
+        step.ps_calls = {}
+        sq = step.ps_sq.get(step.ps_batch)
+        if sq is None or step.ps_bad:
+            return torch.full((2,), NAN, dtype=F64, device=dev)
+        m, i = torch.max(sq.to(dev, F64), 0)
+        return torch.stack([m.sqrt(), i.to(F64)])
+
+    def odd_note(self) -> str | None:
+        if not self.odd:
+            return None
+        names = ", ".join(self.layer_names[li] for li in sorted(self.odd))
+        return (f"hw.watch(per_sample=True): per-sample norms leave out {names}: the leading dimension of its "
+                "input is not the batch's (the leading dimension of the first watched layer's input)")
+
+    def _reduce(self, step, li: int, calls: list) -> None:
+        step.ps_calls.pop(li, None)
+        if any(c.a._version != c.version for c in calls):
+            step.ps_bad = True  # an input changed in place after the layer read it: not known this step
+        else:
+            with torch.no_grad():
+                m = self.layers[li]
+                sq = _linear_norm_sq(m, calls[0]) if len(calls) == 1 and type(m) is nn.Linear else None
+                if sq is None:
+                    sq = self.fx.layer_norm_sq(m, self.fx.factors(m, calls))
+                sq = sq.to(F64)
+            n = sq.shape[0]
+            step.ps_sq[n] = step.ps_sq[n] + sq if n in step.ps_sq else sq
+            if n != step.ps_batch:
+                self.odd.add(li)  # its rows are not the batch's samples (a position embedding: tokens)
+        for c in calls:
+            c.a = c.delta = None
