@@ -57,13 +57,9 @@ def table(results: list) -> str:
     return "\n".join(lines)
 
 
-def report(results: list, seconds: float) -> str:
-    try:
-        import transformers
-
-        tf = f"transformers {transformers.__version__}"
-    except ImportError:
-        tf = "transformers not installed (its models skipped)"
+def report_body(results: list) -> list[str]:
+    """The legend, the table, the counts and what keeps coverage down, by module type (shared with
+    benchmarks/zoo_real_coverage.py)."""
     n_exact = sum(not r["exact_failures"] for r in results)
     n_norms = sum(r["norms_rel_err"] <= 1e-4 for r in results)
     n_cov = sum(r["coverage"] >= TARGET for r in results)
@@ -76,13 +72,6 @@ def report(results: list, seconds: float) -> str:
             e[1].add(r["key"])
             e[2].add(x["reason"] or "NO NOTE (silent)")
     out = [
-        "# Zoo coverage (issue 14)",
-        "",
-        f"`python -m benchmarks.zoo_coverage`: {len(results)} tiny models with random weights (tests/zoo.py), "
-        f"one training step each with a sum-reduced loss, batch {zoo.B}, eval mode (no dropout, BatchNorm on "
-        f"running statistics; models with BatchNorm also traced in train mode for exactness). torch "
-        f"{torch.__version__}, {tf}, {platform.machine()}, {seconds:.1f} s.",
-        "",
         "- **coverage**: share of gradient elements (parameters with a `.grad`) that `per_sample_grad_norms()` "
         f"covers; ✗ below the issue's {TARGET:.0%} target.",
         "- **exact**: `weight_grad` / `bias_grad` of every layer in `t.factor_layers` equal autograd's `.grad` "
@@ -105,6 +94,26 @@ def report(results: list, seconds: float) -> str:
     ]
     for t, (n, models, why) in sorted(by_type.items(), key=lambda kv: -kv[1][0]):
         out.append(f"| {t} | {_fmt_n(n)} | {', '.join(sorted(models))} | {'; '.join(sorted(why))} |")
+    return out
+
+
+def report(results: list, seconds: float) -> str:
+    try:
+        import transformers
+
+        tf = f"transformers {transformers.__version__}"
+    except ImportError:
+        tf = "transformers not installed (its models skipped)"
+    out = [
+        "# Zoo coverage (issue 14)",
+        "",
+        f"`python -m benchmarks.zoo_coverage`: {len(results)} tiny models with random weights (tests/zoo.py), "
+        f"one training step each with a sum-reduced loss, batch {zoo.B}, eval mode (no dropout, BatchNorm on "
+        f"running statistics; models with BatchNorm also traced in train mode for exactness). torch "
+        f"{torch.__version__}, {tf}, {platform.machine()}, {seconds:.1f} s.",
+        "",
+    ]
+    out += report_body(results)
     out += [
         "",
         "Tiny configs weigh position embeddings and norm weights far more than full-size models do (GPT-2's `wpe` "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import platform
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import zoo_real  # noqa: E402
 
-from benchmarks.zoo_coverage import TARGET, _fmt_n, table  # noqa: E402
+from benchmarks.zoo_coverage import report_body  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "zoo_real_coverage.md"
 
@@ -32,17 +31,6 @@ def report(results: list, seconds: float) -> str:
     import timm
     import torchvision
 
-    n_exact = sum(not r["exact_failures"] for r in results)
-    n_norms = sum(r["norms_rel_err"] <= 1e-4 for r in results)
-    n_cov = sum(r["coverage"] >= TARGET for r in results)
-    silent = [(r["name"], x["param"]) for r in results for x in r["left_out"] if x["reason"] is None]
-    by_type = defaultdict(lambda: [0, set(), set()])  # type -> elements, models, reasons
-    for r in results:
-        for x in r["left_out"]:
-            e = by_type[x["type"]]
-            e[0] += x["numel"]
-            e[1].add(r["key"])
-            e[2].add(x["reason"] or "NO NOTE (silent)")
     out = [
         "# Zoo coverage: real torchvision and timm models (issue 14)",
         "",
@@ -52,28 +40,8 @@ def report(results: list, seconds: float) -> str:
         f"traced in train mode for exactness), measured as tests/zoo.py measures its zoo. torch {torch.__version__}, "
         f"torchvision {torchvision.__version__}, timm {timm.__version__}, {platform.machine()}, {seconds:.1f} s.",
         "",
-        "- **coverage**: share of gradient elements (parameters with a `.grad`) that `per_sample_grad_norms()` "
-        f"covers; ✗ below the issue's {TARGET:.0%} target.",
-        "- **exact**: `weight_grad` / `bias_grad` of every layer in `t.factor_layers` equal autograd's `.grad` "
-        "(rtol 1e-4; tied weights summed over the layers that share them); ✗ names the parameter.",
-        "- **norms rel. err**: `per_sample_grad_norms()` against a per-sample loop of autograd (each sample run "
-        "alone) over the same parameters; ✓ at most 1e-4.",
-        "- **left out**: parameters outside per-sample norms, by module type, with the reason from the note of "
-        "`t.notes` that names the layer (NO NOTE: dropped silently).",
-        "",
-        table(results),
-        "",
-        f"Exact: {n_exact}/{len(results)}; norms agree: {n_norms}/{len(results)}; coverage ≥ {TARGET:.0%}: "
-        f"{n_cov}/{len(results)}; parameters left out without a note: {len(silent)}"
-        + (" (" + ", ".join(f"{m}: {p}" for m, p in silent) + ")" if silent else "") + ".",
-        "",
-        "## What keeps coverage down, by module type",
-        "",
-        "| module type | elements left out | models | why (the note) |",
-        "|---|---|---|---|",
     ]
-    for t, (n, models, why) in sorted(by_type.items(), key=lambda kv: -kv[1][0]):
-        out.append(f"| {t} | {_fmt_n(n)} | {', '.join(sorted(models))} | {'; '.join(sorted(why))} |")
+    out += report_body(results)
     out += [
         "",
         "MobileViT folds patches into rows (its transformer sees batch × patch area rows): rows folded by a view, "
