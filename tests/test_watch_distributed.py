@@ -110,15 +110,16 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             result = {"plain": plain, "watched": watched, "gathered": gathered, "layer_names": w.layer_names,
                       "stats": w.stats, "step_stats": w.step_stats, "steps": w.steps, "stat_names": w.stat_names}
             torch.save(result, os.path.join(out_dir, f"{mode}-{flight_recorder}-rank{rank}.pt"))
+        dist.barrier()  # both ranks tear down together (a rank gone first left gloo's threads to abort the other)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The workers' results. A worker that dies before its process group is up (the free port taken by
-    another process between _free_port and gloo's bind, seen once on the shared CI machine) gets one more
-    try on a new port; a hang or a second failure fails the tests."""
+    """The workers' results. A worker that died by a signal (gloo's teardown aborting, "terminate called
+    without an active exception", seen under load on the shared CI machine) gets one more try on a new port;
+    a hang, a Python error in a worker or a second death fails the tests."""
     out = tmp_path_factory.mktemp("watch_dist")
     for attempt in range(2):
         ctx = mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False)
