@@ -109,6 +109,7 @@ class Tracer(GenericCapture):
         self._ddp = False  # a DistributedDataParallel module ran (it averages .grad after backward)
         self._snapshots: dict = {}  # id(parameter or buffer) -> (it, its version, copy): generic rule (_keep_call)
         self._broadcasts: list = []  # calls of layers with parameters whose output is (1, ...): see _hook_broadcasts
+        self._joins: list = []  # (module, call) of generic modules holding (1, ...) parameters: see _hook_joins
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Tracer:
@@ -396,6 +397,8 @@ class Tracer(GenericCapture):
         self._extend_walk(tensors)
         if self._broadcasts and self._depth == 1:
             self._hook_broadcasts()
+        if self._joins and self._depth == 1:
+            self._hook_joins()
 
     def on_backward_end(self) -> None:
         if self._depth == 0:

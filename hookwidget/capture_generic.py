@@ -39,6 +39,8 @@ class GenericCapture:
             return False
         call.inputs, call.params = kept, params
         call.training = tuple(m.training for m in module.modules())
+        if generic.has_broadcast_params(module) and len(self._joins) < BROADCASTS_MAX:
+            self._joins.append((module, call))
         if self.capture == "full":
             call.a = _first_tensor(kept[0]) if kept[0] else _first_tensor(kept[1])
         return True
@@ -123,6 +125,41 @@ class GenericCapture:
             if len(ps) == 1 and walk.names[ps[0]] == "AddBackward0":
                 self._node_handles.append(walk.nodes[ps[0]].register_prehook(self._broadcast_hook(c)))
 
+    def _hook_joins(self) -> None:
+        """A model's own (1, ...) parameter (ViT's class token, position embedding) joins the batch at an expand or
+        an add: the gradient arriving there has each sample's gradient of it in its rows. A pre-hook on each such
+        node keeps them (call.join_rows, summed over the nodes); generic.broadcast_params uses them in place of a
+        rerun of the model, checked as its rows are (they must add up to .grad, and one sample to its own vjp)."""
+        joins, self._joins = self._joins, []
+        walk = self._walk
+        wanted = {id(p): (call, n, tuple(p.shape)) for module, call in joins for n, p in module._parameters.items()
+                  if p is not None and p.requires_grad and p.dim() and p.shape[0] == 1}
+        targets = {i: wanted[id(walk.nodes[i].variable)] for i, name in enumerate(walk.names)
+                   if name == "AccumulateGrad" and id(walk.nodes[i].variable) in wanted}
+        parents: dict = {}
+        for u, v in walk.edges:
+            if v in targets:
+                parents.setdefault(v, []).append(u)
+        for v, (call, n, shape) in targets.items():
+            ps = parents.get(v, ())
+            if ps and all(walk.names[u] in JOINS for u in ps):
+                for u in ps:
+                    self._node_handles.append(walk.nodes[u].register_prehook(self._join_hook(call, n, shape)))
+
+    def _join_hook(self, call: Call, name: str, shape: tuple):
+        def hook(grad_outputs):
+            g = grad_outputs[0] if self.active and grad_outputs else None
+            if g is not None and g.dim() == len(shape) and g.shape[0] > 1 and tuple(g.shape[1:]) == shape[1:]:
+                with self._lock:
+                    rows = call.join_rows = call.join_rows or {}
+                    if name in rows:
+                        rows[name] = rows[name] + g.detach()
+                    elif self._fits(g):
+                        rows[name] = g.detach()
+            return None
+
+        return hook
+
     def _broadcast_hook(self, call: Call):
         def hook(grad_outputs):
             g = grad_outputs[0] if self.active and grad_outputs else None
@@ -188,4 +225,5 @@ def _view_nodes() -> tuple:
     return type(x.view(4).grad_fn), type(x.t().reshape(4).grad_fn)
 
 
+JOINS = ("AddBackward0", "ExpandBackward0")  # where a (1, ...) parameter meets the batch, its gradient per sample
 VIEW_GRAD_FNS = _view_nodes()  # ViewBackward0, UnsafeViewBackward0: view/reshape/flatten (their saved input sizes)

@@ -27,6 +27,7 @@ class Call:
     delta_summary: TensorSummary | None = None
     grad_input: torch.Tensor | None = None  # backward_hooks=True: what a full backward hook sees
     step: int | None = None  # the backward pass (step) that brought this call its δ; None: no gradient reached it
+    join_rows: dict | None = field(default=None, repr=False)  # a model's own (1, ...) parameter -> per-sample rows
     folded_from: int | None = None  # its input is a view of a tensor of this leading dimension ((B, T, d) as (B·T, d))
     batch: int | None = None  # an outermost call (the model's): its first input's leading dimension, the batch size
     seq_start: int = field(default=0, repr=False)  # autograd sequence numbers created during the call

@@ -271,11 +271,8 @@ def test_vit_and_gpt2_shaped_models_are_covered_exactly(capture):
 
         t = traced(model, lambda x=x, y=y: loss(x, y), capture=capture)
         ref = loop_reference(model, lambda i, x=x, y=y: loss(x[i:i + 1], y[i:i + 1]))
-        left = set(t.per_sample_left_out)
-        # capture="norms" keeps no per-sample δ of a position table added to the batch yet (capture.py: broadcasts
-        # are hooked in capture="full" only): the one parameter it may still leave out, named
-        assert not left if capture == "full" or isinstance(model, ViT) else left <= {"pos.weight"}, left
-        norms = torch.cat([g.flatten(1) for k, g in ref.items() if k not in left], 1).norm(dim=1)
+        assert not t.per_sample_left_out, t.per_sample_left_out
+        norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
         close(t.per_sample_grad_norms(), norms)
         assert all(used_fast(t, f"blocks.{i}.attn") for i in range(2))
 
@@ -293,6 +290,8 @@ class Tokens(nn.Module):
     def forward(self, x):
         if self.how == "broadcast":  # ViT: concatenated with and added to the batch
             h = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos
+        elif self.how == "alpha":  # added with alpha=2: the gradient at the add is not the position table's
+            h = torch.add(torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1), self.pos, alpha=2.0)
         elif self.how == "index":  # p[0]: the same outputs with the parameter copied per sample, other rows
             h = torch.cat([self.cls[0].expand(x.shape[0], 1, 4), x], 1) + self.pos[0]
         else:  # p.sum(0): other outputs
@@ -300,11 +299,12 @@ class Tokens(nn.Module):
         return self.fc(torch.tanh(h))
 
 
-@pytest.mark.parametrize("how", ["broadcast", "index", "sum"])
+@pytest.mark.parametrize("how", ["broadcast", "alpha", "index", "sum"])
 @pytest.mark.parametrize("capture", ["full", "norms"])
 def test_a_models_own_parameters_added_to_the_batch(how, capture):
-    """The broadcast rule (generic.broadcast_params) serves ViT's class token and position embedding with one
-    backward of the batch; where the forward indexes or reduces them it is refused and the vmap rule answers."""
+    """The broadcast rule (generic.broadcast_params) serves ViT's class token and position embedding from the
+    gradient capture kept where they meet the batch (an expand, an add: no rerun of the model); where the forward
+    indexes or reduces them, or adds them scaled, it is refused and the vmap rule answers, exactly."""
     torch.manual_seed(0)
     model = Tokens(how)
     x = torch.randn(B, 3, 4)
@@ -316,3 +316,5 @@ def test_a_models_own_parameters_added_to_the_batch(how, capture):
         for k in ("cls", "pos"):
             close(t.per_sample_grads("Tokens", k), ref[k])
     assert used_fast(t, "Tokens") == (how == "broadcast")
+    joined = t.layers["Tokens"].calls[0].join_rows or {}
+    assert set(joined) == ({"cls", "pos"} if how in ("broadcast", "alpha") else set())

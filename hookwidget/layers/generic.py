@@ -304,6 +304,13 @@ def broadcast_params(module, call, names: list, B: int) -> tuple:
     params = {n: call.params[n] for n in names}
     if not all(_leading_one(p) for p in params.values()) or B < 2:
         raise NotApplicable("not (1, ...) parameters")
+    from .base import Factor
+
+    joined = call.join_rows or {}
+    if all(n in joined and joined[n].shape[0] == B for n in names):  # capture kept them where they met the batch
+        rows = {n: Factor(n, "dense", joined[n].reshape(B, *params[n].shape), None, tuple(params[n].shape))
+                for n in names}
+        return rows, ("joined", tuple(names), tuple(tuple(joined[n].shape) for n in names))
     prep = _prepare(module, call, names, B)
     xs = [prep.leaves[i] for i in prep.batched]
     copies = {n: p.detach().expand(B, *p.shape[1:]).clone().requires_grad_() for n, p in params.items()}
@@ -315,8 +322,6 @@ def broadcast_params(module, call, names: list, B: int) -> tuple:
         if any(o.shape != c.shape for o, c in zip(outs, prep.cots)):
             raise NotApplicable("other outputs with the parameters copied per sample")
         grads = torch.autograd.grad(outs, list(copies.values()), prep.cots, allow_unused=True)
-    from .base import Factor
-
     rows = {n: Factor(n, "dense", (torch.zeros_like(c) if g is None else g).reshape(B, *params[n].shape), None,
                       tuple(params[n].shape)) for (n, c), g in zip(copies.items(), grads)}
     key = ("broadcast", tuple(names), tuple(tuple(x.shape) for x in xs),
