@@ -4,27 +4,19 @@ weight_grad is the rank's own gradient (autograd's, without DDP) and the Trace s
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers_dist import spawn
 from torch import nn
 
 WORLD = 2
 TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model():
@@ -79,30 +71,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(out_dir) -> None:
-    """Run the workers; one more try on a new port where a worker died by a signal (gloo's teardown aborted
-    once under load on the shared CI machine: "terminate called without an active exception"); a hang, a
-    Python error in a worker or a second death fails the test."""
-    for attempt in range(2):
-        ctx = mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False)
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    for p in ctx.processes:
-                        p.kill()
-                    pytest.fail(f"DDP workers did not finish within {TIMEOUT_S} s (hang)")
-            return
-        except mp.ProcessExitedException:
-            for p in ctx.processes:
-                p.kill()
-            if attempt:
-                raise
 
 
 @pytest.mark.slow
 def test_ddp_gloo_two_ranks(tmp_path):
-    _spawn(tmp_path)
+    spawn(_worker, tmp_path, WORLD, TIMEOUT_S)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for r in results:
         plain, traced = r["plain"], r["traced"]

@@ -6,25 +6,17 @@ w.gather(dst=0) brings every rank's statistics to rank 0; no hang."""
 from __future__ import annotations
 
 import os
-import socket
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers_dist import spawn
 from torch import nn
 
 WORLD, STEPS, TIMEOUT_S = 2, 4, 150
 LAYERS = ["0", "2", "4"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wrapped(mode):
@@ -117,25 +109,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The workers' results. A worker that died by a signal (gloo's teardown aborting, "terminate called
-    without an active exception", seen under load on the shared CI machine) gets one more try on a new port;
-    a hang, a Python error in a worker or a second death fails the tests."""
+    """The workers' results (see helpers_dist.spawn)."""
     out = tmp_path_factory.mktemp("watch_dist")
-    for attempt in range(2):
-        ctx = mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False)
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not ctx.join(timeout=1):
-                if time.monotonic() > deadline:
-                    for p in ctx.processes:
-                        p.kill()
-                    pytest.fail(f"workers did not finish within {TIMEOUT_S} s (hang)")
-            return out
-        except mp.ProcessExitedException:
-            for p in ctx.processes:
-                p.kill()
-            if attempt:
-                raise
+    spawn(_worker, out, WORLD, TIMEOUT_S)
+    return out
 
 
 @pytest.mark.slow

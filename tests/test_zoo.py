@@ -14,30 +14,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # zoo, whether or not tests/ is a package
 import zoo  # noqa: E402
+from helpers_zoo import one_thread, params  # noqa: E402, F401  (one_thread: an autouse fixture)
 
 # Known hookwidget failures, as strict xfails: each turns into an XPASS (a failure) once fixed.
 KNOWN: dict = {}
 
 
-def _params(kind: str):
-    out = []
-    for key in zoo.BUILDERS:
-        marks = [pytest.mark.xfail(strict=True, reason=KNOWN[key, kind])] if (key, kind) in KNOWN else []
-        out.append(pytest.param(key, marks=marks, id=key))
-    return out
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one thread is several times faster than two on a shared machine; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _params(kind: str) -> list:
+    return params(zoo.BUILDERS, KNOWN, kind)
 
 
 @functools.cache

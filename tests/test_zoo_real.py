@@ -29,6 +29,7 @@ if _missing:
     pytest.skip(f"torchvision/timm not importable: {_missing}", allow_module_level=True)
 
 from helpers_faults import Registries  # noqa: E402
+from helpers_zoo import one_thread, params  # noqa: E402, F401  (one_thread: an autouse fixture)
 
 import hookwidget as hw  # noqa: E402
 
@@ -43,21 +44,8 @@ KNOWN = {
 }
 
 
-def _params(kind: str):
-    out = []
-    for key in zoo_real.BUILDERS:
-        marks = [pytest.mark.xfail(strict=True, reason=KNOWN[key, kind])] if (key, kind) in KNOWN else []
-        out.append(pytest.param(key, marks=marks, id=key))
-    return out
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Small models: one thread is faster than two on a shared machine; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _params(kind: str) -> list:
+    return params(zoo_real.BUILDERS, KNOWN, kind)
 
 
 @functools.cache
