@@ -116,10 +116,7 @@ class GenericCapture:
         targets = {walk._index[c.out_node]: c for c in calls if c.out_node is not None and c.out_node in walk._index}
         if not targets:
             return
-        parents: dict = {}
-        for u, v in walk.edges:
-            if v in targets:
-                parents.setdefault(v, []).append(u)
+        parents = _consumers(walk, targets)
         for v, c in targets.items():
             ps = parents.get(v, ())
             if len(ps) == 1 and walk.names[ps[0]] == "AddBackward0":
@@ -136,10 +133,7 @@ class GenericCapture:
                   if p is not None and p.requires_grad and p.dim() and p.shape[0] == 1}
         targets = {i: wanted[id(walk.nodes[i].variable)] for i, name in enumerate(walk.names)
                    if name == "AccumulateGrad" and id(walk.nodes[i].variable) in wanted}
-        parents: dict = {}
-        for u, v in walk.edges:
-            if v in targets:
-                parents.setdefault(v, []).append(u)
+        parents = _consumers(walk, targets)
         for v, (call, n, shape) in targets.items():
             ps = parents.get(v, ())
             if ps and all(walk.names[u] in JOINS for u in ps):
@@ -208,6 +202,15 @@ def own_deltas(call: Call) -> None:
             return
         call.deltas[call.out_first] = call.delta
     call.deltas = [d if d is None or _sole_owner(d) else d.clone() for d in call.deltas]
+
+
+def _consumers(walk, targets) -> dict:
+    """Node index -> the indices of the nodes that take its output (edges point from consumer to input)."""
+    out: dict = {}
+    for u, v in walk.edges:
+        if v in targets:
+            out.setdefault(v, []).append(u)
+    return out
 
 
 def maybe_broadcast(a, out: torch.Tensor) -> bool:
