@@ -341,8 +341,8 @@ class Tracer(GenericCapture):
                 if rec.needs_input and not a.is_inference():
                     call.a = a.detach()  # shares a's version counter: no reference to a (and its graph) is held
                     call._a_version = a._version
-                else:
-                    call.a = a.detach().clone()
+                else:  # copy-on-write: memory is copied only if the input is later written in place
+                    call.a = a.detach().clone() if a.is_inference() else _copy(a)
                 return
         elif capture == "norms":
             if rec.norms:
