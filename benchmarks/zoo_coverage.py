@@ -127,22 +127,27 @@ def report(results: list, seconds: float) -> str:
     return "\n".join(out) + "\n"
 
 
-def main() -> None:
+def run_and_write(measure_all, report, out, width: int = 36) -> None:
+    """Measure every model (a progress line each), write the report to `out` and print it."""
     torch.set_num_threads(1)
     t0 = time.perf_counter()
 
     def progress(r):
         exact = "yes" if not r["exact_failures"] else "NO"
-        print(f"{r['name']:<36} coverage {100 * r['coverage']:5.1f}%  exact {exact}  norms rel.err "
+        print(f"{r['name']:<{width}} coverage {100 * r['coverage']:5.1f}%  exact {exact}  norms rel.err "
               f"{r['norms_rel_err']:.1e}  ({r['seconds']:.2f} s)", flush=True)
 
-    results = zoo.measure_all(progress=progress)
+    results = measure_all(progress=progress)
     text = report(results, time.perf_counter() - t0)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
     print()
     print(text)
-    print(f"written: {OUT.relative_to(ROOT)}")
+    print(f"written: {out.relative_to(ROOT)}")
+
+
+def main() -> None:
+    run_and_write(zoo.measure_all, report, OUT)
 
 
 if __name__ == "__main__":

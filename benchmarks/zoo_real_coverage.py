@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import zoo_real  # noqa: E402
 
-from benchmarks.zoo_coverage import report_body  # noqa: E402
+from benchmarks.zoo_coverage import report_body, run_and_write  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "zoo_real_coverage.md"
 
@@ -63,21 +62,7 @@ def main() -> None:
     missing = zoo_real.available()
     if missing:
         sys.exit(f"zoo_real_coverage: torchvision/timm not importable: {missing}")
-    torch.set_num_threads(1)
-    t0 = time.perf_counter()
-
-    def progress(r):
-        exact = "yes" if not r["exact_failures"] else "NO"
-        print(f"{r['name']:<52} coverage {100 * r['coverage']:5.1f}%  exact {exact}  norms rel.err "
-              f"{r['norms_rel_err']:.1e}  ({r['seconds']:.2f} s)", flush=True)
-
-    results = zoo_real.measure_all(progress=progress)
-    text = report(results, time.perf_counter() - t0)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
-    print()
-    print(text)
-    print(f"written: {OUT.relative_to(ROOT)}")
+    run_and_write(zoo_real.measure_all, report, OUT, width=52)
 
 
 if __name__ == "__main__":

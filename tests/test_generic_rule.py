@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers_rows import close
+from helpers_rows import loop_reference as rows_reference
 from torch import nn
 
 import hookwidget as hw
@@ -21,24 +23,11 @@ B = 3
 
 
 def loop_reference(model, loss_of, n=B) -> dict:
-    """name -> (n, *shape): each sample's own gradient, by autograd on that sample alone."""
-    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
-    rows = {k: [] for k, _ in named}
-    for i in range(n):
-        gs = torch.autograd.grad(loss_of(i), [p for _, p in named], allow_unused=True)
-        for (k, p), g in zip(named, gs):
-            rows[k].append(torch.zeros_like(p) if g is None else g)
-    return {k: torch.stack(v) for k, v in rows.items()}
+    return rows_reference(model, loss_of, n)
 
 
 def norms_of(ref: dict, skip=()) -> torch.Tensor:
     return torch.cat([g.flatten(1) for k, g in ref.items() if not k.startswith(tuple(skip))], 1).norm(dim=1)
-
-
-def close(x, ref, tol=1e-4):
-    assert x.shape == ref.shape, (x.shape, ref.shape)
-    err = float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
-    assert err < tol, err
 
 
 def traced(model, loss_full, **options):

@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # zoo, whether or not tests/ is a package
 import zoo  # noqa: E402
-from helpers_zoo import one_thread, params  # noqa: E402, F401  (one_thread: an autouse fixture)
+from helpers_zoo import check_exact, check_norms, check_nothing_silent, one_thread, params  # noqa: E402, F401  (one_thread: an autouse fixture)
 
 # Known hookwidget failures, as strict xfails: each turns into an XPASS (a failure) once fixed.
 KNOWN: dict = {}
@@ -45,24 +45,14 @@ def test_zoo_has_twenty_architectures():
 
 @pytest.mark.parametrize("key", _params("exact"))
 def test_weight_grad_equals_autograd(key):
-    r = result(key)
-    assert r["compared_params"] > 0, f"{r['name']}: no factor layer"
-    assert not r["exact_failures"], f"{r['name']}: weight_grad/bias_grad differ from .grad: " + "; ".join(
-        f"{n} {p} {why}" for n, p, why in r["exact_failures"])
+    check_exact(result(key))
 
 
 @pytest.mark.parametrize("key", _params("norms"))
 def test_per_sample_norms_equal_autograd_loop(key):
-    r = result(key)
-    assert r["loss_split_ok"], f"{r['name']}: the batch loss is not the sum of per-sample losses (reference invalid)"
-    assert "norms_error" not in r, f"{r['name']}: per_sample_grad_norms() raised {r.get('norms_error')}"
-    assert r["norms_rel_err"] <= 1e-4, (f"{r['name']}: per-sample norms {r['hw_norms'].tolist()} vs autograd "
-                                        f"{r['ref_norms'].tolist()} (max rel err {r['norms_rel_err']:.3g})")
+    check_norms(result(key), zoo.B)
 
 
 @pytest.mark.parametrize("key", _params("silent"))
 def test_nothing_dropped_silently(key):
-    r = result(key)
-    silent = [f"{x['param']} ({x['type']})" for x in r["left_out"] if x["reason"] is None]
-    assert not silent, f"{r['name']}: left out of per-sample norms with no note naming their layer: {silent}"
-    assert 0 < r["coverage"] <= 1
+    check_nothing_silent(result(key))
