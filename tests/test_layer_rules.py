@@ -401,13 +401,12 @@ def test_a_conv1d_named_class_of_another_package_gets_no_rule():
 
 @pytest.mark.parametrize("make, message", [
     (lambda: nn.Embedding(5, 3, sparse=True), "Embedding(sparse=True): .grad is a sparse tensor"),
-    (lambda: nn.Embedding(5, 3, scale_grad_by_freq=True), "Embedding(scale_grad_by_freq=True): .grad divides"),
     (lambda: nn.MultiheadAttention(4, 2), "no factor rule for MultiheadAttention"),
     (lambda: nn.PReLU(), "no factor rule for PReLU"),
     (lambda: nn.SyncBatchNorm(3), "no factor rule for SyncBatchNorm: its statistics span every process"),
     (lambda: nn.utils.parametrizations.weight_norm(nn.Linear(3, 2)),
      "ParametrizedLinear.weight is computed (parametrize, weight_norm or spectral_norm), not a parameter"),
-], ids=["sparse", "scale_grad_by_freq", "mha", "prelu", "syncbn", "weight_norm"])
+], ids=["sparse", "mha", "prelu", "syncbn", "weight_norm"])
 def test_layers_without_an_exact_rule_say_why(make, message):
     """No exact (a, δ) rule, and why; all but SyncBatchNorm fall back to the generic rule (checked per trace)."""
     m = make()
@@ -417,6 +416,25 @@ def test_layers_without_an_exact_rule_say_why(make, message):
         assert fx.unsupported_reason(m).startswith(message) and not fx.is_generic(m)
     else:
         assert fx.unsupported_reason(m) is None and fx.is_generic(m)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding_scaled_by_frequency_gives_each_samples_contribution(padding_idx):
+    """scale_grad_by_freq divides by counts over the whole batch: a row is the sample's contribution, the gradient
+    of its loss through the batch's own backward (the output's gradient kept for its row alone); rows sum to .grad."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, scale_grad_by_freq=True, padding_idx=padding_idx)
+    model = nn.Sequential(emb, nn.Linear(4, 1))
+    ids = torch.randint(0, 10, (5, 7))
+    ids[0, :3] = 3  # a token repeated within one sample and across samples
+    ids[1, 0] = 3
+    t = hw.trace(lambda: model(ids).pow(2).sum().backward(), model)
+    per = t.per_sample_grads("0")
+    out = model(ids).pow(2).sum((1, 2))
+    ref = torch.stack([torch.autograd.grad(out[i], emb.weight, retain_graph=True)[0] for i in range(5)])
+    torch.testing.assert_close(per, ref)
+    torch.testing.assert_close(t.weight_grad("0"), emb.weight.grad)
+    assert fx.per_sample_meaning(emb) == "contribution" and "0.weight" not in t.per_sample_left_out
 
 
 def test_needs_input_and_supported_types_come_from_the_registry():

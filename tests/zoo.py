@@ -668,6 +668,27 @@ def build(key: str) -> Case:
 # ----------------------------------------------------------------------------------------------
 # measurement
 # ----------------------------------------------------------------------------------------------
+def _mixing_in_backward(model) -> list:
+    """Parameters whose .grad mixes samples in backward alone (the forward treats them apart): an Embedding with
+    scale_grad_by_freq divides by counts over the whole batch."""
+    return [m.weight for m in model.modules() if isinstance(m, nn.Embedding) and m.scale_grad_by_freq]
+
+
+def _contribution(case: Case, params: list, i: int) -> list:
+    """Sample i's contribution to these parameters' .grad: the batch's own backward with the gradient at the
+    model's output kept for sample i's row only (batch dimension first)."""
+    def keep_row(module, args, out):
+        mask = torch.zeros(out.shape[0], *[1] * (out.dim() - 1), dtype=out.dtype)
+        mask[i] = 1
+        out.register_hook(lambda g: g * mask)
+
+    handle = case.model.register_forward_hook(keep_row)
+    try:
+        return list(torch.autograd.grad(case.loss(case.model, case.batch), params, allow_unused=True))
+    finally:
+        handle.remove()
+
+
 def _take(batch, i):
     return tuple(t[i:i + 1] for t in batch)
 
@@ -806,11 +827,15 @@ def measure(key: str) -> dict:
         hw_norms = t.per_sample_grad_norms().detach().double()
     except Exception as e:  # noqa: BLE001
         hw_norms, out["norms_error"] = None, f"{type(e).__name__}: {e}"
+    # (parameters of layers whose backward mixes samples: each sample's contribution through the batch's graph)
+    mixing = {id(p) for p in _mixing_in_backward(model)}
+    alone, shared = [p for p in covered if id(p) not in mixing], [p for p in covered if id(p) in mixing]
     ref, losses = [], []
     for i in range(B):
         loss_i = case.loss(model, _take(case.batch, i))
         losses.append(float(loss_i.detach()))
-        gs = torch.autograd.grad(loss_i, covered, allow_unused=True) if covered else []
+        gs = list(torch.autograd.grad(loss_i, alone, allow_unused=True)) if alone else []
+        gs += _contribution(case, shared, i) if shared else []
         ref.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in gs if g is not None)))
     ref = torch.tensor(ref, dtype=torch.float64)
     full = float(case.loss(model, case.batch).detach())
