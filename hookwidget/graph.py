@@ -9,6 +9,7 @@ Python reuses it once a graph is freed.
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections import Counter
 
 import networkx as nx
@@ -41,7 +42,7 @@ class GraphWalk:
 
     def __init__(self):
         self.nodes: list = []
-        self.ids: list[str] = []
+        self._ids: list[str] = []  # see ids
         self.names: list[str] = []  # node_name of each node
         self.edges: list[tuple[int, int]] = []
         self.inputs: list[int] = []  # for each grad-less input slot: the node that consumed it
@@ -55,7 +56,20 @@ class GraphWalk:
         self.variables: list = []  # once frozen: each node's leaf tensor (AccumulateGrad) or None
         self.seq: list = []  # once frozen: each node's autograd sequence number
         self._index: dict = {}
-        self._names: Counter = Counter()
+        self._names: Counter = Counter()  # name -> nodes of that name given an id so far
+
+    @property
+    def ids(self) -> list[str]:
+        """Each node's id, `"<name>#<k>"`: made when first asked for (the graph is built, an intervention on a
+        node looked up), not for every node of every backward pass."""
+        ids, names = self._ids, self.names
+        if len(ids) < len(names):
+            counts = self._names
+            for name in names[len(ids):]:
+                k = counts[name]
+                ids.append(f"{name}#{k}")
+                counts[name] = k + 1
+        return ids
 
     def extend(self, roots) -> list[int]:
         """Walk from `roots` (grad_fn nodes); return the indices of nodes not seen before."""
@@ -67,6 +81,7 @@ class GraphWalk:
                 i = self._add(r)
                 new.append(i)
             self.roots.add(i)
+        names, known = self.names, _NAMES
         k = 0
         while k < len(new):  # breadth-first: `new` is the queue
             i = new[k]
@@ -76,8 +91,10 @@ class GraphWalk:
                     inputs.append(i)
                     continue
                 j = index.get(child)
-                if j is None:
-                    j = self._add(child)
+                if j is None:  # _add, inlined: a walk visits every node of every backward pass
+                    j = index[child] = len(nodes)
+                    names.append(known.get(type(child)) or _cached_name(child))
+                    nodes.append(child)
                     new.append(j)
                 edges.append((i, j))
         return new
@@ -93,11 +110,7 @@ class GraphWalk:
 
     def _add(self, node) -> int:
         i = self._index[node] = len(self.nodes)
-        name = _cached_name(node)
-        k = self._names[name]
-        self.ids.append(f"{name}#{k}")
-        self._names[name] = k + 1
-        self.names.append(name)
+        self.names.append(_cached_name(node))
         self.nodes.append(node)
         return i
 
@@ -107,11 +120,16 @@ def build(walk: GraphWalk, param_names: dict, calls: list, *, show_hook_nodes: b
     `calls` are (module name, seq_start, seq_end) of every recorded module call."""
     owner = _module_owner(walk, calls)
     g = nx.DiGraph()
-    norms = _norms_to_floats({**walk.grad_norm, **_fused_norms(walk.pending_norms)})
+    pending = walk.pending_norms
+    norms = _norms_to_floats({**walk.grad_norm, **_fused_norms(pending)})
+    for i, t in pending.items():  # the payload shows these tensors' norms too (a .grad, a δ): reduced once
+        remember_l2(t, norms[i][0])
     for i, j in walk.same_norm.items():
         if i not in norms and j in norms:
             norms[i] = norms[j]
     walk.freeze()
+    ids, roots, none = walk.ids, walk.roots, (None, None)
+    rows = []
     for i, name in enumerate(walk.names):
         variable = walk.variables[i]
         if variable is not None:
@@ -120,17 +138,17 @@ def build(walk: GraphWalk, param_names: dict, calls: list, *, show_hook_nodes: b
             module = pname.rpartition(".")[0] if pname else ""
             shape = tuple(variable.shape)
         else:
-            pname, role, module, shape = "", "root" if i in walk.roots else "op", owner.get(i, ""), walk.shape.get(i)
-        g.add_node(walk.ids[i], name=name, role=role, module=module, param=pname, shape=shape,
-                   grad_norm=norms.get(i, (None,))[0], grad_max=norms.get(i, (None, None))[1],
-                   order=walk.order.get(i))
-    for u, v in walk.edges:
-        g.add_edge(walk.ids[u], walk.ids[v])
+            pname, role, module, shape = "", "root" if i in roots else "op", owner.get(i, ""), walk.shape.get(i)
+        norm = norms.get(i, none)
+        rows.append((ids[i], {"name": name, "role": role, "module": module, "param": pname, "shape": shape,
+                              "grad_norm": norm[0], "grad_max": norm[1], "order": walk.order.get(i)}))
+    g.add_nodes_from(rows)
+    g.add_edges_from((ids[u], ids[v]) for u, v in walk.edges)
     for k, consumer in enumerate(walk.inputs):
         nid = f"input#{k}"
-        g.add_node(nid, name="input", role="input", module=g.nodes[walk.ids[consumer]]["module"], param="",
+        g.add_node(nid, name="input", role="input", module=g.nodes[ids[consumer]]["module"], param="",
                    shape=None, grad_norm=None, grad_max=None, order=None)
-        g.add_edge(walk.ids[consumer], nid)
+        g.add_edge(ids[consumer], nid)
     if not show_hook_nodes:
         _splice_out(g, [n for n, d in g.nodes(data=True) if d["name"].startswith(HOOK_NODE_NAMES)])
     return g
@@ -161,8 +179,9 @@ def _module_owner(walk: GraphWalk, calls: list) -> dict:
 _SMALL = 1 << 16  # on CPU, ‖t‖∞ of tensors up to this size from the multi-tensor kernel, of larger ones from aminmax
 
 
-def _fused_norms(tensors: dict) -> dict:
-    """[‖t‖₂, ‖t‖∞] of many tensors with a few multi-tensor reductions, not two kernels each."""
+def _fused_norms(tensors: dict, linf: bool = True) -> dict:
+    """[‖t‖₂, ‖t‖∞] of many tensors with a few multi-tensor reductions, not two kernels each (without
+    `linf`: [‖t‖₂, None])."""
     import torch
 
     ts = [_dense_values(t) for t in tensors.values()]
@@ -170,21 +189,23 @@ def _fused_norms(tensors: dict) -> dict:
     if not ts:
         return {}
     l2 = torch._foreach_norm(ts)
+    if not linf:
+        return {i: (a, None) for i, a in zip(tensors, l2)}
     cpu = all(t.device.type == "cpu" for t in ts)
     # the multi-tensor ∞-norm: not of empty tensors (no identity), and on CPU only of small ones (for
     # large ones the ∞-norm kernel is ~9x slower than aminmax there)
     fused = [k for k, t in enumerate(ts) if t.numel() and (not cpu or t.numel() <= _SMALL)]
-    linf = [None] * len(ts)
+    peaks = [None] * len(ts)
     if fused:
         for k, v in zip(fused, torch._foreach_norm([ts[k] for k in fused], float("inf"))):
-            linf[k] = v
+            peaks[k] = v
     if len(fused) < len(ts):
         from .summary import max_abs
 
         for k, t in enumerate(ts):
-            if linf[k] is None:
-                linf[k] = max_abs(t)
-    return {i: (a, b) for i, a, b in zip(tensors, l2, linf)}
+            if peaks[k] is None:
+                peaks[k] = max_abs(t)
+    return {i: (a, b) for i, a, b in zip(tensors, l2, peaks)}
 
 
 def _dense_values(t):
@@ -222,3 +243,50 @@ def _splice_out(g: nx.DiGraph, nodes: list) -> None:
         preds, succs = list(g.predecessors(n)), list(g.successors(n))
         g.remove_node(n)
         g.add_edges_from((p, s) for p in preds for s in succs)
+
+
+# -- 2-norms already reduced, by tensor ---------------------------------------------------------------
+# The payload shows the norms of tensors that the graph's nodes carry too (a parameter's .grad, a layer's δ):
+# each large tensor is read once. Keyed by id(), checked by a weak reference and the version counter, so a
+# freed tensor's id reused by another, or a tensor changed in place, is reduced again.
+_L2: dict = {}
+
+
+def remember_l2(t, value: float) -> None:
+    """Note ‖t‖₂ = value (a float read on the host); not for a tensor without a version counter (inference mode)."""
+    key, version = id(t), _version(t)
+    if version is None:
+        return
+    try:
+        ref = weakref.ref(t, lambda _, key=key: _L2.pop(key, None))
+    except TypeError:
+        return
+    _L2[key] = (ref, version, value)
+
+
+def known_l2(t) -> float | None:
+    """‖t‖₂ if it was reduced before and t has not changed since, else None."""
+    hit = _L2.get(id(t))
+    if hit is None or hit[0]() is not t or hit[1] != _version(t):
+        return None
+    return hit[2]
+
+
+def _version(t) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor tracks no version
+        return None
+
+
+def l2_norms(ts: list) -> list[float]:
+    """‖t‖₂ of each tensor, as floats: known ones from memory, the rest with one multi-tensor reduction per
+    device and one read back to the host (not a kernel and a host read per tensor)."""
+    out = [known_l2(t) for t in ts]
+    todo = [k for k, v in enumerate(out) if v is None]
+    if todo:
+        fresh = _norms_to_floats({k: v for k, (v, _) in _fused_norms({k: ts[k] for k in todo}, linf=False).items()})
+        for k in todo:
+            out[k] = fresh[k]
+            remember_l2(ts[k], fresh[k])
+    return out

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 
+from . import graph as graph_mod
+
 
 @dataclass(frozen=True)
 class LayerHealth:
@@ -54,21 +56,28 @@ def health(trace, vanishing: float = 1e-7, exploding: float = 1e3) -> Health:
         out.nonfinite_nodes = [n for n in nx.lexicographical_topological_sort(g, key=when.__getitem__) if n in bad]
     out.first_nonfinite_node = out.nonfinite_nodes[0] if out.nonfinite_nodes else None
     names = {id(p): n for n, p in trace.params.items()}
+    rows = []  # (name, grads, params, delta or None, delta_summary or None)
     for name, layer in trace.layers.items():
         params = [p for p in layer.module.parameters(recurse=False) if p.requires_grad]
         if not params:
             continue
         grads = [g for g in (trace.param_grads.get(names.get(id(p))) for p in params) if g is not None]
-        gn, g_finite = _norm(grads) if grads else (None, True)
-        wn, _ = _norm([p.detach() for p in params])
-        nonfinite = 0 if g_finite else sum(_count_nonfinite(g) for g in grads)
+        params = [p.detach() for p in params]
         c = layer.calls[0]
-        if c.delta is not None:
-            dn, d_finite = _norm([c.delta])
-            nonfinite += 0 if d_finite else _count_nonfinite(c.delta)
-        elif c.delta_summary is not None:
-            dn = c.delta_summary.norm
-            nonfinite += c.delta_summary.nan + c.delta_summary.inf
+        rows.append((name, grads, params, c.delta, c.delta_summary if c.delta is None else None))
+    # every tensor's norm in one batched pass (the graph build reduced the .grads and δ already: graph.l2_norms)
+    flat = [t for _, grads, params, delta, _ in rows for t in (*grads, *params, *(() if delta is None else (delta,)))]
+    known = dict(zip(map(id, flat), graph_mod.l2_norms(flat))) if flat else {}
+    for name, grads, params, delta, summary in rows:
+        gn, g_finite = _layer_norm(grads, known) if grads else (None, True)
+        wn, _ = _layer_norm(params, known)
+        nonfinite = 0 if g_finite else sum(_count_nonfinite(g) for g in grads)
+        if delta is not None:
+            dn, d_finite = _layer_norm([delta], known)
+            nonfinite += 0 if d_finite else _count_nonfinite(delta)
+        elif summary is not None:
+            dn = summary.norm
+            nonfinite += summary.nan + summary.inf
         else:
             dn = None
         usable = gn is not None and g_finite
@@ -76,6 +85,15 @@ def health(trace, vanishing: float = 1e-7, exploding: float = 1e3) -> Health:
                                        vanishing=usable and gn < vanishing * max(wn, 1e-12),
                                        exploding=usable and gn > exploding * max(wn, 1e-12))
     return out
+
+
+def _layer_norm(ts, known: dict) -> tuple[float, bool]:
+    """(‖ts‖₂ over all tensors, whether every entry is finite) from the batched norms; where one came out 0 or
+    not finite (squares that underflow, a huge but finite entry, a NaN), _norm's careful path decides."""
+    norms = [known[id(t)] for t in ts]
+    if all(math.isfinite(v) and v > 0 for v in norms):
+        return math.sqrt(sum(v * v for v in norms)), True
+    return _norm(ts)
 
 
 def _norm(ts) -> tuple[float, bool]:

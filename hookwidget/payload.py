@@ -20,18 +20,19 @@ MAX_SAMPLES = 8  # samples of a (B, C, H, W) or (B, T, d) tensor sent as picture
 MAX_CHANNELS = 64  # channel maps per sample of a conv activation / δ
 MAP_SIDE = 32  # cells per side of one channel map
 PER_SAMPLE_LIMIT = 50_000_000  # floats: above this, the per-sample δ⊗a heatmap is skipped
-CHUNK = 1 << 16  # entries per piece when a statistic of a large tensor is taken a piece at a time
+CHUNK = 1 << 18  # entries per piece when a statistic of a large tensor is taken a piece at a time (2 MiB of float64)
 HEALTH_LIMIT = 4_000_000  # layers × parameters: above this trace.health() (quadratic today) is skipped
 _health_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def summary(trace) -> dict:
-    """Everything the explorer draws before any click: JSON-safe, no tensor values."""
-    h = health(trace)
+    """Everything the explorer draws before any click: JSON-safe, no tensor values. Tensor norms come from
+    graph.l2_norms: one multi-tensor reduction, and none again for a tensor the graph's nodes reduced."""
+    h = health(trace)  # builds the graph first: its .grad and δ norms are the tree's and the parameters'
     return {
         "graph": graph_summary(trace.graph),
         "modules": module_tree(trace, h.get("layers", {})),
-        "params": {n: _tensor_norm(g) for n, g in trace.param_grads.items()},
+        "params": {n: _num(v) for n, v in _norm_map(trace.param_grads).items()},
         "loss": _num(trace.loss),
         "notes": [str(n) for n in trace.notes],
         "has_grads": bool(trace.param_grads) or any(c.delta is not None or c.delta_summary is not None
@@ -66,25 +67,31 @@ def module_tree(trace, flags: dict | None = None) -> list[dict]:
     layers = trace.layers
     parent = _parents(layers)
     flags = health(trace).get("layers", {}) if flags is None else flags
+    grad_norm = _norm_map(trace.param_grads)
+    firsts = [layer.calls[0] for layer in layers.values() if layer.calls]
+    norms = _norm_map({id(t): t for c in firsts for t, s in ((c.a, c.a_summary), (c.delta, c.delta_summary))
+                       if t is not None and s is None})  # kept without a summary: reduced here, all at once
+    qualified = _param_names(trace)
     rows = []
     for name, layer in layers.items():
         m, c = layer.module, layer.calls[0] if layer.calls else None
-        own = [n for n, _ in m.named_parameters(recurse=False)]
-        grads = [trace.param_grads.get(f"{name}.{p}" if name else p) for p in own]
+        own = [qualified.get(id(p)) or (f"{name}.{n}" if name else n) for n, p in m.named_parameters(recurse=False)]
+        grads = [grad_norm.get(p) for p in own]
         rows.append({
             "name": name,
             "cls": type(m).__name__,
             "parent": parent.get(name),
             "params": int(sum(p.numel() for p in m.parameters())),
-            "own_params": [f"{name}.{p}" for p in own],
+            "own_params": own,
             "calls": len(layer.calls),
-            "a": _tensor_info(c.a if c else None, c.a_summary if c else None),
-            "delta": _tensor_info(c.delta if c else None, c.delta_summary if c else None),
+            "a": _tensor_info(c.a if c else None, c.a_summary if c else None, norms),
+            "delta": _tensor_info(c.delta if c else None, c.delta_summary if c else None, norms),
             "output_shape": _shape(c.output_shape) if c else None,
-            "grad_norm": _norms([g for g in grads if g is not None]),
+            "grad_norm": _num(math.sqrt(sum(v * v for v in grads if v is not None)))
+            if any(v is not None for v in grads) else None,
             "supports": bool(own) and _supports(trace, name),
             "flags": flags.get(name, []),
-            "user_hooks": [h for key in (name, *(f"{name}.{p}" if name else p for p in own))
+            "user_hooks": [h for key in (name, *own)
                            for h in trace.user_hooks.get(key, ())],
         })
     return rows
@@ -209,7 +216,7 @@ def _layer_detail(trace, name: str, out: _Buffers) -> dict:
                 out.add("per_sample_norms", _try(lambda: trace.per_sample_grad_norms(name), meta), "vector")
         return meta
     meta["shapes"]["weight"] = _shape(w.shape)
-    pname = f"{name}.weight" if name else "weight"
+    pname = _param_names(trace).get(id(w)) or (f"{name}.weight" if name else "weight")
     autograd = trace.param_grads.get(pname)
     out.add("grad_autograd", autograd, "param")
     reason = _unsupported(trace, name)
@@ -428,28 +435,41 @@ def _shape(s):
 
 
 def _norm(t: torch.Tensor) -> float:
-    """2-norm for display, without a float64 copy of the tensor (an embedding's grad is 38M floats)."""
+    """2-norm for display, without a float64 copy of the tensor (an embedding's grad is 38M floats); not
+    again for one whose norm the graph or the summary took (a .grad, a δ)."""
+    from .graph import known_l2
+
+    known = known_l2(t)
+    if known is not None:
+        return known
     t = t.detach()
     return float(torch.linalg.vector_norm(t if t.is_floating_point() else t.float()))
 
 
-def _tensor_norm(t):
-    return None if t is None else _num(_norm(t))
+def _param_names(trace) -> dict:
+    """id(parameter) -> its qualified name in the trace (a traced root layer's weight is "weight", whatever
+    the layer's own name in the tree)."""
+    return {id(p): n for n, p in getattr(trace, "params", {}).items()}
 
 
-def _norms(ts):
-    if not ts:
-        return None
-    return _num(math.sqrt(sum(_norm(t) ** 2 for t in ts)))
+def _norm_map(tensors: dict) -> dict:
+    """key -> ‖t‖₂ (a float; None where t is None), every tensor reduced in one pass (graph.l2_norms)."""
+    from .graph import l2_norms
+
+    keys = [k for k, t in tensors.items() if t is not None]
+    out = dict(zip(keys, l2_norms([tensors[k] for k in keys])))
+    return {k: out.get(k) for k in tensors}
 
 
-def _tensor_info(t, s) -> dict | None:
-    """Shape, norm, range and NaN/Inf count of a kept tensor or of its summary."""
+def _tensor_info(t, s, norms: dict | None = None) -> dict | None:
+    """Shape, norm, range and NaN/Inf count of a kept tensor or of its summary (`norms`: id(t) -> ‖t‖₂ where
+    already reduced)."""
     if s is not None:  # statistics the capture already took
         return {"shape": _shape(s.shape), "dtype": s.dtype, "kept": t is not None, "norm": _num(s.norm),
                 "nonfinite": int(s.nan + s.inf)}
     if t is not None:
-        norm = _norm(t) if t.numel() else 0.0
+        norm = norms.get(id(t)) if norms is not None else None
+        norm = norm if norm is not None else (_norm(t) if t.numel() else 0.0)
         # A finite norm means finite entries; count NaN/Inf only when it is not (or it overflowed).
         bad = 0 if math.isfinite(norm) or not t.is_floating_point() else int((~torch.isfinite(t.detach())).sum())
         return {"shape": _shape(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "kept": True,

@@ -50,6 +50,8 @@ class HookWidget(anywidget.AnyWidget):
     diff = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)  # the last rerun's changes
 
     def __init__(self, trace, **kwargs):
+        # The comm opens first, with the front-end's code (~180 kB) and no summary yet: the browser loads that
+        # code while the summary is computed here, which then follows as a state update.
         super().__init__(**kwargs)
         # Held weakly: displaying a trace must not keep it (and its tensors) alive after `del t`.
         session = getattr(trace, "session", None)

@@ -19,6 +19,7 @@ const NO_REPLY = "no reply from the kernel in 10 s: it is busy running a cell (t
 export const REPLY_TIMEOUT_MS = 10_000;
 
 export function render({ model, el, nonce }) {
+  globalThis.performance?.mark?.("hookwidget:render-start"); // read by benchmarks/explorer_time.py
   let summary = model.get("summary");
   let readonly = Boolean(model.get("readonly"));
   let disconnected = false; // the kernel is gone: see setDisconnected
@@ -55,6 +56,7 @@ export function render({ model, el, nonce }) {
   const marked = () => Boolean(el.closest?.(".jupyter-widgets-disconnected"));
   if (marked()) setDisconnected(true);
   requestAnimationFrame?.(() => { graph.defaultView(); if (marked()) setDisconnected(true); });
+  globalThis.performance?.mark?.("hookwidget:render-end");
 
   function idleText() { return `loss ${fmt(summary.loss)} · ${fmt(summary.modules.length)} modules`; }
 

@@ -300,3 +300,42 @@ def test_a_generic_rule_layer_shows_its_per_sample_norms():
         ref.append(torch.cat([p.grad.flatten() for p in lstm.parameters()]).norm())
     torch.testing.assert_close(t.per_sample_grad_norms("0"), torch.stack(ref), rtol=1e-4, atol=1e-6)
     assert "per_sample_norms" in meta["tensors"]
+
+
+def test_summary_norms_match_autograd_and_stay_plain_json_where_a_gradient_is_not_finite(traced):
+    """Parameter and layer norms come from one multi-tensor pass (graph.l2_norms); checked against each
+    .grad's own norm, and a NaN gradient must reach the JSON as the string "nan"."""
+    model, _, t = traced
+    s = payload.summary(t)
+    for name, p in model.named_parameters():
+        assert s["params"][name] == pytest.approx(float(p.grad.norm()), rel=1e-6), name
+    net = torch.nn.Linear(3, 2)
+    bad = hw.trace(lambda: (net(torch.randn(4, 3)).sum() * float("nan")).backward())
+    s = payload.summary(bad)
+    json.dumps(s, allow_nan=False)
+    assert s["params"]["weight"] == "nan"
+    (row,) = s["modules"]  # a traced bare layer: its row is named by its class, its weight "weight"
+    assert row["own_params"] == ["weight", "bias"] and row["grad_norm"] == "nan"
+    meta, _ = payload.detail(bad, row["name"])
+    assert "grad_autograd" in meta["tensors"]  # its .grad found under the trace's name for it
+
+
+def test_a_tensor_the_graph_reduced_is_not_reduced_again_and_a_changed_one_is(traced):
+    """graph.build notes the norms of the .grad and δ tensors it reduces; the payload takes them from there.
+    A tensor changed in place since (its version moved on) or freed (its id reused) gets no stale value."""
+    from hookwidget import graph
+
+    model, _, t = traced
+    _ = t.graph  # built: it noted the norms it reduced
+    g = t.param_grads["fc1.weight"]
+    assert graph.known_l2(g) == pytest.approx(float(model.fc1.weight.grad.norm()), rel=1e-6)
+    x = torch.tensor([3.0, 4.0])
+    assert graph.l2_norms([x, torch.arange(3), torch.empty(0)]) == [pytest.approx(5.0), pytest.approx(5 ** 0.5), 0.0]
+    x.mul_(2)
+    assert graph.known_l2(x) is None and graph.l2_norms([x]) == [pytest.approx(10.0)]
+    key = id(x)
+    del x
+    assert key not in graph._L2  # dropped with the tensor: a new tensor at that id starts unknown
+    with torch.inference_mode():  # no version counter: reduced every time, never remembered
+        z = torch.tensor([6.0, 8.0])
+    assert graph.l2_norms([z]) == [pytest.approx(10.0)] and graph.known_l2(z) is None

@@ -160,6 +160,15 @@ def main() -> None:
     write_markdown(out)
 
 
+KEEP = "<!-- written by hand or by benchmarks/explorer_time.py: kept when this script rewrites the page -->"
+
+
+def _kept_sections(text: str) -> str:
+    """The page from the KEEP marker on (the cell-to-explorer breakdown of issue 15), so a rewrite keeps it."""
+    i = text.find(KEEP)
+    return "" if i < 0 else "\n" + text[i:]
+
+
 def _int_keys(d: dict) -> dict:
     return {int(k) if k.isdigit() else k: v for k, v in d.items()}
 
@@ -220,7 +229,9 @@ def write_markdown(m) -> None:
         "the groups above it and pans (d3-zoom) to it.",
         "",
     ]
-    (ROOT / "docs" / "frontend_measurements.md").write_text("\n".join(lines))
+    doc = ROOT / "docs" / "frontend_measurements.md"
+    kept = _kept_sections(doc.read_text()) if doc.exists() else ""
+    doc.write_text("\n".join(lines) + kept)
     print((ROOT / "docs" / "frontend_measurements.md").read_text())
 
 
