@@ -32,8 +32,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import autograd_calls
 from . import factors as fx
 from . import graph as graph_mod
-from .capture_generic import BROADCASTS_MAX, VIEW_GRAD_FNS, GenericCapture, maybe_broadcast, own_deltas
-from .capture_tensors import _NO_LAZY, _copy, _first_tensor, _hook_output, _lazy_clone, _sole_owner
+from .capture_generic import BROADCASTS_MAX, GenericCapture, link_first_delta, maybe_broadcast
+from .capture_tensors import _NO_LAZY, _copy, _first_tensor, _hook_output, _lazy_clone, _sole_owner, own
 from .handles import Removing, Restoring
 from .layers import registry
 from .records import PREVIOUS, Call, ModuleRecord, Records, StepRecord
@@ -71,6 +71,8 @@ class Tracer(GenericCapture):
         self.node_grads = False if capture == "norms" else node_grads
         self.norms_rule = norms_rule  # capture == "norms": per-sample norms as δ arrives (norms.py)
         self._folds: dict = {}  # id(output) -> (weakref, B): outputs of row-keeping layers on folded samples
+        self._pass_batch = None  # the batch size of the running forward pass (its outermost call's input)
+        self._row_proofs: dict = {}  # rows.sample_major's memo for the running forward pass (its graph's nodes)
         self._batches = Counter()  # this step's outermost calls: their inputs' leading dimensions (Call.batch)
         # Full module backward hooks show grad_input too, but raise when an in-place op follows a
         # module and add nodes to the graph: opt-in only.
@@ -84,6 +86,7 @@ class Tracer(GenericCapture):
         self._handles: list = []  # tensor hook handles on module outputs (many per step: a list, not stack entries)
         self._node_handles: list = []  # node pre-hooks of the running step's graph, removed when it ends
         self._modules: dict = {}
+        self._answers: dict = {}  # the registry's answers, asked at each module's first call (registry.memo)
         self._pending: list = []  # (call, attr, shape, dtype, stats)
         self._stats = StatsBatch()  # statistics of small tensors, reduced in batches (summary.py)
         self._kept_bytes = 0
@@ -221,18 +224,19 @@ class Tracer(GenericCapture):
             rec.calls[-1].recomputed = True
 
     def _new_record(self, module) -> ModuleRecord:
-        """A module's first call: what does not change between its calls is decided once."""
-        with registry.memo():  # one registry lookup for the questions below
+        """A module's first call: what does not change between its calls is decided once, and so is the
+        registry's answer for it, which the trace's factor queries and notes take from the record."""
+        if self.norms_rule is None:
+            return self._decide(module)
+        with registry.memo(self._answers):  # norms_rule.wants asks the registry again
             return self._decide(module)
 
     def _decide(self, module) -> ModuleRecord:
         rec = self._modules[module] = ModuleRecord(module)
-        rec.needs_input = fx.needs_input(module)
-        rec.stateful = fx.forward_state(module) is not None
-        rec.keeps_rows = fx.keeps_rows(module)
+        spec, rec.needs_input, rec.stateful, rec.keeps_rows = registry.capture_facts(module, self._answers)
         rec.compiled = "_orig_mod" in module._modules
-        rec.generic = self.capture != "summary" and fx.is_generic(module)
-        rec.broadcast = self.capture in ("full", "norms") and fx.spec_for(module) is not None and _trainable(module)
+        rec.generic = self.capture != "summary" and spec is registry.GENERIC
+        rec.broadcast = self.capture in ("full", "norms") and spec is not None and _trainable(module)
         if self.capture == "norms":
             rec.norms = self.norms_rule is not None and self.norms_rule.wants(module)
         if self.state is not None:
@@ -253,6 +257,7 @@ class Tracer(GenericCapture):
         outer = self._outer
         if self._open == 0:  # an outermost call: a new forward pass
             self._folds.clear()
+            self._row_proofs.clear()
             outer.append([])
             if len(outer) > OUTER_CALLS_KEPT:  # no backward came for the oldest: let its graph go
                 for c in outer.popleft():
@@ -260,14 +265,16 @@ class Tracer(GenericCapture):
         if outer:
             outer[-1].append(call)
         a = _first_tensor(inputs) if inputs else _first_tensor(kwargs)
-        if self._open == 0 and a is not None and a.dim():
-            call.batch = a.shape[0]
-            self._batches[call.batch] += 1
+        if self._open == 0:
+            self._pass_batch = a.shape[0] if a is not None and a.dim() else None
+            if self._pass_batch is not None:
+                call.batch = self._pass_batch
+                self._batches[call.batch] += 1
         if rec.generic and torch.is_grad_enabled() and self._keep_call(module, call, inputs, kwargs):
             return call  # `a` is the kept copy of its first tensor
         if a is not None:
             node = a.grad_fn
-            if self._folds or type(node) in VIEW_GRAD_FNS:  # samples may be folded into rows: see per_sample
+            if node is not None and self._may_be_folded(a):  # samples may be folded into rows: see per_sample
                 self._note_fold(call, a, node)
             self._keep_input(rec, call, a)
         return call
@@ -318,7 +325,7 @@ class Tracer(GenericCapture):
                 if rec.broadcast and len(self._broadcasts) < BROADCASTS_MAX and maybe_broadcast(call.a, out):
                     self._broadcasts.append(call)
         if rec.generic and call.inputs is not None:
-            self._hook_outputs(call, output, out)
+            self._hook_outputs(module, call, output, out)
         return replaced
 
     def _backward_hook(self, module, grad_input, grad_output):
@@ -366,9 +373,9 @@ class Tracer(GenericCapture):
                     self._passes_summed += 1
                 elif self.capture == "full" and self._fits(grad):
                     call.delta = grad.detach()
-                else:
+                else:  # a copy: a hook that runs after this one may change grad in place
                     self._pending.append(
-                        (call, "delta_summary", tuple(grad.shape), grad.dtype, stats_on_device(grad)))
+                        (call, "delta_summary", tuple(grad.shape), grad.dtype, self._stats.stats(grad, copy=True)))
             return
 
         return hook
@@ -459,13 +466,14 @@ class Tracer(GenericCapture):
         Returns the nodes that still need a hook; the others get their shape from autograd's metadata."""
         walk = self._walk
         nodes, names, index = walk.nodes, walk.names, walk._index
+        views = [i for i in new_nodes if names[i] in VIEW_NODES]
+        if not views:
+            return hooked
         interventions = self.node_interventions
         new = set(new_nodes)
         parents = Counter(v for _, v in walk.edges)
         link = {}  # parent -> child, both new, equal norms
-        for i in new_nodes:
-            if names[i] not in VIEW_NODES:
-                continue
+        for i in views:
             nxt = [f for f, _ in nodes[i].next_functions if f is not None]
             if len(nxt) != 1:
                 continue
@@ -646,6 +654,7 @@ class Tracer(GenericCapture):
         walk.pending_norms.update(pending)  # reduced when the graph is built (graph.build)
 
     def _finish(self) -> Records:
+        self._row_proofs.clear()  # it holds the last forward pass's graph nodes
         if not self._steps:  # forward only: show the graph that backward would have walked
             self._walk.extend(_outermost_outputs(self._modules.values()))
             self._walk.freeze()
@@ -684,30 +693,32 @@ class Tracer(GenericCapture):
         unchanged = {leaf: state is None and leaf.grad is None or state is not None and state[0]() is leaf.grad
                      and leaf.grad is not None and state[1] == leaf.grad._version
                      for leaf, state in self._grad_state.items()}
-        return Records(self._modules, self._walk, self._steps, unchanged, self._notes, self._used_grad, no_factors)
+        return Records(self._modules, self._walk, self._steps, unchanged, self._notes, self._used_grad, no_factors,
+                       self._answers)
 
     def _own_what_is_kept(self) -> None:
         """Make the record immune to what the user does next: an input kept by reference (it was
         guarded by autograd's version check while the trace ran) or a δ that shares memory with a
-        live tensor (a .grad that autograd stole it for) is copied, unless the trace is its only owner."""
+        live tensor (a .grad that autograd stole it for) is copied, unless the trace alone holds it
+        (capture_tensors.own: memory several calls keep is one copy at most)."""
+        slots = []
         for rec in self._modules.values():
             for call in rec.calls:
-                if call._a_version >= 0:  # kept by reference (a copy is the trace's own already)
-                    if call.a is not None and call.a._version != call._a_version:
-                        call.a = None
-                        self._notes.append(f"{type(rec.module).__name__}: an input was modified in place after "
-                                           "the call; its activation was not kept")
-                    elif call.a is not None and not _sole_owner(call.a):
-                        call.a = call.a.clone()
-                    call._a_version = -1
-                elif self.capture == "norms" and call.a is not None and not _sole_owner(call.a):
-                    call.a = call.a.clone()
-                if call.delta is not None and not _sole_owner(call.delta):
-                    call.delta = call.delta.clone()
+                if call._a_version >= 0 and call.a is not None and call.a._version != call._a_version:
+                    call.a = None
+                    self._notes.append(f"{type(rec.module).__name__}: an input was modified in place after "
+                                       "the call; its activation was not kept")
+                if call.a is not None and (call._a_version >= 0 or self.capture == "norms"):
+                    slots.append((call, "a"))  # (else a copy, the trace's own already)
+                call._a_version = -1
                 if call.deltas is not None:
-                    own_deltas(call)
-                if call.bdelta is not None and not _sole_owner(call.bdelta):
-                    call.bdelta = call.bdelta.clone()
+                    link_first_delta(call)
+                slots += [(call, k) for k in ("delta", "bdelta") if getattr(call, k) is not None]
+                for parts in (call.deltas, call.rule_parts):
+                    if parts:
+                        slots += [(parts, k) for k, v in (enumerate(parts) if isinstance(parts, list) else
+                                                          parts.items()) if v is not None]
+        own(slots)
         self._snapshots = {}
 
     def _drop_recomputed_calls(self) -> None:

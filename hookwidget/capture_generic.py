@@ -2,15 +2,16 @@
 
 - The generic torch.func rule (layers/generic.py): every tensor a call got (positional and keyword, copy-on-write,
   within the memory budget), the δ of every output tensor, the module's parameters and buffers as they were.
-  Entry points: `_keep_call` (pre-hook), `_keep_kwargs` and `_hook_outputs` (forward hook), `own_deltas` (end).
+  Entry points: `_keep_call` (pre-hook), `_keep_kwargs` and `_hook_outputs` (forward hook), `link_first_delta` (end).
 - Position tables broadcast-added to a batch: `maybe_broadcast` (forward hook) picks the candidates, and
   `_hook_broadcasts` (when backward starts) puts a pre-hook on the add that each one's output feeds.
-- Samples folded into rows ((B, T, d) viewed as (B·T, d)): `_note_fold` (pre-hook, where the input is a view or a
-  row-keeping layer's output on folded rows) and `_fold_output` (forward hook).
+- Samples folded into rows ((B, T, d) viewed as (B·T, d), MobileViT's patches): `_note_fold` (pre-hook, where the
+  input's leading dimension is a multiple of the batch: a row-keeping layer's output on folded rows, or proven from
+  the graph by rows.py) and `_fold_output` (forward hook).
 
 The Tracer attributes these read and write: capture, active, _lock, _step, _handles, _node_handles, _walk,
-_broadcasts, _folds, _snapshots, _kept_bytes, budget_bytes, _dropped, and its `_fits`. The per-call fast path
-stays in capture.py; the methods here run only for the calls that need them.
+_broadcasts, _folds, _pass_batch, _row_proofs, _snapshots, _kept_bytes, budget_bytes, _dropped, and its `_fits`.
+The per-call fast path stays in capture.py; the methods here run only for the calls that need them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .capture_tensors import _copy, _first_tensor, _hook_output, _sole_owner
+from . import rows
+from .capture_tensors import _copy, _first_tensor, _hook_output
 from .layers import generic
 from .records import Call
 
@@ -74,8 +76,9 @@ class GenericCapture:
             cache[id(t)] = (t, t._version, _copy(t))
         return {name: cache[id(t)][2] for name, t in named}
 
-    def _hook_outputs(self, call: Call, output, out) -> None:
-        """A δ hook on every output tensor besides the first (whose δ is call.delta)."""
+    def _hook_outputs(self, module, call: Call, output, out) -> None:
+        """A δ hook on every output tensor besides the first (whose δ is call.delta), and what a fast rule takes
+        from the call's graph."""
         flat = generic.flat_outputs(output)
         call.deltas, seen = [None] * len(flat), set()
         for i, o in enumerate(flat):
@@ -86,6 +89,32 @@ class GenericCapture:
                 call.out_first = i
             elif o.requires_grad:
                 _hook_output(self._handles, o, self._output_delta_hook(call, i))
+        if out is not None and out.grad_fn is not None:
+            for applies, capture in generic.FAST_CAPTURES:
+                if applies(module):
+                    self._keep_rule_parts(call, *capture(module, call, out))
+
+    def _keep_rule_parts(self, call: Call, parts: dict, hooks: list) -> None:
+        """A fast rule's parts of this call (generic.FAST_CAPTURES): tensors now, gradients at nodes in backward."""
+        if not parts and not hooks:
+            return
+        call.rule_parts = dict(parts)
+        for node, name in hooks:
+            self._node_handles.append(node.register_prehook(self._rule_part_hook(call, name)))
+
+    def _rule_part_hook(self, call: Call, name: str):
+        def hook(grad_outputs):
+            g = grad_outputs[0] if self.active and grad_outputs else None
+            if g is not None:
+                with self._lock:
+                    parts = call.rule_parts
+                    if name in parts:  # another backward through the same graph: summed, as .grad is
+                        parts[name] = parts[name] + g.detach()
+                    elif self._fits(g):
+                        parts[name] = g.detach()
+            return None
+
+        return hook
 
     def _output_delta_hook(self, call: Call, i: int):
         def hook(grad):
@@ -177,31 +206,36 @@ class GenericCapture:
         return True
 
     # -- samples folded into rows ---------------------------------------------------------------------
+    def _may_be_folded(self, a: torch.Tensor) -> bool:
+        """Whether an input's leading dimension is a multiple of this forward pass's batch, other than the batch."""
+        B = self._pass_batch
+        return bool(B) and a.dim() > 0 and a.shape[0] != B and a.shape[0] % B == 0
+
     def _note_fold(self, call: Call, a: torch.Tensor, node) -> None:
-        """call.folded_from: the leading dimension of the tensor the call's input is a view of, where that is not
-        the input's own (samples folded into rows); or the output of a row-keeping layer whose input was so."""
-        if type(node) in VIEW_GRAD_FNS:
-            lead = node._saved_self_sym_sizes[0] if node._saved_self_sym_sizes else None
-            if lead != (a.shape[0] if a.dim() else None):
-                call.folded_from = lead
-        elif self._folds:  # the output of a row-keeping layer whose input was folded
+        """call.folded_from = the forward pass's batch size B, where the call's input holds the B samples folded
+        sample-major into more rows: the output of a row-keeping layer whose input was so, or proven from the
+        graph (rows.sample_major: views, elementwise ops, attention, ... back to the samples)."""
+        if self._folds:
             fold = self._folds.get(id(a))
             if fold is not None and fold[0]() is a:
                 call.folded_from = fold[1]
+                return
+        B = self._pass_batch
+        if rows.sample_major(node, a.output_nr, B, self._row_proofs):
+            call.folded_from = B
 
     def _fold_output(self, call: Call, out: torch.Tensor) -> None:
         """A row-keeping layer on folded rows: its output's rows are folded the same way."""
         self._folds[id(out)] = (weakref.ref(out), call.folded_from)
 
 
-def own_deltas(call: Call) -> None:
+def link_first_delta(call: Call) -> None:
     """The generic rule's δ per output: the first one is call.delta; one kept as a summary makes them unusable."""
     if call.out_first >= 0:
         if call.delta is None and call.delta_summary is not None:
             call.deltas = None
             return
         call.deltas[call.out_first] = call.delta
-    call.deltas = [d if d is None or _sole_owner(d) else d.clone() for d in call.deltas]
 
 
 def _consumers(walk, targets) -> dict:
@@ -223,10 +257,4 @@ def maybe_broadcast(a, out: torch.Tensor) -> bool:
     return a is not None and a.dim() >= 1 and (a.dim() == 1 or a.shape[0] != out.shape[0])
 
 
-def _view_nodes() -> tuple:
-    x = torch.zeros(2, 2, requires_grad=True) * 1
-    return type(x.view(4).grad_fn), type(x.t().reshape(4).grad_fn)
-
-
 JOINS = ("AddBackward0", "ExpandBackward0")  # where a (1, ...) parameter meets the batch, its gradient per sample
-VIEW_GRAD_FNS = _view_nodes()  # ViewBackward0, UnsafeViewBackward0: view/reshape/flatten (their saved input sizes)

@@ -91,6 +91,61 @@ def _hook_output(handles: list, out: torch.Tensor, fn) -> None:
     handles.append(_register_hook(base, on_base))
 
 
+def own(slots: list) -> None:
+    """Make every tensor in `slots` ((container, key): an object's attribute where the container is not a list
+    or dict, else its item) the trace's alone: a tensor sharing memory with anything outside these slots (a
+    live tensor, a .grad autograd stole a gradient for) is copied, once per distinct view of that memory, and
+    every slot holding that view gets the one copy. Memory the slots alone share (one δ kept by a model and its
+    last layer, one input kept by q, k and v) is not copied at all."""
+    groups: dict = {}  # storage -> {id(tensor): tensor}
+    for obj, key in slots:
+        t = _get(obj, key)
+        groups.setdefault(_storage_key(t), {})[id(t)] = t
+    copies: dict = {}  # (storage, view) -> the copy
+    for storage, tensors in groups.items():
+        if isinstance(storage, int) and _uses(next(iter(tensors.values()))) <= len(tensors):
+            continue  # held by these slots alone
+        for t in tensors.values():
+            copies.setdefault((storage, _view(t)), None)
+    if not copies:
+        return
+    for obj, key in slots:
+        t = _get(obj, key)
+        k = (_storage_key(t), _view(t))
+        if k in copies:
+            if copies[k] is None:
+                copies[k] = t.clone()
+            _set(obj, key, copies[k])
+
+
+def _get(obj, key):
+    return obj[key] if isinstance(obj, (list, dict)) else getattr(obj, key)
+
+
+def _set(obj, key, value) -> None:
+    if isinstance(obj, (list, dict)):
+        obj[key] = value
+    else:
+        setattr(obj, key, value)
+
+
+def _storage_key(t: torch.Tensor):
+    """Its storage's address; for a tensor subclass without plain storage, its own id (never shared: copied)."""
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:
+        return ("own", id(t))
+
+
+def _uses(t: torch.Tensor) -> int:
+    """How many tensors hold t's memory (the temporary storage object made to ask is not counted)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+
+
+def _view(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype
+
+
 def _sole_owner(t: torch.Tensor) -> bool:
     """Whether no other tensor shares t's memory (the temporary storage object counts one)."""
     try:

@@ -11,6 +11,7 @@ def qualified_names(recorded: list, targets, target_names) -> tuple[dict, dict]:
     The roots are the given modules, or else the called modules no other called module
     contains. The largest root's submodules get their plain qualified names ("fc1"); other
     roots' get a prefix; a root itself is named by its variable name or class name."""
+    walks: dict = {}  # id(root) -> list(root.named_modules()): each root walked once
     if targets is None:
         # An outer module is usually called (recorded) before its submodules: walk only the
         # submodules of modules not yet covered, then drop roots a later root contains.
@@ -18,14 +19,18 @@ def qualified_names(recorded: list, targets, target_names) -> tuple[dict, dict]:
         for m in recorded:
             if id(m) not in inner:
                 roots.append(m)
-                inner.update(id(c) for c in m.modules() if c is not m)
+                walk = walks[id(m)] = list(m.named_modules())
+                inner.update(id(c) for _, c in walk[1:])
         roots = [m for m in roots if id(m) not in inner]
         target_names = None
     else:
         roots = list(targets)
     if not roots:
         return {}, {}
-    primary = roots[0] if len(roots) == 1 else max(roots, key=lambda m: sum(1 for _ in m.modules()))
+    for root in roots:
+        if id(root) not in walks:
+            walks[id(root)] = list(root.named_modules())
+    primary = roots[0] if len(roots) == 1 else max(roots, key=lambda m: len(walks[id(m)]))
     names, params, used = {}, {}, set()
     for i, root in enumerate(roots):
         label = target_names[i] if target_names else type(root).__name__
@@ -34,7 +39,7 @@ def qualified_names(recorded: list, targets, target_names) -> tuple[dict, dict]:
         used.add(label)
         prefix = "" if root is primary else label + "."
         seen = set()  # as named_parameters(): a parameter shared by two modules of one root under its first name
-        for qn, m in root.named_modules():  # one walk for modules and their parameters
+        for qn, m in walks[id(root)]:  # one walk for modules and their parameters
             names.setdefault(m, prefix + qn if qn else label)
             pre = prefix + qn + "." if qn else prefix
             for pn, p in m._parameters.items():

@@ -36,7 +36,7 @@ class StreamingNorms:
         if w is None:  # asked on every forward call: answer once per module and trace
             # a generic-rule module is not streamed: capture keeps its calls, per_sample.py adds its norms when asked
             w = self._wants[module] = fx.unsupported_reason(module) is None and not fx.is_generic(module) and any(
-                p.requires_grad for p in module.parameters(recurse=False))
+                p is not None and p.requires_grad for p in module._parameters.values())
         return w
 
     def on_input(self, module, call) -> None:
@@ -170,14 +170,15 @@ def _input_key(module, a: torch.Tensor) -> tuple:
     return (a.data_ptr(), a.device, a.dtype, tuple(a.shape), a.stride(), a._version, module.weight.dtype)
 
 
-def _owners(modules) -> Counter:
+def _owners(modules: dict) -> Counter:
     """id(parameter) -> how many called modules answer for it: a generic-rule module does not answer for a
-    parameter a called layer inside it holds too (BERT's head holds its decoder's bias: the decoder answers)."""
+    parameter a called layer inside it holds too (BERT's head holds its decoder's bias: the decoder answers).
+    `modules`: the tracer's records (module -> ModuleRecord, whose `generic` was decided at its first call)."""
     called = {id(m) for m in modules}
     out = Counter()
-    for m in modules:
-        own = m.parameters(recurse=False)
-        if fx.is_generic(m):
+    for m, rec in modules.items():
+        own = {id(p): p for p in m._parameters.values() if p is not None}.values()  # as parameters(recurse=False)
+        if rec.generic:
             answered = {id(p) for p in generic.owned(m, called).values()}
             own = [p for p in own if id(p) in answered]
         out.update(id(p) for p in own)

@@ -87,7 +87,13 @@ def layer_factors(trace, name: str, calls: list) -> list[fx.Factor]:
     rule's, or the generic rule's per-sample gradients (kind "dense"), once they passed the check."""
     module = trace.layers[name].module
     if not fx.is_generic(module):
-        return fx.factors(module, [batched_call(trace, c, module) for c in calls])
+        spec = fx.spec_for(module)
+        grouped = [_fold(trace, c, module) if not spec.tokens else None for c in calls]
+        if not any(grouped):
+            return fx.factors(module, [batched_call(trace, c, module) for c in calls])
+        per_call = [fx.factors(module, [batched_call(trace, c, module)]) if B is None else
+                    _grouped_rows(fx.factors(module, [c]), B) for c, B in zip(calls, grouped)]
+        return per_call[0] if len(per_call) == 1 else _merge_calls(per_call)
     rows = generic_rows(trace, name, calls[0].step)
     if isinstance(rows, str):
         raise ValueError(f"layer {name!r} ({type(module).__name__}, generic torch.func rule): {rows}")
@@ -103,7 +109,7 @@ def batched_call(trace, call, module=None):
     bd = broadcast_delta(trace, call)
     if bd is None:
         B = _fold(trace, call, module)
-        if B is None:
+        if B is None or not fx.spec_for(module).tokens:  # other folded layers: their factors' rows are grouped
             return call
         out = copy.copy(call)
         out.a = call.a.reshape(B, -1, *call.a.shape[1:])
@@ -135,9 +141,11 @@ def broadcast_delta(trace, call):
 
 
 def _fold(trace, call, module) -> int | None:
-    """The batch size B where the call's input is the model's batch folded into rows ((B, T, d) viewed as
-    (B·T, d), as OPT and MobileViT do) and the layer's rule treats rows as tokens: a view keeps row-major
-    order, so sample b owns rows b·n/B … (b+1)·n/B − 1, exactly. Else None."""
+    """The batch size B where the call's input holds the model's batch folded into rows sample-major ((B, T, d)
+    viewed as (B·T, d), as OPT does; MobileViT's patches; capture proves it: rows.py), so that sample b owns rows
+    b·n/B … (b+1)·n/B − 1, and the layer's rule can be unfolded: it treats rows as tokens (its a and δ are
+    unfolded, batched_call), or its factors are token sums that its rows' can be grouped into (_grouped_rows:
+    BatchNorm1d over LeViT's tokens). Else None."""
     B = call.folded_from
     if B is None or module is None or call.a is None or call.delta is None or not call.a.dim():
         return None
@@ -145,7 +153,36 @@ def _fold(trace, call, module) -> int | None:
     if n % B or call.delta.shape[:1] != (n,) or B != model_batches(trace).get(call.step):
         return None
     spec = fx.spec_for(module)
-    return B if spec is not None and spec.tokens else None
+    return B if spec is not None and (spec.tokens or not isinstance(module, _CONVS)) else None
+
+
+_CONVS = (torch.nn.modules.conv._ConvNd,)  # their factors are convolutions, not token sums: no grouping of rows
+
+
+def _grouped_rows(fs: list, B: int) -> list:
+    """Factors of rows that are samples folded sample-major, as factors of the B samples: a token sum over each
+    sample's n/B rows (D (n, T, o) -> (B, n/B·T, o), X alike)."""
+    out = []
+    for f in fs:
+        if f.kind not in ("outer", "onehot", "diag", "sum") or f.conv is not None or f.D.shape[0] % B:
+            raise ValueError(f"{f.param}: rows folded from the batch cannot be grouped for a {f.kind} factor")
+        X = f.X
+        out.append(fx.Factor(f.param, f.kind, f.D.reshape(B, -1, *f.D.shape[2:]),
+                             None if X is None else X.reshape(B, -1, *X.shape[2:]), f.shape, f.rows,
+                             per_sample=f.per_sample))
+    return out
+
+
+def _merge_calls(per_call: list) -> list:
+    """Each parameter's factors of several calls of one step as one: their tokens side by side."""
+    out = []
+    for parts in zip(*per_call):
+        f = parts[0]
+        X = None if f.X is None else torch.cat([p.X for p in parts], 1)
+        out.append(fx.Factor(f.param, f.kind, torch.cat([p.D for p in parts], 1), X, f.shape, f.rows,
+                             per_sample="contribution" if any(p.per_sample == "contribution" for p in parts)
+                             else f.per_sample))
+    return out
 
 
 def _lead(trace, call, module=None) -> int | None:
@@ -300,33 +337,66 @@ def owned_params(trace, name: str) -> dict:
     """Parameter name -> trainable parameter the layer answers for: its own (an exact rule's), or with the
     generic rule also those of descendants no call of the trace reached (MultiheadAttention's out_proj, a
     weight-normed conv's parametrizations). A parametrization container answers for none: its module does."""
+    return _layer_params(trace, name)[0]
+
+
+def own_trainable(trace, name: str) -> list:
+    """The layer's own parameters that require grad, answered for or not."""
+    return _layer_params(trace, name)[1]
+
+
+def _layer_params(trace, name: str) -> tuple:
+    """(owned_params, own_trainable, the own ones it does not answer for) of the layer, read once per trace
+    (when it is attached): a model changed later does not change them."""
     cache = trace_cache(trace)
-    key = ("owned", name)
-    if key not in cache:
+    key = ("params", name)
+    found = cache.get(key)
+    if found is None:
         module = trace.layers[name].module
+        own = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
         if generic.is_parametrization(module):
-            cache[key] = {}
+            found = {}, list(own.values()), list(own.values())
         elif fx.is_generic(module):
             called = cache.get("called")
             if called is None:
                 called = cache["called"] = {id(layer.module) for layer in trace.layers.values() if layer.calls}
-            cache[key] = generic.owned(module, called)
+            owned = generic.owned(module, called)
+            ids = {id(p) for p in owned.values()}
+            found = owned, list(own.values()), [p for p in own.values() if id(p) not in ids]
         else:
-            cache[key] = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
-    return cache[key]
+            found = own, list(own.values()), ()
+        cache[key] = found
+    return found
 
 
 def param_holders(trace) -> dict:
     """id(parameter) -> names of the called layers that answer for it (tied weights: several)."""
-    out = defaultdict(list)
+    cache = trace_cache(trace)
+    out = cache.get("holders")
+    if out is not None:
+        return out
+    out = cache["holders"] = defaultdict(list)
     for n, layer in trace.layers.items():
-        if layer.calls and any(c.step is not None for c in layer.calls):
-            seen = set()
-            for p in [*owned_params(trace, n).values(), *layer.module._parameters.values()]:
-                if p is not None and p.requires_grad and id(p) not in seen:  # its own, answered for or not
-                    seen.add(id(p))
-                    out[id(p)].append(n)
+        calls = layer.calls
+        if calls and (calls[0].step is not None or any(c.step is not None for c in calls)):
+            owned, _, others = _layer_params(trace, n)
+            for p in owned.values():
+                out[id(p)].append(n)
+            for p in others:  # its own, answered for or not
+                out[id(p)].append(n)
     return out
+
+
+def record_facts(trace) -> bool:
+    """Read, once the trace ends, what the coverage decisions (left_out, the notes) would read from the live
+    modules besides the registry's answers (which the record keeps): the parameters each layer answers for and
+    holds. Returns whether those decisions now depend on nothing else that is live, so that they may be taken
+    later: not where a generic-rule layer (its rule reruns the module) or a parameter several layers hold (its
+    check rebuilds .grad through the layers' rules) is involved."""
+    for layer in trace.layers.values():
+        if fx.is_generic(layer.module):
+            return False
+    return all(len(hs) == 1 for hs in param_holders(trace).values())
 
 
 def step_batch_size(trace, k: int) -> int | None:
@@ -481,7 +551,7 @@ def unbatched_by_step(trace, eligible=None) -> dict:
         return {}
     layers = trace.layers
     if eligible is None:
-        eligible = [n for n, layer in layers.items() if _has_own_params(layer.module)
+        eligible = [n for n, layer in layers.items() if own_trainable(trace, n)
                     and not fx.unsupported_reason(layer.module) and not fx.is_generic(layer.module)]
     lead: dict = defaultdict(dict)  # step -> layer -> leading dimension of its first call's input
     for n in eligible:
@@ -539,6 +609,3 @@ def check_batched(trace, name: str, step: int | None) -> None:
                              "(an embedding called on arange(T): its gradient is already summed over the batch; or "
                              "samples folded into rows other than by a view): its rows are not samples")
 
-
-def _has_own_params(m) -> bool:
-    return any(p is not None and p.requires_grad for p in m._parameters.values())

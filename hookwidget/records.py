@@ -44,6 +44,8 @@ class Call:
     out_first: int = field(default=-1, repr=False)  # the output whose δ is `delta` (the first tensor)
     # an output (1, ...) added to a batch (a position table): the gradient arriving at that add, per sample
     bdelta: torch.Tensor | None = field(default=None, repr=False)
+    # what a fast rule (layers/generic.FAST_CAPTURES) took from this call's own graph: saved inputs, gradients
+    rule_parts: dict | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -90,3 +92,4 @@ class Records:
     notes: list
     used_autograd_grad: bool
     no_factors: str = ""  # why (a, δ) cannot rebuild .grad in this run (e.g. double backward), or ""
+    answers: dict = field(default_factory=dict, repr=False)  # the registry's answer per module at its first call

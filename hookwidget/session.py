@@ -94,7 +94,7 @@ class Session:
         if state is not None:
             for s in tracer.records.steps:
                 state.on_grads(s.before)
-            t.notes += [f"rerun: {n}" for n in state.unrestorable()]
+            t._notes += [f"rerun: {n}" for n in state.unrestorable()]  # after any notes decided later (Trace.notes)
             self._state, self.baseline = state, t
         if not failed or self.latest is None:
             self.latest = t

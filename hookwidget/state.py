@@ -15,16 +15,17 @@ a snapshot back.
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from . import rng
+
 
 class RunState:
     def __init__(self, related=()):
-        self.rng = _rng_state()
+        self.rng = rng.read_all()
         self.params: dict = {}  # parameter -> its value before the run changed it
         self.buffers: dict = {}  # buffer tensor -> (owner module, name, value)
         self.optimizers: dict = {}  # optimizer -> (state, hyper-parameters)
@@ -32,7 +33,7 @@ class RunState:
         self.grads: dict = {}  # leaf -> .grad before its first backward (a copy, None, or a summary: not restorable)
         self.notes: list = []
         self._seen: set = set()
-        self._versions: dict = {}  # parameter -> its version when first seen
+        self._versions: dict = {}  # id(parameter) -> (it, its version when first seen): Tensor.__hash__ is Python
         for obj in related:
             self.add(obj)
 
@@ -62,9 +63,11 @@ class RunState:
         for name, b in module._buffers.items():
             if b is not None and b not in self.buffers:
                 self.buffers[b] = (module, name, b.detach().clone())
+        versions = self._versions
         for p in module._parameters.values():
             if p is not None:
-                self._versions.setdefault(p, p._version)
+                if id(p) not in versions:
+                    versions[id(p)] = p, p._version
                 if eager and p not in self.params:
                     self.params[p] = p.detach().clone()
 
@@ -87,7 +90,7 @@ class RunState:
     def snapshot(self) -> RunState:
         """The same objects as they are now."""
         now = RunState.__new__(RunState)
-        now.rng = _rng_state()
+        now.rng = rng.read_all()
         now.params = {p: p.detach().clone() for p in self.params}
         now.buffers = {b: (m, n, _current(m, n, b).detach().clone()) for b, (m, n, _) in self.buffers.items()}
         now.optimizers = {opt: _optimizer_state(opt) for opt in self.optimizers}
@@ -112,13 +115,13 @@ class RunState:
         for leaf, g in self.grads.items():
             if g is None or isinstance(g, torch.Tensor):
                 leaf.grad = None if g is None else g.clone()
-        _set_rng_state(self.rng)
+        rng.write_all(self.rng)
 
     def unrestorable(self) -> list:
         """What a rerun cannot put back, in words."""
         lost = sum(1 for g in self.grads.values() if g is not None and not isinstance(g, torch.Tensor))
         out = list(self.notes)
-        changed = sum(1 for p, v in self._versions.items() if p._version != v and p not in self.params)
+        changed = sum(1 for p, v in self._versions.values() if p._version != v and p not in self.params)
         if changed:
             out.append(f"{changed} parameters were changed in place outside an optimizer step (a hand-written "
                        "update?): a rerun cannot put them back; pass restore=model to have them copied first")
@@ -197,26 +200,3 @@ def _optimizer_state(opt) -> tuple:
 
 def _clone(state: dict) -> dict:
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()}
-
-
-def _rng_state() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        import numpy as np
-
-        np_state = np.random.get_state()
-    except ImportError:  # numpy is a dependency, but the RNG restore must not need it
-        np_state = None
-    return torch.get_rng_state(), cuda, np_state, random.getstate()
-
-
-def _set_rng_state(state: tuple) -> None:
-    cpu, cuda, np_state, py_state = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    if np_state is not None:
-        import numpy as np
-
-        np.random.set_state(np_state)
-    random.setstate(py_state)

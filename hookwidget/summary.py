@@ -70,6 +70,7 @@ def stats_on_device(t: torch.Tensor) -> torch.Tensor | tuple:
 
 BATCH_NUMEL = 4096  # tensors up to this size get their statistics reduced together, in batches
 BATCH_TOTAL = 1 << 16  # elements held at most (256 KiB of float32) before the batch is reduced
+BATCH_MIN = 4  # groups of fewer same-shaped tensors are reduced one by one
 
 
 class Pending:
@@ -115,6 +116,10 @@ class StatsBatch:
     def flush(self) -> None:
         groups, self._groups, self._held = self._groups, {}, 0
         for ts, slots in groups.values():
+            if len(ts) < BATCH_MIN:  # stacking and reducing by rows costs more than a few whole-tensor reductions
+                for t, slot in zip(ts, slots):
+                    slot.value = stats_on_device(t)
+                continue
             x = torch.stack(ts).flatten(1)
             lo, hi = torch.aminmax(x, dim=1)
             cols = [torch.linalg.vector_norm(x, dim=1), lo, hi, x.sum(1)]

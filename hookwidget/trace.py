@@ -7,6 +7,7 @@ trace, its reruns and the explorer agree on which hooks are on.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -133,10 +134,11 @@ class Trace:
         self.param_grads: dict[str, torch.Tensor | None] = {}  # .grad as the last backward pass left it (copies)
         self.params: dict[str, torch.Tensor] = {}
         self.losses: list[float] = []
-        self.notes: list[str] = []
+        self._notes: list[str] = []
         self.user_hooks: dict[str, list[str]] = {}
         self.accumulates = False  # backward passes summed into .grad with no reset between them
-        self.per_sample_left_out: dict[str, str] = {}  # parameter with a .grad -> why per-sample norms leave it out
+        self._left_out: dict[str, str] = {}  # see per_sample_left_out
+        self._deferred = None  # (where in the notes, the registry's answers): factor notes not decided yet
         self._graph: nx.DiGraph | None = None  # built on first access (an empty one before the run ends)
         self._graph_inputs = None  # what graph.build needs
         self._norms = None  # capture="norms": per step (squared norms, modules left out)
@@ -148,18 +150,33 @@ class Trace:
         return self.session.options.as_dict()
 
     @property
+    def notes(self) -> list[str]:
+        """What the trace could not show or keep, and why, one line each."""
+        if self._deferred is not None:
+            self._decide_factor_notes()
+        return self._notes
+
+    @property
+    def per_sample_left_out(self) -> dict[str, str]:
+        """Parameter with a .grad -> why per-sample norms over the whole model leave it out."""
+        if self._deferred is not None:
+            self._decide_factor_notes()
+        return self._left_out
+
+    @property
     def interventions(self) -> list:
         """The hooks on now, for the next rerun (shared by this trace, its reruns and the explorer)."""
         return self.session.interventions
 
     # -- filling the record (once, when the run ends) ------------------------------------------
     def _attach(self, rec, targets, namespace=None) -> None:
-        with registry.memo():  # the notes ask the registry about each layer many times; no user code runs here
-            self._attach_records(rec, targets, namespace)
+        # The notes ask the registry about each layer many times: the answers it gave at each module's first call.
+        with registry.memo(rec.answers):
+            self._attach_records(rec, targets, namespace, rec.answers)
 
-    def _attach_records(self, rec, targets, namespace) -> None:
+    def _attach_records(self, rec, targets, namespace, answers: dict) -> None:
         names, self.params = qualified_names(list(rec.modules), targets, self.session.names)
-        self.notes = list(rec.notes)
+        notes = self._notes = list(rec.notes)
         self._no_factors = rec.no_factors
         keep = name_filter(self.session.options.include, self.session.options.exclude)
         for module, mrec in rec.modules.items():
@@ -173,13 +190,16 @@ class Trace:
         self.user_hooks = _user_hooks(self.layers, leaves)
         changed = [leaf_name(leaf) for leaf, same in rec.grads_at_end.items() if not same]
         if changed:
-            self.notes.append(f"the code changed .grad after its last backward pass ({_few(changed)}; e.g. "
-                              "opt.zero_grad() or clip_grad_norm_): param_grads show .grad as backward left it")
-        self._attach_factor_notes()
+            notes.append(f"the code changed .grad after its last backward pass ({_few(changed)}; e.g. "
+                         "opt.zero_grad() or clip_grad_norm_): param_grads show .grad as backward left it")
+        if ps.record_facts(self):  # all they read of the modules is kept now: decided when first read
+            self._deferred = (len(notes), answers)
+        else:
+            notes += self._factor_notes()
         for iv in self.applied:
             if isinstance(iv.anchor, nn.Module) and iv.anchor not in rec.modules:
-                self.notes.append(f"intervention {iv} did not fire: its module was not called "
-                                  "(was the model created anew inside the cell?)")
+                notes.append(f"intervention {iv} did not fire: its module was not called "
+                             "(was the model created anew inside the cell?)")
 
     def _attach_steps(self, rec, leaf_name) -> None:
         call_steps: dict = {}
@@ -209,23 +229,43 @@ class Trace:
         for leaf, g in last.values():
             self.param_grads[leaf_name(leaf)] = g if not isinstance(g, TensorSummary) else None
         if len([s for s in self.steps if s.kind == "backward"]) > 1:
-            self.notes.append(f"{len(self.steps)} backward passes (t.steps): " + (
+            self._notes.append(f"{len(self.steps)} backward passes (t.steps): " + (
                 "they accumulate into .grad, so factor queries sum them" if chained else
                 ".grad was reset between them, so factor queries take step=k") + "; the graph shows the last one")
 
-    def _attach_factor_notes(self) -> None:
+    def _decide_factor_notes(self) -> None:
+        """The factor notes of a trace whose attach deferred them, from what the trace kept of the modules (the
+        registry's answers at their first calls, their parameters when it ended: per_sample.record_facts), so that a
+        model changed since does not change them."""
+        with _DECIDING:  # once, whichever thread reads first (an explorer's message handler, the user's cell)
+            if self._deferred is None:
+                return
+            where, answers = self._deferred
+            self._deferred = None  # the notes may be read while they are decided (an error message)
+            try:
+                with registry.memo(answers):
+                    notes = self._factor_notes()
+            except BaseException:
+                self._deferred = where, answers
+                raise
+            self._notes[where:where] = notes
+
+    def _factor_notes(self) -> list[str]:
+        """Layers with no factor rule and parameters that per-sample norms leave out (sets _left_out)."""
+        notes = []
         reasons = {n: fx.unsupported_reason(layer.module) for n, layer in self.layers.items()
                    if ps.owned_params(self, n)}
         unsupported = sorted({f"{n} ({why})" for n, why in reasons.items() if why})
         if unsupported:
-            self.notes.append("no (a, δ) factor rule, so no weight_grad / per-sample gradients for: "
-                              + ", ".join(unsupported))
-        left = self.per_sample_left_out = ps.left_out(self) if self.steps else {}
+            notes.append("no (a, δ) factor rule, so no weight_grad / per-sample gradients for: "
+                         + ", ".join(unsupported))
+        left = self._left_out = ps.left_out(self) if self.steps else {}
         if left and self.session.options.capture != "summary":  # summaries keep no (a, δ): no news in a note
             total = sum(g.numel() for g in self.param_grads.values() if g is not None)
             lost = sum(self.params[n].numel() for n in left)
-            self.notes.append(f"per-sample gradient norms leave out {len(left)} parameters ({lost:,} of {total:,} "
-                              "gradient elements): " + "; ".join(f"{n} ({why})" for n, why in left.items()))
+            notes.append(f"per-sample gradient norms leave out {len(left)} parameters ({lost:,} of {total:,} "
+                         "gradient elements): " + "; ".join(f"{n} ({why})" for n, why in left.items()))
+        return notes
 
     # -- what the run showed -------------------------------------------------------------------
     @property
@@ -369,6 +409,9 @@ class Trace:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+_DECIDING = threading.RLock()  # re-entrant: deciding the notes may read them (an error message)
+
+
 def _leaf_namer(rec, param_ids: dict, namespace) -> Callable:
     """Leaf tensor -> its name: parameter name (`param_ids`: by id), the user's variable name, or its
     graph node id. Keyed by id(): Tensor.__hash__ is a Python function, and a run of many steps asks

@@ -455,3 +455,78 @@ def test_grad_copies_stay_as_backward_left_them():
     model(x).sum().backward()  # accumulates in place
     assert torch.equal(t.param_grads["weight"], ref)
     assert torch.equal(t.steps[0].grads["weight"], ref)
+
+
+class _TokensAndSide(nn.Module):
+    """side runs on 7 rows that are no samples, summed into every sample's output: per-sample norms leave it out."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.side, self.head = nn.Embedding(10, 4), nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.head(self.tok(ids)) + self.side(torch.ones(7, 4)).sum(0)
+
+
+@pytest.mark.parametrize("capture", ["full", "norms"])
+def test_notes_decided_after_the_trace_ignore_later_changes_to_the_model(capture):
+    """The notes and per_sample_left_out are decided when first read, from what the modules were when the
+    trace ended: freezing a layer, replacing a forward or changing a rule's flag afterwards changes nothing."""
+    torch.manual_seed(0)
+    m, ids = _TokensAndSide(), torch.randint(0, 10, (3, 5))
+
+    def step():
+        m.zero_grad(set_to_none=True)
+        m(ids).pow(2).sum().backward()
+
+    now = hw.trace(step, capture=capture)
+    want_notes, want_left = list(now.notes), dict(now.per_sample_left_out)
+    assert "side.weight" in want_left and "tok.weight" not in want_left, (want_left, want_notes)
+    later = hw.trace(step, capture=capture)
+    m.side.weight.requires_grad_(False)
+    m.head.bias.requires_grad_(False)
+    m.head.forward = lambda x: x  # no exact rule for a forward replaced on the instance
+    m.tok.sparse = True  # Embedding(sparse=True) is refused by its rule
+    try:
+        assert later.per_sample_left_out == want_left
+        assert later.notes == want_notes
+    finally:
+        del m.head.forward
+        m.tok.sparse = False
+        m.side.weight.requires_grad_(True)
+        m.head.bias.requires_grad_(True)
+
+
+def test_memory_the_trace_alone_holds_is_kept_once_and_what_the_cell_holds_is_copied():
+    """q, k and v keep one input; a model and its last layer keep one δ: no copy of either (the GPT-2-small
+    explorer spent 0.3 s copying them). An input the cell still holds is the cell's: the trace keeps a copy,
+    which a later in-place change of the cell's tensor does not reach."""
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.out = (nn.Linear(4, 4) for _ in range(4))
+
+        def forward(self, h):
+            return self.out(torch.softmax(self.q(h) @ self.k(h).transpose(-1, -2), -1) @ self.v(h))
+
+    torch.manual_seed(0)
+    m, x = Attn(), torch.randn(2, 3, 4)
+    held = {}
+
+    def cell():
+        h = held["h"] = x * 2  # the cell keeps q's input alive after the trace
+        m.out(m(h)).sum().backward()
+
+    t = hw.trace(cell, m)
+    q, k, v = (t.layers[n].calls[0].a for n in ("q", "k", "v"))
+    assert q.data_ptr() == k.data_ptr() == v.data_ptr()  # one copy for the three, the cell's own elsewhere
+    assert q.data_ptr() != held["h"].data_ptr()
+    held["h"].zero_()
+    torch.testing.assert_close(q, x * 2)
+
+    t = hw.trace(lambda: m(x).sum().backward(), m)
+    q, k, v = (t.layers[n].calls[0].a for n in ("q", "k", "v"))
+    assert q.data_ptr() == k.data_ptr() == v.data_ptr()  # x is the cell's: one copy for the three
+    whole, last = t.layers["Attn"].calls[0].delta, t.layers["out"].calls[0].delta
+    assert whole.data_ptr() == last.data_ptr()  # one δ, kept once

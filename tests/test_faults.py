@@ -549,10 +549,10 @@ def _raise(*args, **kwargs):
 
 
 def _raise_in_backward_only(original):
-    def stats(t):
+    def stats(self, t, copy=False):
         if not torch.is_grad_enabled():  # backward hooks run with grad mode off
             raise Boom("hookwidget internal failure")
-        return original(t)
+        return original(self, t, copy)
 
     return stats
 
@@ -561,7 +561,8 @@ INTERNAL = [
     ("pre_hook", lambda mp: mp.setattr(capture.Tracer, "_open_call", _raise), {}),
     ("forward_hook", lambda mp: mp.setattr(capture, "_first_tensor", _raise), {}),
     ("backward_start", lambda mp: mp.setattr(graph.GraphWalk, "extend", _raise), {}),
-    ("delta_hook", lambda mp: mp.setattr(capture, "stats_on_device", _raise_in_backward_only(capture.stats_on_device)),
+    ("delta_hook",  # δ's statistics, taken in its hook
+     lambda mp: mp.setattr(capture.StatsBatch, "stats", _raise_in_backward_only(capture.StatsBatch.stats)),
      {"capture": "summary"}),
     ("end_of_trace", lambda mp: mp.setattr(capture, "to_summaries", _raise), {"capture": "summary"}),
 ]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers_rows import close
+from helpers_rows import loop_reference as rows_reference
 from torch import nn
 
 import hookwidget as hw
@@ -16,19 +18,7 @@ B = 4
 
 
 def loop_reference(model, loss_of, n=B) -> dict:
-    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
-    rows = {k: [] for k, _ in named}
-    for i in range(n):
-        gs = torch.autograd.grad(loss_of(i), [p for _, p in named], allow_unused=True)
-        for (k, p), g in zip(named, gs):
-            rows[k].append(torch.zeros_like(p) if g is None else g)
-    return {k: torch.stack(v) for k, v in rows.items()}
-
-
-def close(x, ref, tol=1e-4):
-    assert x.shape == ref.shape, (x.shape, ref.shape)
-    err = float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
-    assert err < tol, err
+    return rows_reference(model, loss_of, n)
 
 
 def traced(model, loss_full, **options):
@@ -136,6 +126,35 @@ def test_the_fast_factors_equal_each_sample_alone_and_take_the_gram_form():
     assert f.kind == "outer" and f.D.shape == (B, 3, 48) and f.X.shape == (B, 3, 16)
     assert fx.gram_applies(f)
     assert rows["out_proj.weight"].kind == "outer"
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_self_attention_takes_its_factors_from_its_own_backward(monkeypatch, batch_first):
+    """Self-attention: o (saved by out_proj's matmul) and δ(q|k|v) (kept at in_proj's matmul) come from the call's
+    own graph: no attention is rerun to compute them, and they still equal each sample's gradient alone."""
+    torch.manual_seed(0)
+    d, T = 8, 5
+    model = Wrap(nn.MultiheadAttention(d, 2, batch_first=batch_first), d)
+    x = torch.randn(B, T, d) if batch_first else torch.randn(T, B, d)
+    dim = 0 if batch_first else 1
+
+    def no_rerun(*a, **k):  # the module's own forward (need_weights=True) takes another path: bmm, softmax
+        raise AssertionError("the attention was rerun")
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", no_rerun)
+    t = traced(model, lambda: model(x)[0].pow(2).sum())
+    assert set(t.layers["mha"].calls[0].rule_parts) == {"o", "d_in"}
+    ref = loop_reference(model, lambda i: model(x.narrow(dim, i, 1))[0].pow(2).sum())
+    check(t, model, ref)
+    assert used_fast(t, "mha")
+
+
+def test_cross_attention_keeps_nothing_from_its_graph():
+    torch.manual_seed(0)
+    model = Wrap(nn.MultiheadAttention(8, 2, batch_first=True), 8)
+    x, kv = torch.randn(B, 5, 8), torch.randn(B, 6, 8)
+    t = traced(model, lambda: model(x, kv)[0].pow(2).sum())
+    assert t.layers["mha"].calls[0].rule_parts is None
 
 
 def test_dropout_in_eval_is_fast_and_in_train_is_refused():

@@ -116,6 +116,40 @@ def test_a_rerun_without_hooks_changes_nothing_and_leaves_everything_as_the_firs
         assert torch.equal(t.param_grads[n], p2.grad), n
 
 
+def _every_rng() -> tuple:
+    """Each RNG's whole state as its getter gives it (numpy's legacy Gaussian cache and random's gauss_next too)."""
+    np_state = np.random.get_state()
+    return torch.get_rng_state(), (np_state[0], np_state[1].copy(), *np_state[2:]), random.getstate()
+
+
+def _same_rngs(a: tuple, b: tuple) -> bool:
+    return (torch.equal(a[0], b[0]) and a[1][0] == b[1][0] and np.array_equal(a[1][1], b[1][1])
+            and a[1][2:] == b[1][2:] and a[2] == b[2])
+
+
+def test_a_rerun_puts_every_rng_back_exactly_with_their_cached_gaussians():
+    """An odd number of Gaussian draws leaves numpy's legacy RandomState and random with one cached Gaussian;
+    the cell's draws use it, so a rerun must put the cache back with the Twister's state; and afterwards every
+    RNG is as the rerun found it."""
+    model = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+
+    def cell():
+        noise = np.random.standard_normal(3).sum() + random.gauss(0, 1) + np.random.rand() + random.random()
+        (model(x + float(noise)).sum() + torch.rand(())).backward()
+        return noise
+
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    np.random.standard_normal(), random.gauss(0, 1)
+    assert np.random.get_state()[3] == 1 and random.getstate()[2] is not None
+    t = hw.trace(cell)
+    np.random.standard_normal(), random.gauss(0, 1), torch.rand(())  # the state moves on after the cell
+    before_rerun = _every_rng()
+    t2 = t.rerun()
+    assert _same_rngs(_every_rng(), before_rerun)
+    assert t2.loss == t.loss and all(torch.equal(t2.param_grads[n], t.param_grads[n]) for n in t.param_grads)
+
+
 def test_a_rerun_with_a_hook_changes_only_what_the_hook_changes():
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

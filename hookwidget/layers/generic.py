@@ -38,6 +38,12 @@ class NotApplicable(Exception):
 # the step's gradient), and, on the first call of each key, one sample's rows against its own vjp (one_sample).
 FAST_RULES: list = []
 
+# (applies(module) -> bool, capture(module, call, out) -> (parts, hooks)): what a fast rule takes from the call's own
+# graph at forward time, so that it need not rerun the module: `parts` (name -> tensor, e.g. an input autograd saved)
+# go to call.rule_parts, and each (node, name) of `hooks` keeps the gradient arriving at that node as
+# call.rule_parts[name] (capture_generic.py). The rule checks what it finds and falls back where anything is missing.
+FAST_CAPTURES: list = []
+
 
 def fast_rules(module) -> list:
     """The fast rules that may serve this module, in order."""

@@ -116,25 +116,32 @@ class memo:
     """`with memo():` lookups on this thread answer each module once for the block. For code that asks about
     the same modules many times and runs none of the user's code in between (a module's first call, a trace's
     attach): nothing can change what a lookup reads there, so the answers are those an uncached lookup gives.
-    Nested blocks share the outermost block's answers."""
+    Nested blocks share the outermost block's answers; `table` is the block's answers (kept after it ends).
 
-    __slots__ = ("outer",)
+    `with memo(table):` answers from a table kept from an earlier block, whatever encloses it: the Tracer keeps
+    the answers of each module's first call, and the trace's notes (decided when first read) use them."""
+
+    __slots__ = ("outer", "table")
+
+    def __init__(self, table: dict | None = None):
+        self.table = table
 
     def __enter__(self):
         self.outer = _memo.table
-        if self.outer is None:
-            _memo.table = {}
+        if self.table is None:
+            self.table = self.outer if self.outer is not None else {}
+        _memo.table = self.table
         return self
 
     def __exit__(self, *exc):
-        if self.outer is None:
-            _memo.table = None
+        _memo.table = self.outer
 
 
-def lookup(module: nn.Module):
+def lookup(module: nn.Module, table: dict | None = None):
     """(spec, reason): the spec whose rule is exact for this module, else GENERIC where the generic rule may
-    serve it, and None; or None and why no rule applies."""
-    table = _memo.table
+    serve it, and None; or None and why no rule applies. `table`: a memo table to use (else memo()'s, if any)."""
+    if table is None:
+        table = _memo.table
     if table is not None:
         hit = table.get(id(module))
         if hit is not None and hit[0] is module and hit[2] is not None:
@@ -172,10 +179,10 @@ def _exact(module: nn.Module, facts: tuple):
             return None, (f"{sub.__name__} overrides {cls.__name__}.{over}: no exact (a, δ) rule; the rule "
                           f"rebuilds {cls.__name__}'s own forward, not what this subclass computes")
     own = vars(module)
-    patched = next((m for m in methods if m in own), None)
-    if patched:
-        return None, (f"{type(module).__name__}.{patched} is replaced on this instance: no exact (a, δ) rule; "
-                      f"the rule rebuilds {cls.__name__}'s own forward")
+    for patched in methods:  # a loop, not next(generator): asked at every module's first call
+        if patched in own:
+            return None, (f"{type(module).__name__}.{patched} is replaced on this instance: no exact (a, δ) rule; "
+                          f"the rule rebuilds {cls.__name__}'s own forward")
     params = module._parameters
     for p in spec.params:
         if p not in params and isinstance(getattr(module, p, None), torch.Tensor):
@@ -216,6 +223,25 @@ def needs_input(module: nn.Module) -> bool:
                for p in (module._parameters.get(n) for n in spec.params))
 
 
+def capture_facts(module: nn.Module, table: dict | None = None) -> tuple:
+    """(spec or None, needs_input, stateful, keeps_rows): what capture decides at a module's first call, from
+    one lookup (needs_input, forward_state(module) is not None, keeps_rows, asked one by one, make five), kept
+    in `table` (see lookup)."""
+    spec = lookup(module, table)[0]
+    if spec is None:
+        return None, False, False, _elementwise(type(module))
+    needs = False
+    if spec.keeps_input(module):
+        params = module._parameters
+        for n in spec.params:
+            p = params.get(n)
+            if p is not None and p.requires_grad:
+                needs = True
+                break
+    stateful = spec.state is not None and spec.state(module) is not None
+    return spec, needs, stateful, spec.tokens or _elementwise(type(module))
+
+
 def supported_types() -> list[str]:
     """Names of the layer types with an exact (a, δ) rule, for error messages."""
     return sorted({k.__name__ if isinstance(k, type) else k for k in SPECS})
@@ -246,8 +272,17 @@ ELEMENTWISE_NAMED = {f"transformers.activations.{n}" for n in (
 def keeps_rows(module: nn.Module) -> bool:
     """Whether each row of its output comes from the same row of its input alone (a token-wise rule's layer,
     an elementwise activation): rows that are folded samples stay so (see per_sample's unfolding)."""
-    cls = type(module)
-    if cls in ELEMENTWISE or f"{cls.__module__}.{cls.__name__}" in ELEMENTWISE_NAMED:
+    if _elementwise(type(module)):
         return True
     spec = spec_for(module)
     return spec is not None and spec.tokens
+
+
+_ELEMENTWISE_TYPES: dict = {}  # type -> whether ELEMENTWISE or ELEMENTWISE_NAMED names it
+
+
+def _elementwise(cls) -> bool:
+    found = _ELEMENTWISE_TYPES.get(cls)
+    if found is None:
+        found = _ELEMENTWISE_TYPES[cls] = cls in ELEMENTWISE or f"{cls.__module__}.{cls.__name__}" in ELEMENTWISE_NAMED
+    return found
