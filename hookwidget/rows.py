@@ -78,11 +78,22 @@ def _keeps_samples(node, shape: tuple, d: int, B: int, memo: dict, budget: list)
     if name in ("BmmBackward0", "BaddbmmBackward0"):  # batched over dim 0
         return d == 0 and all(_proven(c, nr, 0, B, memo, budget) for c, nr in kids)
     if name.startswith("ScaledDotProduct") or name in ("NativeLayerNormBackward0", "NativeGroupNormBackward0"):
-        if d >= len(shape) - (2 if name.startswith("ScaledDotProduct") else 1):
-            return False  # attention mixes the last two dims; a norm its trailing ones
+        if d >= len(shape) - _mixed_trailing_dims(node, name, len(shape)):
+            return False  # attention mixes its last two dims, layer norm its normalized ones, group norm all but 0
         return all(_broadcast_input(c, nr, shape, d, B, memo, budget) for c, nr in kids)
     d_in = _input_dim(node, name, d, len(shape))
     return d_in is not None and all(_proven(c, nr, d_in, B, memo, budget) for c, nr in kids)
+
+
+def _mixed_trailing_dims(node, name: str, ndim: int) -> int:
+    if name.startswith("ScaledDotProduct"):
+        return 2
+    if name == "NativeLayerNormBackward0":
+        try:
+            return len(node._saved_normalized_shape)
+        except AttributeError:
+            return ndim
+    return ndim - 1  # group norm: every dim but the batch's
 
 
 def _broadcast_input(child, nr: int, out_shape: tuple, d: int, B: int, memo: dict, budget: list) -> bool:

@@ -98,3 +98,18 @@ def test_the_samples_themselves_need_no_walk_and_other_sizes_no_proof():
     y = x * 2
     assert rows.sample_major(y.grad_fn, 0, B)
     assert not rows.sample_major(y.grad_fn, 0, B + 1)  # 3 rows are not a multiple of 4 samples
+
+
+def test_a_norm_over_the_samples_dimension_mixes_them():
+    """Layer norm over (rows, C) of a (N, B·P, C) tensor, the samples in dim 1: their rows are mixed."""
+    torch.manual_seed(0)
+    x = torch.randn(B, P, N, C, requires_grad=True)
+
+    def make(inp):
+        h = inp.reshape(B * P, N, C).transpose(0, 1)  # (N, B·P, C)
+        return F.layer_norm(h, (B * P, C)).transpose(0, 1)  # back to (B·P, N, C)
+
+    out = make(x)
+    assert rows.sample_major(out.grad_fn, out.output_nr, B) is False
+    assert any(not s <= {r // P} for r, s in enumerate(_samples_of_rows(make, x)))
+    _check(lambda inp: F.layer_norm(inp.reshape(B * P, N, C), (N, C)), x, True)  # over each row's own dims
