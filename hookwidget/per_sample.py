@@ -469,7 +469,8 @@ def _layer_reason(trace, name: str, k: int, unbatched_names, norms_mode: bool) -
         return reason
     if name in unbatched_names:
         return ("its input's leading dimension is not the batch size: a table called on positions (its gradient "
-                "is already summed over the batch), or samples folded into rows other than by a view")
+                "is already summed over the batch), or samples folded into rows where the graph does not show "
+                "each sample's rows kept together")
     if not fx.is_generic(module):
         if not norms_mode and any(c.a is None or c.delta is None for c in trace.layers[name].calls if c.step == k):
             return "its a or δ was not kept (capture='summary', or over budget_mb)"
@@ -607,5 +608,6 @@ def check_batched(trace, name: str, step: int | None) -> None:
         if bad:
             raise ValueError(f"layer {name!r}: its input's leading dimension is {bad[0]}, not the batch size {bad[1]} "
                              "(an embedding called on arange(T): its gradient is already summed over the batch; or "
-                             "samples folded into rows other than by a view): its rows are not samples")
+                             "samples folded into rows where the graph does not show each sample's rows kept "
+                             "together): its rows are not samples")
 
