@@ -41,7 +41,8 @@ export function render({ model, el, nonce }) {
   const root = h("div", { class: "hw-root" + (readonly ? " hw-readonly" : "") },
     banner, left.el, graph.el, h("div", { class: "hw-side" }, detail.el, controls.el), diffView.el, status.el);
   installStyles(root, nonce);
-  el.replaceChildren(root);
+  // The shell is a size container: in a narrow output (the watch's kept Trace, a side pane) the panels stack.
+  el.replaceChildren(h("div", { class: "hw-shell" }, root));
   root.addEventListener("keydown", (e) => { if (e.key === "Escape" && !e.target.closest?.("input")) clear(); });
 
   graph.setSummary(summary);

@@ -16,6 +16,14 @@ export const CSS = `
   grid-template-areas: "banner banner banner" "tree graph side" "diff diff diff" "status status status";
   height: 680px; gap: 6px; border: 1px solid var(--hw-border); border-radius: 6px; padding: 6px; box-sizing: border-box;
 }
+.hw-shell { container-type: inline-size; }
+/* Narrower than its three columns need (160 + 300 + 280 px and gaps): the detail panel goes below the graph. */
+@container (max-width: 820px) {
+  .hw-root { grid-template-columns: minmax(140px, max-content) minmax(0, 1fr); height: auto;
+    grid-template-rows: auto 560px auto auto auto;
+    grid-template-areas: "banner banner" "tree graph" "side side" "diff diff" "status status"; }
+  .hw-side { max-height: 560px; }
+}
 @media (prefers-color-scheme: dark) {
   .hw-standalone { --hw-bg: #111827; --hw-bg2: #1f2937; --hw-fg: #e5e7eb; --hw-dim: #9ca3af; --hw-border: #374151; }
   body.hw-page { background: #111827; }

@@ -147,6 +147,11 @@ def test_watch_grows_live_and_opens_a_kept_step(browser, lab, img_dir, width):
         opened.locator('[data-module="fc1"]').first.click()
         opened.locator('[data-testid="detail"] [data-testid="maxdiff"]').wait_for(timeout=60_000)
         watch.screenshot(path=str(img_dir / f"watch_live_trace_{width}.png"))
+        # every panel of the kept Trace's explorer inside its frame: in a narrow output the detail goes below
+        inside = opened.evaluate("""(root) => { const r = root.getBoundingClientRect();
+            return [...root.querySelectorAll(':scope > *')]
+                .every((c) => c.getBoundingClientRect().right <= r.right + 1); }""")
+        assert inside, f"a panel of the kept Trace's explorer sticks out of it at {width} px"
         assert not errors, errors
     except Exception:
         page.screenshot(path=str(img_dir / f"watch_live_failure_{width}.png"))
