@@ -66,6 +66,12 @@ def factors(module: nn.Module, calls: list) -> list[Factor]:
     if spec is None:
         raise ValueError(f"{type(module).__name__} is not supported: {unsupported_reason(module)}")
     per_call = [spec.rule(module, c.a, c.delta, state=getattr(c, "state", None)) for c in calls]
+    merged = [_in_param_dtype(f, getattr(module, f.param).dtype) for f in merge_calls(per_call)]
+    return [f for f in merged if getattr(module, f.param).requires_grad]
+
+
+def merge_calls(per_call: list) -> list[Factor]:
+    """Each parameter's factors of several calls (lists in the same parameter order) as one: tokens side by side."""
     merged = []
     for parts in zip(*per_call):
         f = parts[0]
@@ -75,8 +81,8 @@ def factors(module: nn.Module, calls: list) -> list[Factor]:
             conv = None if f.conv is None else ConvCalls([p.conv for p in parts])
             per_sample = "contribution" if any(p.per_sample == "contribution" for p in parts) else f.per_sample
             f = Factor(f.param, f.kind, D, X, f.shape, f.rows, conv=conv, per_sample=per_sample)
-        merged.append(_in_param_dtype(f, getattr(module, f.param).dtype))
-    return [f for f in merged if getattr(module, f.param).requires_grad]
+        merged.append(f)
+    return merged
 
 
 def _in_param_dtype(f: Factor, dtype: torch.dtype) -> Factor:

@@ -93,7 +93,7 @@ def layer_factors(trace, name: str, calls: list) -> list[fx.Factor]:
             return fx.factors(module, [batched_call(trace, c, module) for c in calls])
         per_call = [fx.factors(module, [batched_call(trace, c, module)]) if B is None else
                     _grouped_rows(fx.factors(module, [c]), B) for c, B in zip(calls, grouped)]
-        return per_call[0] if len(per_call) == 1 else _merge_calls(per_call)
+        return fx.merge_calls(per_call)
     rows = generic_rows(trace, name, calls[0].step)
     if isinstance(rows, str):
         raise ValueError(f"layer {name!r} ({type(module).__name__}, generic torch.func rule): {rows}")
@@ -170,18 +170,6 @@ def _grouped_rows(fs: list, B: int) -> list:
         out.append(fx.Factor(f.param, f.kind, f.D.reshape(B, -1, *f.D.shape[2:]),
                              None if X is None else X.reshape(B, -1, *X.shape[2:]), f.shape, f.rows,
                              per_sample=f.per_sample))
-    return out
-
-
-def _merge_calls(per_call: list) -> list:
-    """Each parameter's factors of several calls of one step as one: their tokens side by side."""
-    out = []
-    for parts in zip(*per_call):
-        f = parts[0]
-        X = None if f.X is None else torch.cat([p.X for p in parts], 1)
-        out.append(fx.Factor(f.param, f.kind, torch.cat([p.D for p in parts], 1), X, f.shape, f.rows,
-                             per_sample="contribution" if any(p.per_sample == "contribution" for p in parts)
-                             else f.per_sample))
     return out
 
 
