@@ -381,12 +381,7 @@ class Tracer(GenericCapture):
         return hook
 
     def _fits(self, t: torch.Tensor) -> bool:
-        size = t.numel() * t.element_size()
-        if self._kept_bytes + size > self.budget_bytes:
-            self._dropped += 1
-            return False
-        self._kept_bytes += size
-        return True
+        return self._fits_bytes(t.numel() * t.element_size())
 
     # -- backward (called by autograd_calls for every backward / autograd.grad of this thread) ---
     def on_backward(self, tensors: list, kind: str, create_graph: bool) -> None:

@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import rows
-from .capture_tensors import _copy, _first_tensor, _hook_output
+from .capture_tensors import _copy, _first_tensor, _get, _hook_output, _set
 from .layers import generic
 from .records import Call
 
@@ -107,11 +107,7 @@ class GenericCapture:
             g = grad_outputs[0] if self.active and grad_outputs else None
             if g is not None:
                 with self._lock:
-                    parts = call.rule_parts
-                    if name in parts:  # another backward through the same graph: summed, as .grad is
-                        parts[name] = parts[name] + g.detach()
-                    elif self._fits(g):
-                        parts[name] = g.detach()
+                    self._gather(call.rule_parts, name, g)
             return None
 
         return hook
@@ -123,14 +119,7 @@ class GenericCapture:
             with self._lock:
                 if call.step is None and self._step is not None:
                     call.step = self._step.index
-                deltas = call.deltas
-                if deltas is None:
-                    return
-                if deltas[i] is not None:
-                    deltas[i] = deltas[i] + grad.detach()
-                elif self._fits(grad):
-                    deltas[i] = grad.detach()
-                else:
+                if call.deltas is not None and not self._gather(call.deltas, i, grad):
                     call.deltas = None  # over budget: the generic rule says so
             return
 
@@ -174,11 +163,8 @@ class GenericCapture:
             g = grad_outputs[0] if self.active and grad_outputs else None
             if g is not None and g.dim() == len(shape) and g.shape[0] > 1 and tuple(g.shape[1:]) == shape[1:]:
                 with self._lock:
-                    rows = call.join_rows = call.join_rows or {}
-                    if name in rows:
-                        rows[name] = rows[name] + g.detach()
-                    elif self._fits(g):
-                        rows[name] = g.detach()
+                    call.join_rows = call.join_rows or {}
+                    self._gather(call.join_rows, name, g)
             return None
 
         return hook
@@ -190,13 +176,23 @@ class GenericCapture:
             if g is not None and (g.dim() == len(shape) and tuple(g.shape[1:]) == shape[1:] and g.shape[0] > 1
                                   or g.dim() == len(shape) + 1 and tuple(g.shape[1:]) == shape):
                 with self._lock:
-                    if call.bdelta is not None:
-                        call.bdelta = call.bdelta + g.detach()
-                    elif self._fits(g):
-                        call.bdelta = g.detach()
+                    self._gather(call, "bdelta", g)
             return None
 
         return hook
+
+    def _gather(self, obj, key, g: torch.Tensor) -> bool:
+        """Keep gradient g in the slot (obj, key) (an item of a dict or list, else an attribute): added to what it
+        holds (another backward through the same graph: summed, as .grad is), or kept within the memory budget.
+        False where over it (nothing kept). The caller holds the lock."""
+        have = obj.get(key) if isinstance(obj, dict) else _get(obj, key)
+        if have is not None:
+            _set(obj, key, have + g.detach())
+        elif self._fits(g):
+            _set(obj, key, g.detach())
+        else:
+            return False
+        return True
 
     def _fits_bytes(self, size: int) -> bool:
         if self._kept_bytes + size > self.budget_bytes:
