@@ -201,10 +201,23 @@ def test_a_subclass_gets_no_fast_rule():
     assert not attention.applies(m)
 
 
-def test_rows_of_swapped_samples_are_caught_and_the_vmap_rule_answers(monkeypatch):
-    """A fast rule that gives the right sum with samples swapped fails the two-sample check."""
+def _refused_and_answered_by_vmap(monkeypatch, rule):
+    """Trace with `rule` as the only fast rule: it must be refused and the vmap rule answer, exactly."""
     from hookwidget.layers import generic
 
+    monkeypatch.setattr(generic, "FAST_RULES", [(attention.applies, rule)])
+    torch.manual_seed(0)
+    model = Wrap(nn.MultiheadAttention(8, 2, batch_first=True), 8)
+    x = torch.randn(B, 5, 8)
+    t = traced(model, lambda: model(x)[0].pow(2).sum())
+    ref = loop_reference(model, lambda i: model(x[i:i + 1])[0].pow(2).sum())
+    check(t, model, ref)
+    assert not used_fast(t, "mha")
+    return t, model
+
+
+def test_rows_of_swapped_samples_are_caught_and_the_vmap_rule_answers(monkeypatch):
+    """A fast rule that gives the right sum with samples swapped fails the two-sample check."""
     def swapped(*args):
         fs, key = attention.mha_factors(*args)
         for f in fs.values():
@@ -213,21 +226,13 @@ def test_rows_of_swapped_samples_are_caught_and_the_vmap_rule_answers(monkeypatc
                 f.X = f._X.flip(0)
         return fs, key
 
-    monkeypatch.setattr(generic, "FAST_RULES", [(attention.applies, swapped)])
-    torch.manual_seed(0)
-    model = Wrap(nn.MultiheadAttention(8, 2, batch_first=True), 8)
-    x = torch.randn(B, 5, 8)
-    t = traced(model, lambda: model(x)[0].pow(2).sum())
-    ref = loop_reference(model, lambda i: model(x[i:i + 1])[0].pow(2).sum())
-    check(t, model, ref)
-    assert not used_fast(t, "mha")
+    _refused_and_answered_by_vmap(monkeypatch, swapped)
 
 
 def test_rows_that_do_not_add_up_are_caught_by_the_projected_sum(monkeypatch):
     """One sample's rows off by 1% (not the sample checked element by element): the random-direction check of
     the sum (generic_rows._adds_up) refuses them and the vmap rule answers, exactly."""
     from hookwidget import generic_rows
-    from hookwidget.layers import generic
 
     def off(*args):
         fs, key = attention.mha_factors(*args)
@@ -237,14 +242,7 @@ def test_rows_that_do_not_add_up_are_caught_by_the_projected_sum(monkeypatch):
             fs[n].D = D
         return fs, key
 
-    monkeypatch.setattr(generic, "FAST_RULES", [(attention.applies, off)])
-    torch.manual_seed(0)
-    model = Wrap(nn.MultiheadAttention(8, 2, batch_first=True), 8)
-    x = torch.randn(B, 5, 8)
-    t = traced(model, lambda: model(x)[0].pow(2).sum())
-    ref = loop_reference(model, lambda i: model(x[i:i + 1])[0].pow(2).sum())
-    check(t, model, ref)
-    assert not used_fast(t, "mha")
+    t, model = _refused_and_answered_by_vmap(monkeypatch, off)
     good = attention.mha_factors  # and the same check passes the rule's own rows
     call = t.layers["mha"].calls[0]
     names = ["in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"]
