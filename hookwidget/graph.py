@@ -279,6 +279,13 @@ def _version(t) -> int | None:
         return None
 
 
+def l2_norm_map(tensors: dict) -> dict:
+    """key -> ‖t‖₂ (a float; None where t is None), every tensor reduced in one pass (l2_norms)."""
+    keys = [k for k, t in tensors.items() if t is not None]
+    out = dict(zip(keys, l2_norms([tensors[k] for k in keys]))) if keys else {}
+    return {k: out.get(k) for k in tensors}
+
+
 def l2_norms(ts: list) -> list[float]:
     """‖t‖₂ of each tensor, as floats: known ones from memory, the rest with one multi-tensor reduction per
     device and one read back to the host (not a kernel and a host read per tensor)."""

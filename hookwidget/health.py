@@ -67,7 +67,7 @@ def health(trace, vanishing: float = 1e-7, exploding: float = 1e3) -> Health:
         rows.append((name, grads, params, c.delta, c.delta_summary if c.delta is None else None))
     # every tensor's norm in one batched pass (the graph build reduced the .grads and δ already: graph.l2_norms)
     flat = [t for _, grads, params, delta, _ in rows for t in (*grads, *params, *(() if delta is None else (delta,)))]
-    known = dict(zip(map(id, flat), graph_mod.l2_norms(flat))) if flat else {}
+    known = graph_mod.l2_norm_map({id(t): t for t in flat})
     for name, grads, params, delta, summary in rows:
         gn, g_finite = _layer_norm(grads, known) if grads else (None, True)
         wn, _ = _layer_norm(params, known)

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .graph import known_l2, l2_norm_map
+
 MAX_SIDE = 200  # cells per side of a heatmap sent to the front-end
 MAX_SAMPLES = 8  # samples of a (B, C, H, W) or (B, T, d) tensor sent as pictures (one selectable at a time)
 MAX_CHANNELS = 64  # channel maps per sample of a conv activation / δ
@@ -32,7 +34,7 @@ def summary(trace) -> dict:
     return {
         "graph": graph_summary(trace.graph),
         "modules": module_tree(trace, h.get("layers", {})),
-        "params": {n: _num(v) for n, v in _norm_map(trace.param_grads).items()},
+        "params": {n: _num(v) for n, v in l2_norm_map(trace.param_grads).items()},
         "loss": _num(trace.loss),
         "notes": [str(n) for n in trace.notes],
         "has_grads": bool(trace.param_grads) or any(c.delta is not None or c.delta_summary is not None
@@ -67,9 +69,9 @@ def module_tree(trace, flags: dict | None = None) -> list[dict]:
     layers = trace.layers
     parent = _parents(layers)
     flags = health(trace).get("layers", {}) if flags is None else flags
-    grad_norm = _norm_map(trace.param_grads)
+    grad_norm = l2_norm_map(trace.param_grads)
     firsts = [layer.calls[0] for layer in layers.values() if layer.calls]
-    norms = _norm_map({id(t): t for c in firsts for t, s in ((c.a, c.a_summary), (c.delta, c.delta_summary))
+    norms = l2_norm_map({id(t): t for c in firsts for t, s in ((c.a, c.a_summary), (c.delta, c.delta_summary))
                        if t is not None and s is None})  # kept without a summary: reduced here, all at once
     qualified = _param_names(trace)
     rows = []
@@ -437,8 +439,6 @@ def _shape(s):
 def _norm(t: torch.Tensor) -> float:
     """2-norm for display, without a float64 copy of the tensor (an embedding's grad is 38M floats); not
     again for one whose norm the graph or the summary took (a .grad, a δ)."""
-    from .graph import known_l2
-
     known = known_l2(t)
     if known is not None:
         return known
@@ -450,15 +450,6 @@ def _param_names(trace) -> dict:
     """id(parameter) -> its qualified name in the trace (a traced root layer's weight is "weight", whatever
     the layer's own name in the tree)."""
     return {id(p): n for n, p in getattr(trace, "params", {}).items()}
-
-
-def _norm_map(tensors: dict) -> dict:
-    """key -> ‖t‖₂ (a float; None where t is None), every tensor reduced in one pass (graph.l2_norms)."""
-    from .graph import l2_norms
-
-    keys = [k for k, t in tensors.items() if t is not None]
-    out = dict(zip(keys, l2_norms([tensors[k] for k in keys])))
-    return {k: out.get(k) for k in tensors}
 
 
 def _tensor_info(t, s, norms: dict | None = None) -> dict | None:
