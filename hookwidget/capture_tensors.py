@@ -147,9 +147,9 @@ def _view(t: torch.Tensor) -> tuple:
 
 
 def _sole_owner(t: torch.Tensor) -> bool:
-    """Whether no other tensor shares t's memory (the temporary storage object counts one)."""
+    """Whether no other tensor shares t's memory."""
     try:
-        return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
+        return _uses(t) <= 1
     except Exception:  # a tensor subclass without plain storage: assume shared
         return False
 
