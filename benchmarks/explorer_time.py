@@ -47,7 +47,10 @@ model, idx = GPT(), torch.randint(0, 50257, (4, 128))
 # Wraps the functions of the display path to time them in the kernel (epoch ms, the page's clock too).
 PROBES = '''\
 import hookwidget as hw
-from hookwidget import graph as _g, payload as _p, export as _e, widget as _w
+from hookwidget.record import graph as _g
+from hookwidget.views import payload as _p
+from hookwidget.views import export as _e
+from hookwidget.views import widget as _w
 _t = sys.modules["hookwidget.trace"]  # the module (hw.trace is the function)
 _HW_T = []
 def _hw_probe(owner, name, label):
@@ -126,7 +129,7 @@ def python_phases(repeats: int = 3, profile: bool = False) -> dict:
     from measure_frontend import GPT
 
     import hookwidget as hw
-    from hookwidget import payload
+    from hookwidget.views import payload
 
     torch.manual_seed(0)
     model, idx = GPT(), torch.randint(0, 50257, (4, 128))
@@ -182,7 +185,7 @@ def _timed_display(t, payload) -> dict:
 
     from ipywidgets.widgets.widget import _remove_buffers
 
-    from hookwidget.widget import HookWidget
+    from hookwidget.views.widget import HookWidget
 
     row = {}
     t0 = time.perf_counter()

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from hookwidget import graph
+from hookwidget.record import graph
 
 from . import models
 

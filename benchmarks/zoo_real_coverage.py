@@ -45,7 +45,7 @@ def report(results: list, seconds: float) -> str:
         "",
         "MobileViT folds patches into rows (its transformer sees batch × patch area rows) and LeViT its tokens "
         "(BatchNorm1d over batch × tokens rows): capture proves from the autograd graph that each sample's rows "
-        "stay together (hookwidget/rows.py: views, elementwise ops, attention, norms on the way back to the "
+        "stay together (hookwidget/capture/rows.py: views, elementwise ops, attention, norms on the way back to the "
         "samples), and per-sample rules unfold them exactly (token rules) or group them (BatchNorm's token sums). "
         "Known failure (a strict xfail in tests/test_zoo_real.py): **efficientformer_l1**, a "
         "torch bug, not hookwidget's: BatchNorm2d's eval-mode backward on CPU is wrong for a batch of one whose "

@@ -6,9 +6,10 @@
     with hw.watch(model) as w: train()   # per-layer statistics every step, anomalous steps kept as Traces
 """
 
-from .interventions import KINDS, InterventionError
-from .trace import Layer, Trace, trace, tracing
-from .watch import Watch, watch
+from hookwidget.api import trace, tracing
+from hookwidget.interventions import KINDS, InterventionError
+from hookwidget.trace import Layer, Trace
+from hookwidget.watch import Watch, watch
 
 __version__ = "0.1.0"
 __all__ = ["KINDS", "InterventionError", "Layer", "Trace", "Watch", "load_ipython_extension", "trace", "tracing",
@@ -17,6 +18,6 @@ __all__ = ["KINDS", "InterventionError", "Layer", "Trace", "Watch", "load_ipytho
 
 def load_ipython_extension(ipython) -> None:
     """`%load_ext hookwidget` registers the %%hooktrace and %%hookwatch cell magics."""
-    from .magic import HookTraceMagics
+    from hookwidget.magic import HookTraceMagics
 
     ipython.register_magics(HookTraceMagics)

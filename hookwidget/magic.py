@@ -19,7 +19,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from torch import nn
 
-from .options import Options
+from hookwidget.options import Options
 
 
 def _option_flags(func):
@@ -102,8 +102,6 @@ class HookTraceMagics(Magics):
     def hookwatch(self, line: str, cell: str):
         """%%hookwatch MODEL [-o NAME] [--every N] [--no-flight-recorder]: run a training loop under
         hw.watch(MODEL); the Watch is bound to NAME (default _hookwatch). See hw.watch? for what it records."""
-        from .watch import hookwatch_magic
-
         return hookwatch_magic(self.shell, line, cell)
 
 
@@ -206,7 +204,7 @@ def _from_cell(tb, code):
 
 def _trace(run_cell, modules, options: Options, names, namespace, code, bind):
     """Run the cell once under hooks; the Trace is bound (by `bind`) even when the cell raises."""
-    from .session import Session
+    from hookwidget.session import Session
 
     __tracebackhide__ = True
     session = Session(run_cell, modules, options, names=names, namespace=namespace, code=code)
@@ -215,3 +213,58 @@ def _trace(run_cell, modules, options: Options, names, namespace, code, bind):
     finally:
         if session.latest is not None:
             bind(session.latest)
+
+
+# -- %%hookwatch ---------------------------------------------------------------------------------------------
+def _watch_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="%%hookwatch", add_help=False, exit_on_error=False)
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("-o", "--out", default="_hookwatch", metavar="NAME")
+    p.add_argument("--every", type=int, default=1)
+    p.add_argument("--no-flight-recorder", action="store_true")
+    p.add_argument("--no-widget", action="store_true")
+    return p
+
+
+def hookwatch_magic(shell, line: str, cell: str):
+    """`%%hookwatch MODEL [-o NAME] [--every N] [--no-flight-recorder] [--no-widget]`: run the cell with
+    hw.watch(MODEL) on; the Watch is bound to NAME (default _hookwatch) even when the cell raises, and
+    every hook is removed whatever happens. In a Jupyter kernel its live explorer is shown above the
+    cell's output before the loop starts, and grows while it runs. Returns None (Out[n] would keep the
+    watch and its Traces alive); the Watch is in NAME."""
+    from hookwidget.watch import watch
+
+    try:
+        args = _watch_parser().parse_args(shlex.split(line))
+    except (argparse.ArgumentError, SystemExit, ValueError) as e:
+        raise _usage_error(f"%%hookwatch {line!r}: {e}; usage: %%hookwatch MODEL [-o NAME] [--every N] "
+                           "[--no-flight-recorder] [--no-widget]") from None
+    ns = shell.user_ns
+    if args.model not in ns:
+        raise _usage_error(f"%%hookwatch: no variable {args.model!r} in your namespace; name the nn.Module "
+                           "to watch, e.g. %%hookwatch model")
+    model = ns[args.model]
+    if not isinstance(model, nn.Module):
+        raise _usage_error(f"%%hookwatch: {args.model} is a {type(model).__name__}, not an nn.Module")
+    run_cell = cell_runner(compile_cell(shell, cell), ns)
+    w = watch(model, every=args.every, flight_recorder=not args.no_flight_recorder)
+    ns[args.out] = w
+    if not args.no_widget:
+        _show_watch(w)
+    with w:
+        run_cell()
+    return None
+
+
+def _show_watch(w) -> None:
+    """Display the live explorer, in a Jupyter kernel only (a terminal would print the repr)."""
+    from hookwidget.views.watch_widget import _kernel_shell
+
+    if _kernel_shell() is not None:
+        from IPython.display import display
+
+        display(w)
+
+
+def _usage_error(text: str) -> Exception:
+    return UsageError(text)  # IPython prints one line for this exact class

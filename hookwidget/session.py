@@ -15,11 +15,11 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from .capture import Tracer
-from .interventions import KINDS, Intervention, make
-from .options import Options
-from .state import RunState, code_scope, related_objects
-from .trace import Trace
+from hookwidget.capture.tracer import Tracer
+from hookwidget.interventions import KINDS, Intervention, make
+from hookwidget.options import Options
+from hookwidget.state import RunState, code_scope, related_objects
+from hookwidget.trace import Trace
 
 log = logging.getLogger("hookwidget")
 
@@ -159,6 +159,6 @@ class Session:
 def _norms_rule(capture: str):
     if capture != "norms":
         return None
-    from .norms import StreamingNorms
+    from hookwidget.capture.norms import StreamingNorms
 
     return StreamingNorms()

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from . import rng
+from hookwidget import rng
 
 
 class RunState:

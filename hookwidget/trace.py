@@ -8,8 +8,6 @@ trace, its reruns and the explorer agree on which hooks are on.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -17,13 +15,14 @@ import networkx as nx
 import torch
 from torch import nn
 
-from . import factors as fx
-from . import graph as graph_mod
-from . import per_sample as ps
-from .layers import registry
-from .naming import name_filter, qualified_names
-from .records import PREVIOUS
-from .summary import TensorSummary
+from hookwidget.analysis import facts
+from hookwidget.analysis import per_sample as ps
+from hookwidget.layers import factors as fx
+from hookwidget.layers import registry
+from hookwidget.record import graph as graph_mod
+from hookwidget.record.calls import PREVIOUS
+from hookwidget.record.naming import name_filter, qualified_names
+from hookwidget.stats import TensorSummary
 
 
 @dataclass
@@ -83,44 +82,6 @@ class Step:
         if after is None or before is None:
             return after
         return after - before
-
-
-def trace(fn: Callable[[], object], modules=None, **options) -> Trace:
-    """Run `fn()` once with hooks on every module it calls (or on `modules`) and return the Trace.
-
-    Options: capture ("full": keep a and δ; "summary": statistics only; "norms": per-sample
-    gradient norms only), budget_mb (memory for kept tensors and .grad copies, default 512;
-    float("inf") for no limit), include / exclude (glob patterns on layer names), node_grads
-    (gradient norm at every graph node; default: for graphs of up to 256 nodes), backward_hooks
-    (also run full module backward hooks, to see grad_input), restore (objects a rerun must put
-    back that the code does not name: optimizers, schedulers, GradScalers, modules).
-    Every hook is removed when fn returns or raises. Each backward pass is a step (`t.steps`).
-
-    Example::
-
-        def step():
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()
-            opt.step()
-
-        t = hw.trace(step)
-        t.layers["fc1"].a, t.layers["fc1"].delta, t.weight_grad("fc1"), t.per_sample_grad_norms()
-        t.add_hook("fc1", "grad_zero"); t.rerun().diff(t)   # a what-if: model and optimizer are put back
-    """
-    from .options import check_callable
-    from .session import Session
-
-    check_callable(fn)
-    return Session(fn, modules, options).run()
-
-
-@contextmanager
-def tracing(modules=None, **options) -> Iterator[Trace]:
-    """`with hw.tracing() as t:` traces the block; `t` is filled in when the block ends."""
-    from .session import Session
-
-    with Session(None, modules, options).recording() as t:
-        yield t
 
 
 class Trace:
@@ -192,7 +153,7 @@ class Trace:
         if changed:
             notes.append(f"the code changed .grad after its last backward pass ({_few(changed)}; e.g. "
                          "opt.zero_grad() or clip_grad_norm_): param_grads show .grad as backward left it")
-        if ps.record_facts(self):  # all they read of the modules is kept now: decided when first read
+        if facts.record_facts(self):  # all they read of the modules is kept now: decided when first read
             self._deferred = (len(notes), answers)
         else:
             notes += self._factor_notes()
@@ -254,7 +215,7 @@ class Trace:
         """Layers with no factor rule and parameters that per-sample norms leave out (sets _left_out)."""
         notes = []
         reasons = {n: fx.unsupported_reason(layer.module) for n, layer in self.layers.items()
-                   if ps.owned_params(self, n)}
+                   if facts.owned_params(self, n)}
         unsupported = sorted({f"{n} ({why})" for n, why in reasons.items() if why})
         if unsupported:
             notes.append("no (a, δ) factor rule, so no weight_grad / per-sample gradients for: "
@@ -360,24 +321,24 @@ class Trace:
     def diff(self, before: Trace | None = None):
         """What changed from `before` (default: the hook-free first run) to this trace: grads per
         parameter, loss, δ per layer."""
-        from .diff import diff
+        from hookwidget.analysis.diff import diff
 
         return diff(before if before is not None else self.session.baseline, self)
 
     def health(self, **thresholds):
         """NaN/Inf, vanishing and exploding gradients per node and per layer."""
-        from .health import health
+        from hookwidget.analysis.health import health
 
         return health(self, **thresholds)
 
     # -- showing it ----------------------------------------------------------------------------
     def widget(self):
-        from .widget import HookWidget
+        from hookwidget.views.widget import HookWidget
 
         return HookWidget(self)
 
     def to_html(self, path) -> None:
-        from .export import to_html
+        from hookwidget.views.export import to_html
 
         return to_html(self, path)
 

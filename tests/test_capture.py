@@ -210,7 +210,7 @@ class _ReuseNet(nn.Module):
 @pytest.mark.parametrize("capture", ["summary", "full"])
 @pytest.mark.parametrize("passes", [1, 2])
 def test_every_node_norm_equals_a_hand_written_node_hook(capture, passes):
-    from hookwidget.graph import GraphWalk
+    from hookwidget.record.graph import GraphWalk
 
     torch.manual_seed(0)
     model, x = _ReuseNet(), torch.randn(5, 4)
@@ -371,7 +371,7 @@ def test_node_norms_without_hooks_equal_hand_written_node_hooks_on_a_transformer
     """Norms derived rather than hooked (layer outputs, new .grads, view chains: 3-D Linear, attention
     reshapes, weight transposes) equal what a pre-hook on every node sees, shapes included."""
     from benchmarks import models
-    from hookwidget.graph import GraphWalk
+    from hookwidget.record.graph import GraphWalk
 
     torch.manual_seed(0)
     model, x, y, loss_fn = models.build("transformer", "cpu", small=True)
@@ -416,7 +416,7 @@ def test_summary_of_an_input_rewritten_in_place_is_taken_before_the_call():
 
 def test_a_long_training_loop_holds_no_graph_of_earlier_steps():
     """Each step lets its graph go: the tensor hooks left alive stay few however many steps run."""
-    from hookwidget import capture
+    from hookwidget.capture import tracer as capture
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import hookwidget as hw
-from hookwidget import export, payload
+from hookwidget.views import export, payload
 
 EVIL = ['<img src=x onerror="__pwned=1">', "</script><script>__pwned=2</script>"]
 

@@ -21,7 +21,8 @@ import torch.utils.checkpoint as checkpoint
 from torch import nn
 
 import hookwidget as hw
-from hookwidget import capture, graph
+from hookwidget.capture import tracer as capture
+from hookwidget.record import graph
 
 sys.path.insert(0, str(Path(__file__).parent))  # helpers_faults, whether or not tests/ is a package
 from helpers_faults import Registries, assert_same, observe, run_cell  # noqa: E402

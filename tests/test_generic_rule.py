@@ -17,7 +17,7 @@ from helpers_rows import loop_reference as rows_reference
 from torch import nn
 
 import hookwidget as hw
-from hookwidget import factors as fx
+from hookwidget.layers import factors as fx
 
 B = 3
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import hookwidget as hw
-from hookwidget import factors as fx
+from hookwidget.layers import factors as fx
 
 B = 3
 

@@ -11,8 +11,8 @@ from helpers_rows import loop_reference as rows_reference
 from torch import nn
 
 import hookwidget as hw
-from hookwidget import factors as fx
 from hookwidget.layers import attention
+from hookwidget.layers import factors as fx
 
 B = 4
 
@@ -232,7 +232,7 @@ def test_rows_of_swapped_samples_are_caught_and_the_vmap_rule_answers(monkeypatc
 def test_rows_that_do_not_add_up_are_caught_by_the_projected_sum(monkeypatch):
     """One sample's rows off by 1% (not the sample checked element by element): the random-direction check of
     the sum (generic_rows._adds_up) refuses them and the vmap rule answers, exactly."""
-    from hookwidget import generic_rows
+    from hookwidget.analysis import generic as generic_rows
 
     def off(*args):
         fs, key = attention.mha_factors(*args)
@@ -255,7 +255,7 @@ def test_capture_norms_takes_each_sample_delta_of_a_position_table_where_capture
     """norms._per_sample_call: a (T, d) table added to the batch, with the gradient at the add kept (bdelta)."""
     from types import SimpleNamespace
 
-    from hookwidget.norms import _per_sample_call
+    from hookwidget.capture.norms import _per_sample_call
 
     emb = nn.Embedding(6, 3)
     pos = torch.arange(6)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hookwidget as hw
-from hookwidget import payload
+from hookwidget.views import payload
 
 
 @pytest.fixture
@@ -323,19 +323,19 @@ def test_summary_norms_match_autograd_and_stay_plain_json_where_a_gradient_is_no
 def test_a_tensor_the_graph_reduced_is_not_reduced_again_and_a_changed_one_is(traced):
     """graph.build notes the norms of the .grad and δ tensors it reduces; the payload takes them from there.
     A tensor changed in place since (its version moved on) or freed (its id reused) gets no stale value."""
-    from hookwidget import graph
+    from hookwidget import stats
 
     model, _, t = traced
     _ = t.graph  # built: it noted the norms it reduced
     g = t.param_grads["fc1.weight"]
-    assert graph.known_l2(g) == pytest.approx(float(model.fc1.weight.grad.norm()), rel=1e-6)
+    assert stats.known_l2(g) == pytest.approx(float(model.fc1.weight.grad.norm()), rel=1e-6)
     x = torch.tensor([3.0, 4.0])
-    assert graph.l2_norms([x, torch.arange(3), torch.empty(0)]) == [pytest.approx(5.0), pytest.approx(5 ** 0.5), 0.0]
+    assert stats.l2_norms([x, torch.arange(3), torch.empty(0)]) == [pytest.approx(5.0), pytest.approx(5 ** 0.5), 0.0]
     x.mul_(2)
-    assert graph.known_l2(x) is None and graph.l2_norms([x]) == [pytest.approx(10.0)]
+    assert stats.known_l2(x) is None and stats.l2_norms([x]) == [pytest.approx(10.0)]
     key = id(x)
     del x
-    assert key not in graph._L2  # dropped with the tensor: a new tensor at that id starts unknown
+    assert key not in stats._L2  # dropped with the tensor: a new tensor at that id starts unknown
     with torch.inference_mode():  # no version counter: reduced every time, never remembered
         z = torch.tensor([6.0, 8.0])
-    assert graph.l2_norms([z]) == [pytest.approx(10.0)] and graph.known_l2(z) is None
+    assert stats.l2_norms([z]) == [pytest.approx(10.0)] and stats.known_l2(z) is None

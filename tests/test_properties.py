@@ -151,7 +151,7 @@ def test_front_end_messages_are_validated_never_evaluated(content):
     from helpers_faults import Registries
 
     from hookwidget.interventions import KINDS
-    from hookwidget.widget import HookWidget
+    from hookwidget.views.widget import HookWidget
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 2), nn.ReLU(), nn.Linear(2, 1))

@@ -1,4 +1,4 @@
-"""hookwidget.rows: proofs from the autograd graph that a tensor's rows hold the batch's samples sample-major.
+"""hookwidget.capture.rows: proofs from the autograd graph that a tensor's rows hold the batch's samples sample-major.
 
 Each case builds a tensor from a batch of B samples and asks the proof; where it says yes, the claim itself is
 checked numerically: the Jacobian of the tensor with respect to the batch has no entry linking row r to any
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookwidget import rows
+from hookwidget.capture import rows
 
 B, P, N, C = 3, 4, 5, 6
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hookwidget as hw
-from hookwidget.factors import outer_as_kron
+from hookwidget.layers.factors import outer_as_kron
 
 
 # -- seed 003: what the hooks see, (a, δ) rebuild W.grad, node roles, Kronecker, storage -----

@@ -430,7 +430,7 @@ def test_a_keyboard_interrupt_at_any_registration_step_leaves_no_hook(monkeypatc
     import torch.nn.modules.module as module_mod
     from torch.optim import optimizer as optim_mod
 
-    from hookwidget import capture
+    from hookwidget.capture import tracer as capture
 
     targets = [(module_mod, "register_module_forward_pre_hook"), (module_mod, "register_module_forward_hook"),
                (nn.Module, "register_forward_pre_hook"), (nn.Module, "register_forward_hook"),

@@ -15,7 +15,7 @@ from torch import nn
 from hookwidget.watch import watch
 from hookwidget.watch.core import Watch
 
-ww = importlib.import_module("hookwidget.watch.widget")  # hookwidget.watch is also the function watch()
+ww = importlib.import_module("hookwidget.views.watch_widget")  # hookwidget.watch is also the function watch()
 EVIL = '</script><script>__pwned=1</script>'
 
 

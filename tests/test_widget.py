@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hookwidget as hw
-from hookwidget.widget import HookWidget
+from hookwidget.views.widget import HookWidget
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def msg(w, **content):
 
 
 def test_esm_points_to_the_built_bundle_and_summary_syncs():
-    from hookwidget.widget import ESM
+    from hookwidget.views.widget import ESM
 
     assert ESM == pathlib.Path(hw.__file__).parent / "static" / "widget.js"
     assert str(HookWidget._esm) == ESM.read_text()
@@ -142,7 +142,7 @@ def test_a_missing_bundle_shows_how_to_build_it(tmp_path):
     import sys
 
     # A fresh interpreter where static/widget.js does not exist: the widget explains instead of failing.
-    code = ("import pathlib, hookwidget.widget as w; "
+    code = ("import pathlib, hookwidget.views.widget as w; "
             "print(w.HookWidget._esm if isinstance(w.HookWidget._esm, str) else 'file')")
     env_path = tmp_path / "pkg"
     import shutil
@@ -231,7 +231,7 @@ def test_a_failing_display_never_fails_the_users_rerun(widget, monkeypatch, capl
     def broken(_trace):
         raise RuntimeError("display broke")
 
-    monkeypatch.setattr("hookwidget.payload.summary", broken)
+    monkeypatch.setattr("hookwidget.views.payload.summary", broken)
     with caplog.at_level(logging.WARNING, logger="hookwidget"):
         t2 = t.rerun()
     assert t2.session.latest is t2 and "display broke" in caplog.text

@@ -1,8 +1,8 @@
 """Layer specs: one small module per layer family registers its exact (a, δ) rule (see registry.py)."""
 
-from . import attention, conv, embedding, generic, linear, norm  # noqa: F401  (each registers its specs)
-from .base import KINDS, ConvCall, ConvCalls, Factor, Kind, gram_applies
-from .registry import (
+from hookwidget.layers import attention, conv, embedding, generic, linear, norm  # noqa: F401  (each registers its specs)
+from hookwidget.layers.base import KINDS, ConvCall, ConvCalls, Factor, Kind, gram_applies
+from hookwidget.layers.registry import (
     GENERIC,
     SPECS,
     LayerSpec,

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import generic
-from .base import Factor
+from hookwidget.layers import generic
+from hookwidget.layers.base import Factor
 
 NotApplicable = generic.NotApplicable
 

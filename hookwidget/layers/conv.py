@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from .base import ConvCall, Factor
-from .registry import register
+from hookwidget.layers.base import ConvCall, Factor
+from hookwidget.layers.registry import register
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Factor
-from .registry import register
+from hookwidget.layers.base import Factor
+from hookwidget.layers.registry import register
 
 
 def _refuse(m: nn.Embedding) -> str | None:

@@ -310,7 +310,7 @@ def broadcast_params(module, call, names: list, B: int) -> tuple:
     params = {n: call.params[n] for n in names}
     if not all(_leading_one(p) for p in params.values()) or B < 2:
         raise NotApplicable("not (1, ...) parameters")
-    from .base import Factor
+    from hookwidget.layers.base import Factor
 
     joined = call.join_rows or {}
     if all(n in joined and joined[n].shape[0] == B for n in names):  # capture kept them where they met the batch

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Factor, gram_applies
-from .registry import register
+from hookwidget.layers.base import Factor, gram_applies
+from hookwidget.layers.registry import register
 
 
 def linear_norm_sq(fs: list, x_gram=None) -> torch.Tensor | None:

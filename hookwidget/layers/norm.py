@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Factor
-from .registry import register
+from hookwidget.layers.base import Factor
+from hookwidget.layers.registry import register
 
 
 def _diag(m, xhat, delta, channel_dim: int | None = None, per_sample: str = "exact") -> list:

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import generic
+from hookwidget.layers import generic
 
 
 @dataclass(frozen=True)

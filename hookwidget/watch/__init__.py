@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .core import Watch
-from .detect import Anomaly
-from .magic import hookwatch_magic
-from .reduce import STAT_NAMES, STEP_STAT_NAMES
+from hookwidget.watch.core import Watch
+from hookwidget.watch.detect import Anomaly
+from hookwidget.watch.reduce import STAT_NAMES, STEP_STAT_NAMES
 
-__all__ = ["STAT_NAMES", "STEP_STAT_NAMES", "Anomaly", "Watch", "hookwatch_magic", "watch"]
+__all__ = ["STAT_NAMES", "STEP_STAT_NAMES", "Anomaly", "Watch", "watch"]
+
 
 
 def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None, flight_recorder: bool = True,

@@ -17,7 +17,7 @@ import threading
 import torch
 from torch.amp import GradScaler
 
-from .reduce import F64, NAN, S
+from hookwidget.watch.reduce import F64, NAN, S
 
 SCALED = [S["delta_norm"], S["delta_max"], S["grad_norm"]]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .reduce import F64, NAN, norm
+from hookwidget.watch.reduce import F64, NAN, norm
 
 SINK = 9  # ‖δ‖², max|δ|, δ NaN, δ Inf, Σa², zeros of a, non-finite of a, entries of a, calls
 

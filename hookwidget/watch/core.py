@@ -12,14 +12,14 @@ import torch
 from torch import nn
 from torch.optim import optimizer as optimizer_mod
 
-from .. import autograd_calls
-from .. import capture as capture_mod
-from ..handles import Removing
-from . import amp, compiled
-from .amp import SKIPPED, ScaleTrack
-from .detect import Detector
-from .flight import FlightRecorder
-from .reduce import (
+from hookwidget.capture import backward as autograd_calls
+from hookwidget.capture import tracer as capture_mod
+from hookwidget.capture.handles import Removing
+from hookwidget.watch import amp, compiled
+from hookwidget.watch.amp import SKIPPED, ScaleTrack
+from hookwidget.watch.detect import Detector
+from hookwidget.watch.flight import FlightRecorder
+from hookwidget.watch.reduce import (
     F64,
     NAN,
     STAT_NAMES,
@@ -144,7 +144,7 @@ class Watch:
         self.skipped: list = []  # steps whose optimizer step the GradScaler skipped (found inf/NaN)
         self._listeners: list = []  # fn("rows", stats, step_stats, steps) as rows reach the host; fn("closed")
         if tensorboard is not None:  # written as rows reach the host
-            from .tensorboard import TensorBoardLog
+            from hookwidget.views.tensorboard import TensorBoardLog
 
             self._listeners.append(TensorBoardLog(tensorboard, self))
 
@@ -508,19 +508,19 @@ class Watch:
 
     def widget(self):
         """The live explorer of this watch (one per watch): heatmap, sparklines, loss; it grows while the loop runs."""
-        from .widget import widget_of
+        from hookwidget.views.watch_widget import widget_of
 
         return widget_of(self)
 
     def _repr_mimebundle_(self, include=None, exclude=None):
         """In a Jupyter kernel the live explorer, elsewhere the plain-text repr."""
-        from .widget import mimebundle
+        from hookwidget.views.watch_widget import mimebundle
 
         return mimebundle(self, include, exclude)
 
     def to_html(self, path):
         """Write the explorer of this watch (statistics, anomalies, kept Traces) as one standalone page."""
-        from .export import to_html
+        from hookwidget.views.watch_export import to_html
 
         return to_html(self, path)
 
@@ -534,7 +534,7 @@ class Watch:
     def to_tensorboard(self, log_dir) -> str:
         """Write what was recorded so far as TensorBoard scalars (`{stat}/{layer}`, `step/loss`,
         `step/grad_norm`; x = step) and the anomalies as text; returns the run's folder."""
-        from .tensorboard import write
+        from hookwidget.views.tensorboard import write
 
         return write(self, log_dir)
 
@@ -543,7 +543,7 @@ class Watch:
         others), in one gather_object call at the end; call it on every rank. Each rank records its own:
         δ and a of its own batch; .grad as backward leaves it (DDP: all-reduced; FSDP2: the rank's local shard
         of the reduce-scattered gradient, and ‖W‖ of its local shard)."""
-        from .gather import gather
+        from hookwidget.watch.gather import gather
 
         return gather(self, dst, group)
 

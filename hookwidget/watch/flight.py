@@ -3,7 +3,7 @@ anomalous steps' Traces are kept."""
 
 from __future__ import annotations
 
-from .. import autograd_calls
+from hookwidget.capture import backward as autograd_calls
 
 
 class FlightRecorder:
@@ -12,7 +12,7 @@ class FlightRecorder:
     besides the kept ones are alive (the latest, and the one being recorded)."""
 
     def __init__(self, watch, model, budget_mb: float, max_kept: int):
-        from ..session import Session
+        from hookwidget.session import Session
 
         self.watch, self.max_kept = watch, max_kept
         self.session = Session(None, model, {"capture": "full", "budget_mb": budget_mb})

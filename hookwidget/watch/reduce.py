@@ -365,7 +365,7 @@ class PerSample:
     last call of the step arrives, and its a and δ let go at once."""
 
     def __init__(self, layers: list, layer_names: list, pairs: list):
-        from .. import factors as fx
+        from hookwidget.layers import factors as fx
 
         self.fx = fx
         owners: dict = {}

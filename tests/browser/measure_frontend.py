@@ -18,7 +18,10 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import hookwidget as hw  # noqa: E402
-from hookwidget import export, payload  # noqa: E402
+from hookwidget.views import (
+    export,  # noqa: E402
+    payload,  # noqa: E402
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

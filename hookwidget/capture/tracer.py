@@ -29,15 +29,15 @@ from torch.nn.modules import module as module_mod
 from torch.optim import optimizer as optimizer_mod
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import autograd_calls
-from . import factors as fx
-from . import graph as graph_mod
-from .capture_generic import BROADCASTS_MAX, GenericCapture, link_first_delta, maybe_broadcast
-from .capture_tensors import _NO_LAZY, _copy, _first_tensor, _hook_output, _lazy_clone, _sole_owner, own
-from .handles import Removing, Restoring
-from .layers import registry
-from .records import PREVIOUS, Call, ModuleRecord, Records, StepRecord
-from .summary import StatsBatch, abs_max, stats_on_device, to_summaries
+from hookwidget.capture import backward as autograd_calls
+from hookwidget.capture.generic import BROADCASTS_MAX, GenericCapture, link_first_delta, maybe_broadcast
+from hookwidget.capture.handles import Removing, Restoring
+from hookwidget.capture.tensors import _NO_LAZY, _copy, _first_tensor, _hook_output, _lazy_clone, _sole_owner, own
+from hookwidget.layers import factors as fx
+from hookwidget.layers import registry
+from hookwidget.record import graph as graph_mod
+from hookwidget.record.calls import PREVIOUS, Call, ModuleRecord, Records, StepRecord
+from hookwidget.stats import StatsBatch, abs_max, fused_norms, stats_on_device, to_summaries
 
 CAPTURE_MODES = ("full", "summary", "norms")
 AUTO_NODE_GRADS_MAX = 256  # graphs up to this size get a gradient norm at every node by default
@@ -619,7 +619,7 @@ class Tracer(GenericCapture):
             else:
                 now[i] = g
         if now:
-            walk.grad_norm.update(graph_mod._fused_norms(now))
+            walk.grad_norm.update(fused_norms(now))
 
     def _derive_node_norms(self) -> None:
         """Norms of the gradient arriving at layer-output nodes (δ) and leaf nodes (.grad) of the last

@@ -1,7 +1,7 @@
 """`Watch.to_html`: one self-contained page with the watch explorer (heatmap, sparklines, loss, kept steps),
 read-only, for sharing a training run without a kernel.
 
-Built like the trace page (hookwidget/export.py): the bundle and the data inlined, a strict CSP, every
+Built like the trace page (views/export.py): the bundle and the data inlined, a strict CSP, every
 inlined text escaped. Statistics travel as base64 float64 (NaN and Inf survive, JSON has neither);
 kept Traces carry their summaries, and their tensor detail while the page stays under DETAIL_BUDGET.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import base64
 import pathlib
 
-from .. import payload
-from ..export import details, standalone_page
+from hookwidget.views import payload
+from hookwidget.views.export import details, standalone_page
 
 DETAIL_BUDGET = 24 * 2**20  # bytes of kept Traces' tensor detail inlined, over all of them
 

@@ -12,9 +12,9 @@ import weakref
 
 import torch
 
-from . import factors as fx
-from . import per_sample as ps
-from .layers import generic
+from hookwidget.analysis import batches, facts
+from hookwidget.layers import factors as fx
+from hookwidget.layers import generic
 
 
 def generic_rows(trace, name: str, k: int):
@@ -22,7 +22,7 @@ def generic_rows(trace, name: str, k: int):
     str). Used only after the check: their sum over samples and calls equals the gradient the step made
     (the step's .grad where the layer is the parameter's only holder and that matches, else a full-batch vjp
     of the same calls). Cached per (layer, step)."""
-    cache = ps.trace_cache(trace)
+    cache = facts.trace_cache(trace)
     key = ("rows", name, k)
     if key not in cache:
         cache[key] = _generic_rows(trace, name, k)
@@ -34,14 +34,14 @@ def _generic_rows(trace, name: str, k: int):
     calls = [c for c in trace.layers[name].calls if c.step == k]
     if not calls:
         return f"no backward reached it in step {k}"
-    calls = [ps.batched_call(trace, c) for c in calls]
+    calls = [batches.batched_call(trace, c) for c in calls]
     why = next((generic.missing(c) for c in calls if generic.missing(c)), None)
     if why:
         return why
-    owned = ps.owned_params(trace, name)
+    owned = facts.owned_params(trace, name)
     canonical = {id(p): n for n, p in module.named_parameters()}
     names = {pn: canonical[id(p)] for pn, p in owned.items()}
-    B = ps.step_batch_size(trace, k) or generic.batch_size_hint(module, calls[0].inputs)
+    B = batches.step_batch_size(trace, k) or generic.batch_size_hint(module, calls[0].inputs)
     if not B:
         return "its inputs have no batch dimension"
     size = B * sum(p.numel() * p.element_size() for p in owned.values())
@@ -69,7 +69,7 @@ def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | N
     """None where the per-sample rows add up to the gradient the step made (the step's .grad where the layer is
     the parameter's only holder and that matches, else a full-batch vjp of the same calls), else why not."""
     try:
-        holders = ps.param_holders(trace)
+        holders = facts.param_holders(trace)
         full, matched = None, []
         for pn, g in rows.items():
             if holders.get(id(owned[pn])) == [name]:
@@ -89,7 +89,7 @@ def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | N
         return str(e)
     except Exception as e:  # noqa: BLE001  (the module changed since the call, say: named, never raised at attach)
         return f"the generic rule could not rerun it: {generic.first_line(e)}"
-    ps.trace_cache(trace).update(dict.fromkeys(matched, True))  # _complete: these rows rebuild .grad (cached too)
+    facts.trace_cache(trace).update(dict.fromkeys(matched, True))  # _complete: these rows rebuild .grad (cached too)
     return None
 
 
@@ -176,7 +176,7 @@ def _adds_up(g, want: torch.Tensor) -> bool:
     if not (isinstance(g, fx.Factor) and g.kind == "outer" and g._X is not None and g.D.dim() == 3
             and want.dim() == 2 and not want.is_sparse and tuple(want.shape) == (g.D.shape[-1], g.X.shape[-1])
             and want.dtype in (torch.float32, torch.float64) and g.D.dtype == g.X.dtype == want.dtype):
-        return ps.allclose_grad(_summed(g), want)
+        return facts.allclose_grad(_summed(g), want)
     gen = torch.Generator(device=want.device).manual_seed(0)
     D, X, W = g.D.double(), g.X.double(), want.double()
     U = torch.randn(W.shape[0], 2, generator=gen, device=W.device, dtype=W.dtype)

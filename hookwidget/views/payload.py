@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .graph import known_l2, l2_norm_map
+from hookwidget.stats import known_l2, l2_norm_map
 
 MAX_SIDE = 200  # cells per side of a heatmap sent to the front-end
 MAX_SAMPLES = 8  # samples of a (B, C, H, W) or (B, T, d) tensor sent as pictures (one selectable at a time)
@@ -29,7 +29,7 @@ _health_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def summary(trace) -> dict:
     """Everything the explorer draws before any click: JSON-safe, no tensor values. Tensor norms come from
-    graph.l2_norms: one multi-tensor reduction, and none again for a tensor the graph's nodes reduced."""
+    stats.l2_norms: one multi-tensor reduction, and none again for a tensor the graph's nodes reduced."""
     h = health(trace)  # builds the graph first: its .grad and δ norms are the tree's and the parameters'
     return {
         "graph": graph_summary(trace.graph),
@@ -112,7 +112,7 @@ def hooks(trace) -> list[dict]:
 
 def kinds() -> list[dict]:
     """The registered intervention kinds, so the controls list exactly what the kernel accepts."""
-    from .interventions import KINDS
+    from hookwidget.interventions import KINDS
 
     return [{"name": k.name, "doc": k.doc, "attach": getattr(k, "attach", "grad"), "python_only": k.python_only,
              "params": [{"name": p, "type": getattr(t, "__name__", str(t)), "default": _num(d)}
@@ -246,8 +246,9 @@ def _layer_detail(trace, name: str, out: _Buffers) -> dict:
 def first_sample_grad(trace, name: str) -> torch.Tensor:
     """Sample 0's share of W.grad: from its own rows of (a, δ) where the factor allows (a linear map or an
     embedding, one step: B times less work than every sample's), else row 0 of trace.per_sample_grads."""
-    from . import factors as fx
-    from . import per_sample as ps
+    from hookwidget.analysis import batches
+    from hookwidget.analysis import per_sample as ps
+    from hookwidget.layers import factors as fx
 
     try:
         fs = ps.param_factors(trace, name, "weight", None)
@@ -255,7 +256,7 @@ def first_sample_grad(trace, name: str) -> torch.Tensor:
         fs = []
     if len(fs) == 1 and fs[0].conv is None and fs[0].X is not None and fs[0].per_sample == "exact":
         f = fs[0]
-        ps.check_batched(trace, name, None)
+        batches.check_batched(trace, name, None)
         one = fx.Factor(f.param, f.kind, f.D[:1], f.X[:1], f.shape, f.rows, per_sample=f.per_sample)
         return fx.per_sample_grad(one)[0]
     return trace.per_sample_grads(name)[0]
@@ -484,7 +485,7 @@ def _unsupported(trace, name: str) -> str | None:
         return None
     module = trace.layers[name].module
     try:
-        from . import factors
+        from hookwidget.layers import factors
 
         why = factors.unsupported_reason(module)
         if why is None:  # the generic rule was refused here (random numbers, samples mixed): its note says why

@@ -15,8 +15,8 @@ from collections import Counter
 import torch
 from torch import nn
 
-from . import factors as fx
-from .layers import generic
+from hookwidget.layers import factors as fx
+from hookwidget.layers import generic
 
 
 class StreamingNorms:

@@ -19,7 +19,7 @@ import anywidget
 import torch
 import traitlets
 
-from ..widget import HookWidget, MessageError, _one_line, check_envelope
+from hookwidget.views.widget import HookWidget, MessageError, _one_line, check_envelope
 
 log = logging.getLogger("hookwidget")
 
@@ -195,7 +195,7 @@ class WatchWidget(anywidget.AnyWidget):
         self.send({"type": "status", "request_id": request_id, "state": state, "text": text})
 
     def to_html(self, path):
-        from .export import to_html
+        from hookwidget.views.watch_export import to_html
 
         return to_html(self.watch, path)
 

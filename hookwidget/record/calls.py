@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .graph import GraphWalk
-from .summary import TensorSummary
+from hookwidget.record.graph import GraphWalk
+from hookwidget.stats import TensorSummary
 
 
 @dataclass

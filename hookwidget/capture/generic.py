@@ -21,10 +21,10 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import rows
-from .capture_tensors import _copy, _first_tensor, _get, _hook_output, _set
-from .layers import generic
-from .records import Call
+from hookwidget.capture import rows
+from hookwidget.capture.tensors import _copy, _first_tensor, _get, _hook_output, _set
+from hookwidget.layers import generic
+from hookwidget.record.calls import Call
 
 BROADCASTS_MAX = 1024  # calls per step whose (1, ...) output may be added to a batch (see _hook_broadcasts)
 

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .layers import (  # noqa: F401  (the import surface)
+from hookwidget.layers import (  # noqa: F401  (the import surface)
     GENERIC,
     KINDS,
     SPECS,
@@ -44,7 +44,7 @@ from .layers import (  # noqa: F401  (the import surface)
     supported_types,
     unsupported_reason,
 )
-from .layers.linear import linear_norm_sq
+from hookwidget.layers.linear import linear_norm_sq
 
 _ConvCall = ConvCall  # the former name
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 
-from . import graph as graph_mod
+from hookwidget.stats import l2_norm_map
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,9 @@ def health(trace, vanishing: float = 1e-7, exploding: float = 1e3) -> Health:
         params = [p.detach() for p in params]
         c = layer.calls[0]
         rows.append((name, grads, params, c.delta, c.delta_summary if c.delta is None else None))
-    # every tensor's norm in one batched pass (the graph build reduced the .grads and δ already: graph.l2_norms)
+    # every tensor's norm in one batched pass (the graph build reduced the .grads and δ already: stats.l2_norms)
     flat = [t for _, grads, params, delta, _ in rows for t in (*grads, *params, *(() if delta is None else (delta,)))]
-    known = graph_mod.l2_norm_map({id(t): t for t in flat})
+    known = l2_norm_map({id(t): t for t in flat})
     for name, grads, params, delta, summary in rows:
         gn, g_finite = _layer_norm(grads, known) if grads else (None, True)
         wn, _ = _layer_norm(params, known)

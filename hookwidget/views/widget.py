@@ -15,7 +15,7 @@ import weakref
 import anywidget
 import traitlets
 
-from . import payload
+from hookwidget.views import payload
 
 log = logging.getLogger("hookwidget")
 
@@ -27,7 +27,7 @@ SCHEMA = {
     "rerun": set(),
 }
 MAX_TEXT = 1000  # longest accepted target / kind / request_id
-ESM = pathlib.Path(__file__).parent / "static" / "widget.js"  # built from js/ by `npm run build`
+ESM = pathlib.Path(__file__).resolve().parents[1] / "static" / "widget.js"  # built from js/ by `npm run build`
 # Shown instead of the explorer when the bundle was never built (a source checkout without npm).
 NOT_BUILT = ('export default { render({ el }) { el.textContent = "hookwidget: the front-end is not built '
              '(hookwidget/static/widget.js is missing): run `npm run build` or `pip install -e .`"; } };')
@@ -131,7 +131,7 @@ class HookWidget(anywidget.AnyWidget):
                   buffers)
 
     def _do_add_hook(self, msg: dict) -> None:
-        from .interventions import make
+        from hookwidget.interventions import make
 
         make(msg["target"], msg["kind"], msg["params"], from_frontend=True)  # validates; raises one line
         owner = self.session or self.trace
@@ -171,7 +171,7 @@ class HookWidget(anywidget.AnyWidget):
         data, meta = bundle if isinstance(bundle, tuple) else (bundle, None)
         if data is None:
             return bundle
-        from .export import snapshot
+        from hookwidget.views.export import snapshot
 
         try:
             data = {**data, "text/html": snapshot(self.summary, self.diff)}
@@ -181,7 +181,7 @@ class HookWidget(anywidget.AnyWidget):
 
     def to_html(self, path):
         """Write what is on screen (the latest trace, its hooks and the last rerun's diff) as a standalone page."""
-        from .export import to_html
+        from hookwidget.views.export import to_html
 
         return to_html(self.trace, path, diff=self.diff)
 
@@ -217,7 +217,7 @@ def validate(content) -> dict:
         if key in content and (not isinstance(content[key], str) or not 0 < len(content[key]) <= MAX_TEXT):
             raise MessageError(f"{kind}: {key} must be a non-empty string of at most {MAX_TEXT} characters")
     if "kind" in content:
-        from .interventions import KINDS
+        from hookwidget.interventions import KINDS
 
         spec = KINDS.get(content["kind"])
         if spec is None:

@@ -15,9 +15,9 @@ import json
 import pathlib
 import secrets
 
-from . import payload
+from hookwidget.views import payload
 
-STATIC = pathlib.Path(__file__).parent / "static"
+STATIC = pathlib.Path(__file__).resolve().parents[1] / "static"
 DETAIL_BUDGET = 8 * 2**20  # bytes of tensor detail inlined; layers past it are listed as not exported
 DETAIL_SIDE = 64  # heatmap cells per side on the page (the live widget sends up to payload.MAX_SIDE)
 DETAIL_LIMIT = 200  # layers and parameter nodes with inlined detail (a 10,000-layer chain stays quick to export)

@@ -9,12 +9,12 @@ Python reuses it once a graph is freed.
 from __future__ import annotations
 
 import bisect
-import weakref
 from collections import Counter
 
 import networkx as nx
 
-ROLES = ("root", "op", "param", "leaf", "input")
+from hookwidget.stats import fused_norms, norms_to_floats, remember_l2
+
 # Nodes that hooks add to the graph (full module backward hooks); hidden unless asked for.
 HOOK_NODE_NAMES = ("BackwardHookFunctionBackward",)
 
@@ -121,7 +121,7 @@ def build(walk: GraphWalk, param_names: dict, calls: list, *, show_hook_nodes: b
     owner = _module_owner(walk, calls)
     g = nx.DiGraph()
     pending = walk.pending_norms
-    norms = _norms_to_floats({**walk.grad_norm, **_fused_norms(pending)})
+    norms = norms_to_floats({**walk.grad_norm, **fused_norms(pending)})
     for i, t in pending.items():  # the payload shows these tensors' norms too (a .grad, a δ): reduced once
         remember_l2(t, norms[i][0])
     for i, j in walk.same_norm.items():
@@ -176,124 +176,8 @@ def _module_owner(walk: GraphWalk, calls: list) -> dict:
     return owner
 
 
-_SMALL = 1 << 16  # on CPU, ‖t‖∞ of tensors up to this size from the multi-tensor kernel, of larger ones from aminmax
-
-
-def _fused_norms(tensors: dict, linf: bool = True) -> dict:
-    """[‖t‖₂, ‖t‖∞] of many tensors with a few multi-tensor reductions, not two kernels each (without
-    `linf`: [‖t‖₂, None])."""
-    import torch
-
-    ts = [_dense_values(t) for t in tensors.values()]
-    ts = [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in ts]
-    if not ts:
-        return {}
-    l2 = torch._foreach_norm(ts)
-    if not linf:
-        return {i: (a, None) for i, a in zip(tensors, l2)}
-    cpu = all(t.device.type == "cpu" for t in ts)
-    # the multi-tensor ∞-norm: not of empty tensors (no identity), and on CPU only of small ones (for
-    # large ones the ∞-norm kernel is ~9x slower than aminmax there)
-    fused = [k for k, t in enumerate(ts) if t.numel() and (not cpu or t.numel() <= _SMALL)]
-    peaks = [None] * len(ts)
-    if fused:
-        for k, v in zip(fused, torch._foreach_norm([ts[k] for k in fused], float("inf"))):
-            peaks[k] = v
-    if len(fused) < len(ts):
-        from .summary import max_abs
-
-        for k, t in enumerate(ts):
-            if peaks[k] is None:
-                peaks[k] = max_abs(t)
-    return {i: (a, b) for i, a, b in zip(tensors, l2, peaks)}
-
-
-def _dense_values(t):
-    """The values whose norms are t's: a sparse gradient's (Embedding(sparse=True)) after coalescing."""
-    import torch
-
-    if t.layout == torch.strided:
-        return t
-    if t.layout == torch.sparse_coo:
-        return t.coalesce()._values()
-    return t.to_dense()
-
-
-def _norms_to_floats(norms: dict) -> dict:
-    if not norms:
-        return {}
-    import torch
-
-    by_device: dict = {}
-    out = {}
-    for k, v in norms.items():
-        if isinstance(v, tuple) and isinstance(v[0], float):  # read on the host already
-            out[k] = v
-        else:
-            by_device.setdefault((v[0] if isinstance(v, tuple) else v).device, []).append(k)
-    for ks in by_device.values():
-        rows = [torch.stack(norms[k]) if isinstance(norms[k], tuple) else norms[k] for k in ks]
-        for k, v in zip(ks, torch.stack([r.double() for r in rows]).cpu().tolist()):
-            out[k] = v
-    return out
-
-
 def _splice_out(g: nx.DiGraph, nodes: list) -> None:
     for n in nodes:
         preds, succs = list(g.predecessors(n)), list(g.successors(n))
         g.remove_node(n)
         g.add_edges_from((p, s) for p in preds for s in succs)
-
-
-# -- 2-norms already reduced, by tensor ---------------------------------------------------------------
-# The payload shows the norms of tensors that the graph's nodes carry too (a parameter's .grad, a layer's δ):
-# each large tensor is read once. Keyed by id(), checked by a weak reference and the version counter, so a
-# freed tensor's id reused by another, or a tensor changed in place, is reduced again.
-_L2: dict = {}
-
-
-def remember_l2(t, value: float) -> None:
-    """Note ‖t‖₂ = value (a float read on the host); not for a tensor without a version counter (inference mode)."""
-    key, version = id(t), _version(t)
-    if version is None:
-        return
-    try:
-        ref = weakref.ref(t, lambda _, key=key: _L2.pop(key, None))
-    except TypeError:
-        return
-    _L2[key] = (ref, version, value)
-
-
-def known_l2(t) -> float | None:
-    """‖t‖₂ if it was reduced before and t has not changed since, else None."""
-    hit = _L2.get(id(t))
-    if hit is None or hit[0]() is not t or hit[1] != _version(t):
-        return None
-    return hit[2]
-
-
-def _version(t) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference-mode tensor tracks no version
-        return None
-
-
-def l2_norm_map(tensors: dict) -> dict:
-    """key -> ‖t‖₂ (a float; None where t is None), every tensor reduced in one pass (l2_norms)."""
-    keys = [k for k, t in tensors.items() if t is not None]
-    out = dict(zip(keys, l2_norms([tensors[k] for k in keys]))) if keys else {}
-    return {k: out.get(k) for k in tensors}
-
-
-def l2_norms(ts: list) -> list[float]:
-    """‖t‖₂ of each tensor, as floats: known ones from memory, the rest with one multi-tensor reduction per
-    device and one read back to the host (not a kernel and a host read per tensor)."""
-    out = [known_l2(t) for t in ts]
-    todo = [k for k, v in enumerate(out) if v is None]
-    if todo:
-        fresh = _norms_to_floats({k: v for k, (v, _) in _fused_norms({k: ts[k] for k in todo}, linf=False).items()})
-        for k in todo:
-            out[k] = fresh[k]
-            remember_l2(ts[k], fresh[k])
-    return out

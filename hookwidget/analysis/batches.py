@@ -1,0 +1,189 @@
+"""Which rows of a call are samples: the batch size of each step, inputs folded from the batch, (1, ...) outputs
+added to a batch, and layers whose leading dimension is not the batch.
+
+Floor: analysis. Imports layers/ and analysis.facts.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter, defaultdict
+
+import torch
+
+from hookwidget.analysis.facts import allclose_grad, own_trainable, owned_params, step_indices, trace_cache
+from hookwidget.layers import factors as fx
+
+
+def batched_call(trace, call, module=None):
+    """The call as its samples saw it: a position table's (1, ...) output added to a batch gets each sample's δ
+    (call.bdelta) and its input repeated per sample; samples folded into rows are unfolded; any other call as
+    it is."""
+    bd = broadcast_delta(trace, call)
+    if bd is None:
+        B = _fold(trace, call, module)
+        if B is None or not fx.spec_for(module).tokens:  # other folded layers: their factors' rows are grouped
+            return call
+        out = copy.copy(call)
+        out.a = call.a.reshape(B, -1, *call.a.shape[1:])
+        out.delta = call.delta.reshape(B, -1, *call.delta.shape[1:])
+        return out
+    out = copy.copy(call)
+    out.delta = bd
+    if call.a is not None and bd.dim() > call.delta.dim():  # (T, d) added to (B, T, d): a new leading dimension
+        out.a = call.a.expand(bd.shape[0], *call.a.shape)
+    elif call.a is not None and call.a.dim() and call.a.shape[0] == 1:
+        out.a = call.a.expand(bd.shape[0], *call.a.shape[1:])
+    if call.deltas is not None and call.out_first >= 0:
+        out.deltas = list(call.deltas)
+        out.deltas[call.out_first] = bd
+    return out
+
+
+def broadcast_delta(trace, call):
+    """Each sample's δ of a call whose output (1, ...) was added to a batch, where autograd's sum of it over
+    the samples is the call's δ (so the rows are exact), else None."""
+    if call.bdelta is None or call.delta is None:
+        return None
+    cache = trace_cache(trace)
+    key = ("bdelta", id(call))
+    if key not in cache:
+        summed = call.bdelta.sum(0, keepdim=call.bdelta.dim() == call.delta.dim())
+        cache[key] = call.bdelta if allclose_grad(summed, call.delta) else None
+    return cache[key]
+
+
+def _fold(trace, call, module) -> int | None:
+    """The batch size B where the call's input holds the model's batch folded into rows sample-major ((B, T, d)
+    viewed as (B·T, d), as OPT does; MobileViT's patches; capture proves it: rows.py), so that sample b owns rows
+    b·n/B … (b+1)·n/B − 1, and the layer's rule can be unfolded: it treats rows as tokens (its a and δ are
+    unfolded, batched_call), or its factors are token sums that its rows' can be grouped into (_grouped_rows:
+    BatchNorm1d over LeViT's tokens). Else None."""
+    B = call.folded_from
+    if B is None or module is None or call.a is None or call.delta is None or not call.a.dim():
+        return None
+    n = call.a.shape[0]
+    if n % B or call.delta.shape[:1] != (n,) or B != model_batches(trace).get(call.step):
+        return None
+    spec = fx.spec_for(module)
+    return B if spec is not None and (spec.tokens or not isinstance(module, _CONVS)) else None
+
+
+_CONVS = (torch.nn.modules.conv._ConvNd,)  # their factors are convolutions, not token sums: no grouping of rows
+
+
+def _lead(trace, call, module=None) -> int | None:
+    """The leading dimension of the call's input as its samples saw it (see _batched)."""
+    bd = broadcast_delta(trace, call) if call.bdelta is not None else None
+    if bd is not None:
+        return bd.shape[0]
+    B = _fold(trace, call, module) if call.folded_from is not None else None
+    if B is not None:
+        return B
+    return call.a.shape[0] if call.a.dim() else None
+
+
+def step_batch_size(trace, k: int) -> int | None:
+    """The batch size the exact-rule layers of step k agree on (the most common leading dimension; with
+    capture="norms", the one the streamed norms have)."""
+    if trace._norms is not None:
+        sq = trace._norms[k][0] if k < len(trace._norms) else None
+        return None if sq is None else sq.shape[0]
+    return _batch_of(_leads(trace, k), model_batches(trace).get(k))
+
+
+def _exact_layers(trace, k: int) -> list[str]:
+    """factor_layers(trace, k) of exact (a, δ) rules only (no generic check runs)."""
+    if trace._no_factors:
+        return []
+    out = []
+    for n, layer in trace.layers.items():
+        module = layer.module
+        if fx.unsupported_reason(module) or fx.is_generic(module) or not owned_params(trace, n):
+            continue
+        calls = [c for c in layer.calls if c.step == k]
+        if calls and all(c.a is not None and c.delta is not None for c in calls):
+            out.append(n)
+    return out
+
+
+def _leads(trace, k: int) -> dict:
+    """Exact-rule layer -> the leading dimension of its first input in step k."""
+    lead = {}
+    for n in _exact_layers(trace, k):
+        lead[n] = _lead(trace, next(c for c in trace.layers[n].calls if c.step == k), trace.layers[n].module)
+    return lead
+
+
+def unbatched(trace, k: int) -> dict:
+    """Layers whose input's leading dimension in step k is not the batch size most layers agree on,
+    e.g. a positional embedding called on arange(T): their gradient is already summed over the batch."""
+    return _odd_ones(_leads(trace, k), model_batches(trace).get(k))
+
+
+def unbatched_by_step(trace, eligible=None) -> dict:
+    """unbatched(trace, k) of every step k, in one pass over the calls (a loop of many steps
+    would otherwise walk every call once per step). `eligible`: the names of the layers with own
+    trainable parameters and a factor rule, where the caller knows them already."""
+    if trace._no_factors:
+        return {}
+    layers = trace.layers
+    if eligible is None:
+        eligible = [n for n, layer in layers.items() if own_trainable(trace, n)
+                    and not fx.unsupported_reason(layer.module) and not fx.is_generic(layer.module)]
+    lead: dict = defaultdict(dict)  # step -> layer -> leading dimension of its first call's input
+    for n in eligible:
+        calls = layers[n].calls
+        if len(calls) == 1:
+            by_step = {calls[0].step: calls} if calls[0].step is not None else {}
+        else:
+            by_step = {}
+            for c in calls:
+                if c.step is not None:
+                    by_step.setdefault(c.step, []).append(c)
+        for k, cs in by_step.items():
+            if all(c.a is not None and c.delta is not None for c in cs):
+                lead[k][n] = _lead(trace, cs[0], layers[n].module)
+    model = model_batches(trace)
+    out = {k: _odd_ones(ls, model.get(k)) for k, ls in lead.items()}
+    return {k: v for k, v in out.items() if v}
+
+
+def model_batches(trace) -> dict:
+    """Step -> the batch size the model was called with: the leading dimension of the first input of the
+    outermost module calls that step reached (most common, where the cell calls several)."""
+    cache = trace_cache(trace)
+    if "model_batches" not in cache:
+        counts: dict = defaultdict(Counter)
+        for layer in trace.layers.values():
+            for c in layer.calls:
+                if c.batch is not None and c.step is not None:
+                    counts[c.step][c.batch] += 1
+        cache["model_batches"] = {k: cs.most_common(1)[0][0] for k, cs in counts.items()}
+    return cache["model_batches"]
+
+
+def _batch_of(lead: dict, model_batch: int | None) -> int | None:
+    """The batch size: the model's input's, where some layer sees it (a model that folds samples into rows,
+    as MobileViT's patches, has more layers at B·k than at B); else the leading dimension most layers share."""
+    if model_batch is not None and model_batch in lead.values():
+        return model_batch
+    counts = Counter(v for v in lead.values() if v is not None)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _odd_ones(lead: dict, model_batch: int | None = None) -> dict:
+    batch = _batch_of(lead, model_batch)
+    if batch is None:
+        return {}
+    return {n: (b, batch) for n, b in lead.items() if b != batch}
+
+
+def check_batched(trace, name: str, step: int | None) -> None:
+    for k in step_indices(trace, step):
+        bad = unbatched(trace, k).get(name)
+        if bad:
+            raise ValueError(f"layer {name!r}: its input's leading dimension is {bad[0]}, not the batch size {bad[1]} "
+                             "(an embedding called on arange(T): its gradient is already summed over the batch; or "
+                             "samples folded into rows where the graph does not show each sample's rows kept "
+                             "together): its rows are not samples")

@@ -1,0 +1,47 @@
+"""hw.trace and hw.tracing: run the user's code once under capture and hand back its Trace.
+
+Floor: above session (which runs the code); imported by magic and the package's public names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Callable
+
+from hookwidget.options import check_callable
+from hookwidget.session import Session
+from hookwidget.trace import Trace
+
+
+def trace(fn: Callable[[], object], modules=None, **options) -> Trace:
+    """Run `fn()` once with hooks on every module it calls (or on `modules`) and return the Trace.
+
+    Options: capture ("full": keep a and δ; "summary": statistics only; "norms": per-sample
+    gradient norms only), budget_mb (memory for kept tensors and .grad copies, default 512;
+    float("inf") for no limit), include / exclude (glob patterns on layer names), node_grads
+    (gradient norm at every graph node; default: for graphs of up to 256 nodes), backward_hooks
+    (also run full module backward hooks, to see grad_input), restore (objects a rerun must put
+    back that the code does not name: optimizers, schedulers, GradScalers, modules).
+    Every hook is removed when fn returns or raises. Each backward pass is a step (`t.steps`).
+
+    Example::
+
+        def step():
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+        t = hw.trace(step)
+        t.layers["fc1"].a, t.layers["fc1"].delta, t.weight_grad("fc1"), t.per_sample_grad_norms()
+        t.add_hook("fc1", "grad_zero"); t.rerun().diff(t)   # a what-if: model and optimizer are put back
+    """
+    check_callable(fn)
+    return Session(fn, modules, options).run()
+
+
+@contextmanager
+def tracing(modules=None, **options) -> Iterator[Trace]:
+    """`with hw.tracing() as t:` traces the block; `t` is filled in when the block ends."""
+    with Session(None, modules, options).recording() as t:
+        yield t
