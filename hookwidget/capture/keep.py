@@ -10,7 +10,8 @@ and never branches on the mode's name, what to keep. The names are options.CAPTU
   are let go at the end of each step.
 
 The interface, for a new strategy (the watch's per-step statistics, say): subclass `Keep`, override what differs,
-and `register(name, cls)` it from its own module; the tracer then takes `capture=name` and needs no change.
+and `register(name, cls)` it from its own module; the tracer then takes `capture=name` and needs no change (a
+name outside options.CAPTURES is for code that makes its Tracer itself, as the watch: the user's options refuse it).
 A strategy is made once per trace as `cls(budget, rule)`: `budget` is the trace's budget.Budget (`fits(t)`
 counts a tensor against budget_mb, `summarize(call, attr, t)` keeps a summary instead), `rule` the object the
 strategy streams into or None (Tracer's `norms_rule=`: StreamingNorms for "norms"; the watch's reducer for a
@@ -23,9 +24,11 @@ per-step statistics strategy). The tracer calls, in this order over a trace:
   a (1, ...) output broadcast to the batch) and anything of the strategy's own (rec.norms);
 - `on_input(rec, call, a)`: a call's first input tensor, as the call starts (a call of a generic-rule module
   whose inputs were kept gets `on_generic_inputs(call, tree)` instead, with the kept copies);
-- `on_delta(module, call, grad, modules)`: δ of the call's output arrived (the hook's lock held, call.step set);
-  return True where it was added to a δ kept from an earlier backward through the same graph (the tracer notes
-  that backward ran more than once);
+- `begin_step(step)`: a backward pass starts (record.calls.StepRecord: its index, its kind, "backward" or "grad",
+  and its scalar roots, the losses); its δs follow;
+- `on_delta(module, call, grad, modules)`: δ of the call's output arrived (modules: the trace's module ->
+  ModuleRecord; the hook's lock is held, call.step set); return True where it was added to a δ kept from an
+  earlier backward through the same graph (the tracer notes that backward ran more than once);
 - `end_step(modules, batches)`: a backward pass ended (batches: a Counter of this step's outermost calls'
   leading dimensions); `result()`: what the strategy streamed, for the Trace, when the trace has ended.
 
@@ -74,6 +77,9 @@ class Keep:
     def on_delta(self, module, call, grad, modules) -> bool:
         self.budget.summarize(call, "delta_summary", grad)
         return False
+
+    def begin_step(self, step) -> None:
+        pass
 
     def end_step(self, modules: dict, batches) -> None:
         pass

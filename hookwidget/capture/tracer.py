@@ -54,14 +54,13 @@ class Tracer:
     capture: the keep strategy's name (keep.py); norms_rule: the object that strategy streams into (None: its
     own); budget_mb: megabytes for kept tensors and .grad copies (options.py)."""
 
-    def __init__(self, modules=None, capture: str = "full", budget_mb: float = DEFAULT_BUDGET_MB,
+    def __init__(self, modules=None, capture: str = keep_mod.FULL, budget_mb: float = DEFAULT_BUDGET_MB,
                  layer_interventions=None, node_interventions=None, node_grads: bool | None = None, norms_rule=None,
                  backward_hooks: bool = False, state=None):
         self.budget = Budget(budget_mb)
         self.keep = keep_mod.make(capture, self.budget, norms_rule)
         self.norms_rule = self.keep.rule  # what the strategy streamed (capture="norms": per-sample norms)
         self.targets = _as_module_list(modules)
-        self.capture = capture
         self.layer_interventions = layer_interventions or {}
         self.hooks = Hooks()
         self._handles = self.hooks.tensor  # tensor hook handles on module outputs
@@ -359,6 +358,7 @@ class Tracer:
                                                 [r.detach().clone() for r in tensors if r.numel() == 1])
             self._steps.append(step)
             self.graph.new_step()
+            self.keep.begin_step(step)
         self.graph.extend(tensors, self.hooks.step, self._depth, self._live, self._ddp, self._grad_before)
         if self._depth == 1:
             self._generic.hook_step(self.graph.walk)
