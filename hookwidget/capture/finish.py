@@ -55,6 +55,28 @@ def own_what_is_kept(modules: dict, shares_inputs: bool, notes: list) -> None:
     own(slots)
 
 
+def closing_notes(modules: dict, seen: dict, ddp: bool, *, stepped: bool, used_grad: bool, create_graph: bool,
+                  passes_summed: int) -> tuple[list, str]:
+    """The notes on the trace's backward passes and on what hooks could not see; and why factors are refused
+    ("" where they are not). stepped: a backward ran; used_grad: torch.autograd.grad did; create_graph: a backward
+    made a graph of its own; passes_summed: δs added up over backward passes through the same graph."""
+    notes = []
+    if not stepped:
+        notes.append("no gradients captured: the code ran no backward (activations only)")
+    if used_grad:
+        notes.append("torch.autograd.grad was used: parameters reached only by it keep .grad None")
+    notes += unseen_notes(modules, seen, ddp)
+    no_factors = ""
+    if create_graph:
+        no_factors = ("create_graph=True (double backward): .grad then holds terms that (a, δ) do not, and δ "
+                      "sums every backward pass; weight_grad and per-sample gradients are refused")
+        notes.append(no_factors)
+    elif passes_summed:
+        notes.append("backward ran through the same graph more than once (retain_graph=True): δ and "
+                     "weight_grad are summed over those passes, as .grad is")
+    return notes, no_factors
+
+
 def unseen_notes(modules: dict, seen: dict, ddp: bool) -> list:
     """What hooks could not see (seen: kind -> class names, from the tracer), and DDP's averaged .grad (ddp: a
     DistributedDataParallel module's record was made)."""

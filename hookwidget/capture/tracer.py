@@ -417,19 +417,10 @@ class Tracer:
         budget_note = self.budget.note()
         if budget_note:
             notes.append(budget_note)
-        if not self._steps:
-            notes.append("no gradients captured: the code ran no backward (activations only)")
-        if self._used_grad:
-            notes.append("torch.autograd.grad was used: parameters reached only by it keep .grad None")
-        notes += finish.unseen_notes(self._modules, self._seen, self._ddp)
-        no_factors = ""
-        if self._create_graph:
-            no_factors = ("create_graph=True (double backward): .grad then holds terms that (a, δ) do not, and δ "
-                          "sums every backward pass; weight_grad and per-sample gradients are refused")
-            notes.append(no_factors)
-        elif self._passes_summed:
-            notes.append("backward ran through the same graph more than once (retain_graph=True): δ and "
-                         "weight_grad are summed over those passes, as .grad is")
+        more, no_factors = finish.closing_notes(self._modules, self._seen, self._ddp, stepped=bool(self._steps),
+                                                used_grad=self._used_grad, create_graph=self._create_graph,
+                                                passes_summed=self._passes_summed)
+        notes += more
         for c in self._live:
             c.out_node = None
         self._live = []
