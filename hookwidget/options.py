@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 CAPTURES = ("full", "summary", "norms")
+DEFAULT_BUDGET_MB = 512.0  # megabytes for kept tensors and .grad copies (capture takes its default from here)
 
 
 def _option(default, help: str, **flag):
@@ -26,8 +27,8 @@ def _option(default, help: str, **flag):
 class Options:
     capture: str = _option("full", "full: keep a and δ; summary: statistics only; norms: per-sample gradient "
                            "norms only", choices=CAPTURES)
-    budget_mb: float = _option(512.0, "megabytes for kept tensors and .grad copies (inf: no limit); past it, "
-                               "summaries are kept instead", metavar="N")
+    budget_mb: float = _option(DEFAULT_BUDGET_MB, "megabytes for kept tensors and .grad copies (inf: no limit); "
+                               "past it, summaries are kept instead", metavar="N")
     include: tuple | None = _option(None, "keep only layers whose name matches the glob (repeatable)", metavar="GLOB")
     exclude: tuple | None = _option(None, "drop layers whose name matches the glob (repeatable)", metavar="GLOB")
     node_grads: bool | None = _option(None, "record the gradient norm at every graph node (default: for graphs "

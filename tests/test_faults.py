@@ -21,6 +21,7 @@ import torch.utils.checkpoint as checkpoint
 from torch import nn
 
 import hookwidget as hw
+from hookwidget.capture import budget
 from hookwidget.capture import tracer as capture
 from hookwidget.record import graph
 
@@ -563,9 +564,9 @@ INTERNAL = [
     ("forward_hook", lambda mp: mp.setattr(capture, "_first_tensor", _raise), {}),
     ("backward_start", lambda mp: mp.setattr(graph.GraphWalk, "extend", _raise), {}),
     ("delta_hook",  # δ's statistics, taken in its hook
-     lambda mp: mp.setattr(capture.StatsBatch, "stats", _raise_in_backward_only(capture.StatsBatch.stats)),
+     lambda mp: mp.setattr(budget.StatsBatch, "stats", _raise_in_backward_only(budget.StatsBatch.stats)),
      {"capture": "summary"}),
-    ("end_of_trace", lambda mp: mp.setattr(capture, "to_summaries", _raise), {"capture": "summary"}),
+    ("end_of_trace", lambda mp: mp.setattr(budget, "to_summaries", _raise), {"capture": "summary"}),
 ]
 
 
@@ -577,7 +578,7 @@ def test_a_failing_hookwidget_hook_propagates_and_leaves_no_hook(monkeypatch, pa
 
 
 def test_the_cells_own_exception_wins_over_a_failure_while_finishing(monkeypatch):
-    monkeypatch.setattr(capture, "to_summaries", _raise)
+    monkeypatch.setattr(budget, "to_summaries", _raise)
     out = run_cell(faulty_build("backward", ValueError), step, traced=True, capture="summary")
     assert isinstance(out.exc, ValueError) and "backward failed" in str(out.exc)
 

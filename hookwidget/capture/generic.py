@@ -1,28 +1,23 @@
-"""What capture keeps beyond (a, δ), for the rules of per_sample.py: a mixin of the Tracer (capture.py).
+"""What capture keeps beyond (a, δ), for the generic rule of per_sample (analysis/): `GenericCapture`.
 
 - The generic torch.func rule (layers/generic.py): every tensor a call got (positional and keyword, copy-on-write,
   within the memory budget), the δ of every output tensor, the module's parameters and buffers as they were.
-  Entry points: `_keep_call` (pre-hook), `_keep_kwargs` and `_hook_outputs` (forward hook), `link_first_delta` (end).
-- Position tables broadcast-added to a batch: `maybe_broadcast` (forward hook) picks the candidates, and
-  `_hook_broadcasts` (when backward starts) puts a pre-hook on the add that each one's output feeds.
-- Samples folded into rows ((B, T, d) viewed as (B·T, d), MobileViT's patches): `_note_fold` (pre-hook, where the
-  input's leading dimension is a multiple of the batch: a row-keeping layer's output on folded rows, or proven from
-  the graph by rows.py) and `_fold_output` (forward hook).
+  Entry points: `keep_call` (pre-hook), `keep_kwargs` and `hook_outputs` (forward hook), `link_first_delta` (end).
+- Position tables broadcast-added to a batch: `note_broadcast` (forward hook) picks the candidates, and
+  `hook_step` (when backward starts) puts a pre-hook on the add that each one's output feeds; likewise a model's
+  own (1, ...) parameters where they join the batch.
 
-The Tracer attributes these read and write: capture, active, _lock, _step, _handles, _node_handles, _walk,
-_broadcasts, _folds, _pass_batch, _row_proofs, _snapshots, _kept_bytes, budget_bytes, _dropped, and its `_fits`.
-The per-call fast path stays in capture.py; the methods here run only for the calls that need them.
+It shares with the tracer only what it is handed: the trace's hook state (handles.Hooks: active, lock, handle
+lists, running step) and its memory budget (budget.Budget). The per-call fast path stays in tracer.py; the
+methods here run only for the calls that need them.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from hookwidget.capture import rows
-from hookwidget.capture.tensors import _copy, _first_tensor, _get, _hook_output, _set
+from hookwidget.capture.tensors import _copy, _get, _hook_output, _set
 from hookwidget.layers import generic
 from hookwidget.record.calls import Call
 
@@ -30,11 +25,18 @@ BROADCASTS_MAX = 1024  # calls per step whose (1, ...) output may be added to a 
 
 
 class GenericCapture:
-    """Mixin of capture.Tracer: the generic rule's capture, broadcast position tables, folded rows."""
+    """The generic rule's capture and the per-sample gradients of broadcast tables, for one trace."""
+
+    def __init__(self, hooks, budget):
+        self.hooks = hooks  # handles.Hooks of the trace
+        self.budget = budget  # budget.Budget of the trace
+        self._snapshots: dict = {}  # id(parameter or buffer) -> (it, its version, copy): see _snapshot
+        self._broadcasts: list = []  # calls of layers with parameters whose output is (1, ...): see _hook_broadcasts
+        self._joins: list = []  # (module, call) of generic modules holding (1, ...) parameters: see _hook_joins
 
     # -- the generic rule's capture: every input, every output's δ, parameters as they were ------------
-    def _keep_call(self, module, call: Call, inputs, kwargs) -> bool:
-        """Keep all a generic-rule module's call needs (copy-on-write copies, within the budget)."""
+    def keep_call(self, module, call: Call, inputs, kwargs) -> bool:
+        """Keep all a generic-rule module's call needs (copy-on-write copies, within the budget) in call.inputs."""
         kept = self._kept_tree((tuple(inputs), dict(kwargs or {})))
         params = self._snapshot(module) if kept is not None else None
         if params is None:
@@ -43,24 +45,27 @@ class GenericCapture:
         call.training = tuple(m.training for m in module.modules())
         if generic.has_broadcast_params(module) and len(self._joins) < BROADCASTS_MAX:
             self._joins.append((module, call))
-        if self.capture == "full":
-            call.a = _first_tensor(kept[0]) if kept[0] else _first_tensor(kept[1])
         return True
 
-    def _keep_kwargs(self, call: Call, kwargs) -> None:
+    def keep_kwargs(self, call: Call, kwargs) -> dict | None:
+        """Keyword arguments only the forward hook saw, added to call.inputs; the kept copies, or None where the
+        budget has no room (then the generic rule has nothing for the call)."""
         kept = self._kept_tree(dict(kwargs))
         if kept is None:
             call.inputs = None
-            return
+            return None
         call.inputs = (call.inputs[0], kept)
-        if call.a is None and self.capture == "full":
-            call.a = _first_tensor(kept)
+        return kept
+
+    def release(self) -> None:
+        """The trace ends: the snapshots' originals are let go (the calls keep their copies)."""
+        self._snapshots = {}
 
     def _kept_tree(self, tree):
         """tree with every tensor replaced by a copy-on-write copy, or None where the budget has no room."""
         leaves, spec = tree_flatten(tree)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if tensors and not self._fits_bytes(sum(t.numel() * t.element_size() for t in tensors)):
+        if tensors and not self.budget.fits_bytes(sum(t.numel() * t.element_size() for t in tensors)):
             return None
         return tree_unflatten([_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
@@ -76,7 +81,7 @@ class GenericCapture:
             cache[id(t)] = (t, t._version, _copy(t))
         return {name: cache[id(t)][2] for name, t in named}
 
-    def _hook_outputs(self, module, call: Call, output, out) -> None:
+    def hook_outputs(self, module, call: Call, output, out) -> None:
         """A δ hook on every output tensor besides the first (whose δ is call.delta), and what a fast rule takes
         from the call's graph."""
         flat = generic.flat_outputs(output)
@@ -88,49 +93,64 @@ class GenericCapture:
             if o is out:
                 call.out_first = i
             elif o.requires_grad:
-                _hook_output(self._handles, o, self._output_delta_hook(call, i))
+                _hook_output(self.hooks.tensor, o, self._output_delta_hook(call, i))
         if out is not None and out.grad_fn is not None:
             for applies, capture in generic.FAST_CAPTURES:
                 if applies(module):
                     self._keep_rule_parts(call, *capture(module, call, out))
 
-    def _keep_rule_parts(self, call: Call, parts: dict, hooks: list) -> None:
+    def _keep_rule_parts(self, call: Call, parts: dict, nodes: list) -> None:
         """A fast rule's parts of this call (generic.FAST_CAPTURES): tensors now, gradients at nodes in backward."""
-        if not parts and not hooks:
+        if not parts and not nodes:
             return
         call.rule_parts = dict(parts)
-        for node, name in hooks:
-            self._node_handles.append(node.register_prehook(self._rule_part_hook(call, name)))
+        for node, name in nodes:
+            self.hooks.node.append(node.register_prehook(self._rule_part_hook(call, name)))
 
     def _rule_part_hook(self, call: Call, name: str):
+        hooks = self.hooks
+
         def hook(grad_outputs):
-            g = grad_outputs[0] if self.active and grad_outputs else None
+            g = grad_outputs[0] if hooks.active and grad_outputs else None
             if g is not None:
-                with self._lock:
+                with hooks.lock:
                     self._gather(call.rule_parts, name, g)
             return None
 
         return hook
 
     def _output_delta_hook(self, call: Call, i: int):
+        hooks = self.hooks
+
         def hook(grad):
-            if not self.active:
+            if not hooks.active:
                 return
-            with self._lock:
-                if call.step is None and self._step is not None:
-                    call.step = self._step.index
+            with hooks.lock:
+                hooks.step_index(call)
                 if call.deltas is not None and not self._gather(call.deltas, i, grad):
                     call.deltas = None  # over budget: the generic rule says so
             return
 
         return hook
 
-    def _hook_broadcasts(self) -> None:
+    def note_broadcast(self, call: Call, out: torch.Tensor) -> None:
+        """A call of a layer with a rule and trainable parameters: its output may be a table added to a batch."""
+        if len(self._broadcasts) < BROADCASTS_MAX and maybe_broadcast(call.a, out):
+            self._broadcasts.append(call)
+
+    def hook_step(self, walk) -> None:
+        """A backward pass starts (its graph walked): the hooks that keep each sample's gradient of the tables
+        and parameters broadcast to the batch in this step's forward passes."""
+        if self._broadcasts:
+            self._hook_broadcasts(walk)
+        if self._joins:
+            self._hook_joins(walk)
+
+    def _hook_broadcasts(self, walk) -> None:
         """A position table called without a batch dimension gives (1, T, d) or (T, d), added to (B, T, d): each
         sample's δ is the gradient arriving at that add, which autograd then sums into the table's δ. A pre-hook
         on the add keeps it (call.bdelta; per_sample.py uses it only where it sums to δ)."""
         calls, self._broadcasts = self._broadcasts, []
-        walk = self._walk
         targets = {walk._index[c.out_node]: c for c in calls if c.out_node is not None and c.out_node in walk._index}
         if not targets:
             return
@@ -138,15 +158,14 @@ class GenericCapture:
         for v, c in targets.items():
             ps = parents.get(v, ())
             if len(ps) == 1 and walk.names[ps[0]] == "AddBackward0":
-                self._node_handles.append(walk.nodes[ps[0]].register_prehook(self._broadcast_hook(c)))
+                self.hooks.node.append(walk.nodes[ps[0]].register_prehook(self._broadcast_hook(c)))
 
-    def _hook_joins(self) -> None:
+    def _hook_joins(self, walk) -> None:
         """A model's own (1, ...) parameter (ViT's class token, position embedding) joins the batch at an expand or
         an add: the gradient arriving there has each sample's gradient of it in its rows. A pre-hook on each such
         node keeps them (call.join_rows, summed over the nodes); generic.broadcast_params uses them in place of a
         rerun of the model, checked as its rows are (they must add up to .grad, and one sample to its own vjp)."""
         joins, self._joins = self._joins, []
-        walk = self._walk
         wanted = {id(p): (call, n, tuple(p.shape)) for module, call in joins for n, p in module._parameters.items()
                   if p is not None and p.requires_grad and p.dim() and p.shape[0] == 1}
         targets = {i: wanted[id(walk.nodes[i].variable)] for i, name in enumerate(walk.names)
@@ -156,13 +175,15 @@ class GenericCapture:
             ps = parents.get(v, ())
             if ps and all(walk.names[u] in JOINS for u in ps):
                 for u in ps:
-                    self._node_handles.append(walk.nodes[u].register_prehook(self._join_hook(call, n, shape)))
+                    self.hooks.node.append(walk.nodes[u].register_prehook(self._join_hook(call, n, shape)))
 
     def _join_hook(self, call: Call, name: str, shape: tuple):
+        hooks = self.hooks
+
         def hook(grad_outputs):
-            g = grad_outputs[0] if self.active and grad_outputs else None
+            g = grad_outputs[0] if hooks.active and grad_outputs else None
             if g is not None and g.dim() == len(shape) and g.shape[0] > 1 and tuple(g.shape[1:]) == shape[1:]:
-                with self._lock:
+                with hooks.lock:
                     call.join_rows = call.join_rows or {}
                     self._gather(call.join_rows, name, g)
             return None
@@ -170,12 +191,14 @@ class GenericCapture:
         return hook
 
     def _broadcast_hook(self, call: Call):
+        hooks = self.hooks
+
         def hook(grad_outputs):
-            g = grad_outputs[0] if self.active and grad_outputs else None
+            g = grad_outputs[0] if hooks.active and grad_outputs else None
             shape = call.output_shape
             if g is not None and (g.dim() == len(shape) and tuple(g.shape[1:]) == shape[1:] and g.shape[0] > 1
                                   or g.dim() == len(shape) + 1 and tuple(g.shape[1:]) == shape):
-                with self._lock:
+                with hooks.lock:
                     self._gather(call, "bdelta", g)
             return None
 
@@ -188,41 +211,11 @@ class GenericCapture:
         have = obj.get(key) if isinstance(obj, dict) else _get(obj, key)
         if have is not None:
             _set(obj, key, have + g.detach())
-        elif self._fits(g):
+        elif self.budget.fits(g):
             _set(obj, key, g.detach())
         else:
             return False
         return True
-
-    def _fits_bytes(self, size: int) -> bool:
-        if self._kept_bytes + size > self.budget_bytes:
-            self._dropped += 1
-            return False
-        self._kept_bytes += size
-        return True
-
-    # -- samples folded into rows ---------------------------------------------------------------------
-    def _may_be_folded(self, a: torch.Tensor) -> bool:
-        """Whether an input's leading dimension is a multiple of this forward pass's batch, other than the batch."""
-        B = self._pass_batch
-        return bool(B) and a.dim() > 0 and a.shape[0] != B and a.shape[0] % B == 0
-
-    def _note_fold(self, call: Call, a: torch.Tensor, node) -> None:
-        """call.folded_from = the forward pass's batch size B, where the call's input holds the B samples folded
-        sample-major into more rows: the output of a row-keeping layer whose input was so, or proven from the
-        graph (rows.sample_major: views, elementwise ops, attention, ... back to the samples)."""
-        if self._folds:
-            fold = self._folds.get(id(a))
-            if fold is not None and fold[0]() is a:
-                call.folded_from = fold[1]
-                return
-        B = self._pass_batch
-        if rows.sample_major(node, a.output_nr, B, self._row_proofs):
-            call.folded_from = B
-
-    def _fold_output(self, call: Call, out: torch.Tensor) -> None:
-        """A row-keeping layer on folded rows: its output's rows are folded the same way."""
-        self._folds[id(out)] = (weakref.ref(out), call.folded_from)
 
 
 def link_first_delta(call: Call) -> None:
@@ -244,7 +237,7 @@ def _consumers(walk, targets) -> dict:
 
 
 def maybe_broadcast(a, out: torch.Tensor) -> bool:
-    """Whether a layer's output may be a table added to a batch (see GenericCapture._hook_broadcasts): (1, T, d), or
+    """Whether a layer's output may be a table added to a batch (see GenericCapture.note_broadcast): (1, T, d), or
     (T, d) whose leading dimension its input does not have (positions (T,) or ids (B, T))."""
     if out.dim() < 2:
         return False
