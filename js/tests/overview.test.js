@@ -1,6 +1,6 @@
 import { beforeEach, describe, expect, it } from "vitest";
-import { render } from "../explorer.js";
-import { layerRows, logScale, scaleColour, scalePos } from "../overview.js";
+import { render } from "../explorer/explorer.js";
+import { layerRows, logScale, scaleColour, scalePos } from "../explorer/overview.js";
 import { fakeModel, seedSummary } from "./fake_model.js";
 
 const info = (norm) => ({ shape: [2, 4], dtype: "float32", kept: true, norm, nonfinite: 0 });

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { addHook, base64ToBytes, decodeTensor, decodeTensors, detail, parseIncoming, rerun } from "../protocol.js";
+import { addHook, base64ToBytes, decodeTensor, decodeTensors, detail, parseIncoming, rerun } from "../shared/protocol.js";
 
 describe("protocol", () => {
   it("builds messages with the schema's keys and a fresh request_id", () => {

@@ -1,6 +1,6 @@
 import { beforeEach, describe, expect, it, vi } from "vitest";
-import { buildHierarchy } from "../collapse.js";
-import { REPLY_TIMEOUT_MS, render } from "../explorer.js";
+import { buildHierarchy } from "../explorer/collapse.js";
+import { REPLY_TIMEOUT_MS, render } from "../explorer/explorer.js";
 import { fakeModel, seedSummary } from "./fake_model.js";
 
 const tick = () => new Promise((r) => setTimeout(r, 0));

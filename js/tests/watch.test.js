@@ -1,9 +1,9 @@
 import { beforeEach, describe, expect, it } from "vitest";
-import { liveOf } from "../watch.js";
-import { renderPage, storeFromData } from "../watch_standalone.js";
-import { createStore } from "../watch_store.js";
-import { bins, chooseScale, colourOf, INF_RGB, NAN_RGB, pick, position, ZERO_RGB } from "../watch_scale.js";
-import { columnOf, createWatchView, rowHeight } from "../watch_view.js";
+import { liveOf } from "../watch/index.js";
+import { renderPage, storeFromData } from "../watch/standalone.js";
+import { createStore } from "../watch/store.js";
+import { bins, chooseScale, colourOf, INF_RGB, NAN_RGB, pick, position, ZERO_RGB } from "../watch/scale.js";
+import { columnOf, createWatchView, rowHeight } from "../watch/view.js";
 import { fakeModel } from "./fake_model.js";
 
 const EVIL = '<img src=x onerror="window.__pwned=1">';

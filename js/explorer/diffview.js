@@ -1,8 +1,8 @@
 // What a rerun changed, against the hook-free run (the session's baseline) unless said otherwise:
 // loss, and per parameter ‖grad‖₂ before / after, relative change ‖g₁−g₀‖₂/‖g₀‖₂ ("new" where
 // g₀ = 0) and cosine. Click a column header to sort; parameters of hooked modules are marked.
-import { h } from "./dom.js";
-import { fmt } from "./format.js";
+import { h } from "../shared/dom.js";
+import { fmt } from "../shared/format.js";
 
 const COLS = [
   { key: "name", label: "parameter", title: "qualified parameter name; ⚓ = a hook sits on its module" },

@@ -1,11 +1,11 @@
 // Entry of the watch widget's ES module. The rows live in one store per model, filled from the moment the
 // model exists (initialize), so no message is lost before a view renders; every view draws that store.
 // A kept step opens in the trace explorer: the kernel makes a HookWidget and names its model here.
-import { render as renderExplorer } from "./explorer.js";
-import { h } from "./dom.js";
-import { newRequestId } from "./protocol.js";
-import { createStore } from "./watch_store.js";
-import { createWatchView } from "./watch_view.js";
+import { render as renderExplorer } from "../explorer/explorer.js";
+import { h } from "../shared/dom.js";
+import { newRequestId } from "../shared/protocol.js";
+import { createStore } from "./store.js";
+import { createWatchView } from "./view.js";
 
 // Keyed by the model's `meta` object: anywidget hands initialize and render different proxies of one model.
 const live = new WeakMap();

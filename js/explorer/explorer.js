@@ -5,11 +5,11 @@
 import { createControls } from "./controls.js";
 import { createDetailPanel } from "./detail.js";
 import { createDiffView } from "./diffview.js";
-import { h } from "./dom.js";
-import { fmt } from "./format.js";
+import { h } from "../shared/dom.js";
+import { fmt } from "../shared/format.js";
 import { createGraphView } from "./graph.js";
 import { createLeftPane, createOverview } from "./overview.js";
-import * as P from "./protocol.js";
+import * as P from "../shared/protocol.js";
 import { createStatusLine } from "./status.js";
 import { installStyles } from "./styles.js";
 import { createTreeView } from "./tree.js";

@@ -4,8 +4,8 @@
 // red large), so a vanishing or exploding layer stands out. Click a header to sort; click a row (or
 // Enter on it) to select the layer, the same selection the tree makes. It sits in a tab beside the
 // tree ("layers" / "tree"), open at first when the model has more than OPEN_ABOVE such layers.
-import { h } from "./dom.js";
-import { fmt } from "./format.js";
+import { h } from "../shared/dom.js";
+import { fmt } from "../shared/format.js";
 
 export const OPEN_ABOVE = 8;
 

@@ -1,7 +1,7 @@
 // Charts on canvas: heatmaps of a 2-D tensor (diverging colour map, symmetric around 0) and bar charts.
 import { interpolateRdBu } from "d3-scale-chromatic";
-import { h } from "./dom.js";
-import { fmt, fmtShape, fmtStats } from "./format.js";
+import { h } from "../shared/dom.js";
+import { fmt, fmtShape, fmtStats } from "../shared/format.js";
 
 const LUT = buildLut(256);
 
