@@ -221,11 +221,23 @@ describe("explorer", () => {
   });
 
   it("shows the trace's notes: a banner when no gradients were captured", () => {
-    const summary = { ...seedSummary(), has_grads: false, notes: ["no gradients captured: the code ran no backward (activations only)", "<b>x</b> note"] };
+    const summary = { ...seedSummary(), has_grads: false, notes: ["no gradients captured: the code ran no backward (activations only)", "<b>x</b> note"],
+      note_ids: ["no_grads", "other"] };
     const { el } = mount(summary);
     expect(el.querySelector('[data-testid="no-grads"]').textContent).toMatch(/no gradients captured/);
     expect(el.querySelector('[data-testid="notes"]').textContent).toContain("<b>x</b> note");
     expect(el.querySelector('[data-testid="notes"] b')).toBeNull();
+    expect(el.querySelector('[data-testid="notes"] details').textContent).not.toMatch(/no gradients captured/);
+  });
+
+  it("finds the no-gradients note by its id, never by its text; has_grads alone still says so", () => {
+    const byId = mount({ ...seedSummary(), notes: ["one", "activations only, said otherwise"], note_ids: ["x", "no_grads"] }).el;
+    expect(byId.querySelector('[data-testid="no-grads"]').textContent).toBe("activations only, said otherwise");
+    expect(byId.querySelector('[data-testid="notes"] details').textContent).toContain("1 note");
+    const lookAlike = mount({ ...seedSummary(), notes: ["no gradients captured: a look-alike"], note_ids: ["other"] }).el;
+    expect(lookAlike.querySelector('[data-testid="no-grads"]')).toBeNull();
+    const noIds = mount({ ...seedSummary(), has_grads: false, notes: [] }).el;
+    expect(noIds.querySelector('[data-testid="no-grads"]').textContent).toMatch(/no gradients captured/);
   });
 
   it("folds repeated blocks in the tree; keyboard moves, unfolds, selects and clears", () => {
