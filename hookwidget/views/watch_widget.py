@@ -23,7 +23,7 @@ from hookwidget.views.widget import HookWidget, MessageError, _one_line, check_e
 
 log = logging.getLogger("hookwidget")
 
-ESM = pathlib.Path(__file__).resolve().parents[1] / "static" / "watch.js"  # built from js/watch/index.js by `npm run build`
+ESM = pathlib.Path(__file__).resolve().parents[1] / "static" / "watch.js"  # built from js/watch/ by `npm run build`
 NOT_BUILT = ('export default { render({ el }) { el.textContent = "hookwidget: the watch front-end is not built '
              '(hookwidget/static/watch.js is missing): run `npm run build` or `pip install -e .`"; } };')
 # type -> the keys it must carry besides type and request_id
