@@ -64,7 +64,9 @@ describe("layer overview", () => {
   });
 
   it("a small model opens on the tree; the tabs switch", () => {
-    const { el } = mount(seedSummary());
+    const old = seedSummary(); // as a kernel before own_params sent it
+    for (const m of old.modules) delete m.own_params;
+    const { el } = mount(old);
     expect(el.querySelector("[data-testid=overview]").hidden).toBe(true);
     expect(el.querySelector(".hw-tree").hidden).toBe(false);
     el.querySelector('[data-tab="layers"]').dispatchEvent(new Event("click"));
