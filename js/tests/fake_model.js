@@ -1,4 +1,8 @@
-// A fake anywidget model: get/on/off/send like the real one, plus emit() to play the kernel.
+// A fake anywidget model and the fixtures the tests play the kernel with: every message and summary here
+// follows hookwidget/views/payload_schema.json (schema.test.js checks them).
+import { render } from "../explorer/explorer.js";
+
+/** A fake anywidget model: get/on/off/send like the real one, plus emit() to play the kernel. */
 export function fakeModel(state) {
   const listeners = new Map();
   const sent = [];
@@ -96,3 +100,15 @@ export function rows(start, count, extra = {}) {
   pad.set(new Uint8Array(s.buffer), 8);
   return [msg, [new DataView(pad.buffer, 8, s.byteLength), new DataView(t.buffer)]];
 }
+
+/** The explorer rendered on a fake model of `summary`, in the page. */
+export function mount(summary = seedSummary(), readonly = false) {
+  const model = fakeModel({ summary, readonly });
+  const el = document.createElement("div");
+  document.body.append(el);
+  render({ model, el });
+  return { model, el };
+}
+
+/** One turn of the event loop: replies awaited by the views are handled. */
+export const tick = () => new Promise((r) => setTimeout(r, 0));

@@ -1,7 +1,6 @@
 import { beforeEach, describe, expect, it } from "vitest";
-import { render } from "../explorer/explorer.js";
 import { layerRows, logScale, scaleColour, scalePos } from "../explorer/overview.js";
-import { fakeModel, seedSummary } from "./fake_model.js";
+import { mount, seedSummary } from "./fake_model.js";
 
 const info = (norm) => ({ shape: [2, 4], dtype: "float32", kept: true, norm, nonfinite: 0 });
 
@@ -22,13 +21,6 @@ function deepSummary() {
   return { ...seedSummary(), modules: mods };
 }
 
-function mount(summary) {
-  const model = fakeModel({ summary, readonly: false });
-  const el = document.createElement("div");
-  document.body.append(el);
-  render({ model, el });
-  return { model, el };
-}
 
 const rowNames = (el) => [...el.querySelectorAll("[data-testid=overview] tr[data-layer-row]")].map((r) => r.getAttribute("data-layer-row"));
 const rgb = (c) => c.match(/\d+/g).map(Number);

@@ -1,17 +1,8 @@
 import { beforeEach, describe, expect, it, vi } from "vitest";
 import { buildHierarchy } from "../explorer/collapse.js";
 import { REPLY_TIMEOUT_MS, render } from "../explorer/explorer.js";
-import { detailReply, fakeModel, seedSummary, traceReply } from "./fake_model.js";
+import { detailReply, fakeModel, mount, seedSummary, tick, traceReply } from "./fake_model.js";
 
-const tick = () => new Promise((r) => setTimeout(r, 0));
-
-function mount(summary = seedSummary(), readonly = false) {
-  const model = fakeModel({ summary, readonly });
-  const el = document.createElement("div");
-  document.body.append(el);
-  render({ model, el });
-  return { model, el };
-}
 
 
 beforeEach(() => { document.body.replaceChildren(); });

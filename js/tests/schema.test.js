@@ -1,14 +1,12 @@
 // The front-end's side of the one payload schema (hookwidget/views/payload_schema.json): its fixtures are what the
 // kernel sends, and every message it sends (and the standalone page's stand-in model answers) follows it.
 import { describe, expect, it } from "vitest";
-import { render } from "../explorer/explorer.js";
 import { createStaticModel } from "../explorer/static_model.js";
 import * as P from "../shared/protocol.js";
 import { liveOf } from "../watch/index.js";
-import { detailReply, fakeModel, rows, seedSummary, traceReply, WATCH_META } from "./fake_model.js";
+import { detailReply, fakeModel, mount, rows, seedSummary, tick, traceReply, WATCH_META } from "./fake_model.js";
 import { errorsOf, SPEC } from "./schema.js";
 
-const tick = () => new Promise((r) => setTimeout(r, 0));
 const sentBy = (type, explorer = true) => SPEC["x-messages"][explorer ? "explorer" : "watch"].requests.includes(type);
 
 describe("payload schema", () => {
@@ -28,10 +26,7 @@ describe("payload schema", () => {
   });
 
   it("holds for what the explorer and the watch really send", async () => {
-    const model = fakeModel({ summary: seedSummary(), readonly: false });
-    const el = document.createElement("div");
-    document.body.append(el);
-    render({ model, el });
+    const { model, el } = mount();
     el.querySelector('[data-module="fc1"]').dispatchEvent(new Event("click"));
     model.emit("msg:custom", ...detailReply("fc1", model.sent.at(-1).request_id));
     await tick();
