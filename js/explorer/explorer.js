@@ -1,15 +1,15 @@
 // The explorer: wires the views to the model. Every command is a request awaited until its reply
-// (request_id -> promise resolved by the matching detail / trace / status message), so an error
-// stays next to the control that caused it. The same code runs on the standalone page with a
+// (shared/protocol.js's createRequests: one reply per request_id, a detail, trace or status message), so an
+// error stays next to the control that caused it. The same code runs on the standalone page with a
 // read-only model (static_model.js).
+import { h } from "../shared/dom.js";
+import { fmt } from "../shared/format.js";
+import * as P from "../shared/protocol.js";
 import { createControls } from "./controls.js";
 import { createDetailPanel } from "./detail.js";
 import { createDiffView } from "./diffview.js";
-import { h } from "../shared/dom.js";
-import { fmt } from "../shared/format.js";
 import { createGraphView } from "./graph.js";
 import { createLeftPane, createOverview } from "./overview.js";
-import * as P from "../shared/protocol.js";
 import { createStatusLine } from "./status.js";
 import { installStyles } from "./styles.js";
 import { createTreeView } from "./tree.js";
