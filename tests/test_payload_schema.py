@@ -97,7 +97,9 @@ def traces(seed_mlp):
 def test_summaries_and_every_detail_follow_the_schema(traces):
     layouts = set()
     for t in traces:
-        check("summary", payload.summary(t))
+        s = payload.summary(t)
+        check("summary", s)
+        assert len(s.get("note_ids", s["notes"])) == len(s["notes"])  # one id a note, in the same order
         for target in [*t.layers, *t.graph.nodes]:
             meta, buffers = payload.detail(t, target)
             check("detail_meta", meta)
