@@ -49,6 +49,7 @@ PROBES = '''\
 import hookwidget as hw
 from hookwidget.record import graph as _g
 from hookwidget.views import payload as _p
+from hookwidget.views.payload import summaries as _ps
 from hookwidget.views import export as _e
 from hookwidget.views import widget as _w
 _t = sys.modules["hookwidget.trace"]  # the module (hw.trace is the function)
@@ -63,7 +64,7 @@ def _hw_probe(owner, name, label):
         finally:
             _HW_T.append((label, t0, time.time() * 1000))
     setattr(owner, name, wrap)
-for _o, _n in [(_g, "build"), (_p, "health"), (_p, "summary"), (_p, "graph_summary"), (_p, "module_tree"),
+for _o, _n in [(_g, "build"), (_ps, "health"), (_p, "summary"), (_ps, "graph_summary"), (_ps, "module_tree"),
                (_p, "detail"), (_e, "snapshot"), (_w.HookWidget, "__init__"), (_t.Trace, "_repr_mimebundle_")]:
     _hw_probe(_o, _n, _n)
 %load_ext hookwidget

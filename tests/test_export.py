@@ -87,7 +87,7 @@ def test_a_weight_grad_shown_twice_is_described_once_and_the_same(seed_mlp, monk
     grad = t.param_grads["fc2.weight"]
     seen = []
     real = payload.downsample
-    monkeypatch.setattr(payload, "downsample", lambda x, *a, **k: (seen.append(x is grad), real(x, *a, **k))[1])
+    monkeypatch.setattr(payload.tensors, "downsample", lambda x, *a, **k: (seen.append(x is grad), real(x, *a, **k))[1])
     d = export.details(t)["details"]
     assert seen.count(True) == 1  # described for the layer fc2, reused for its parameter node
     node = next(k for k, v in d.items() if v["meta"].get("param") == "fc2.weight")

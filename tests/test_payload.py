@@ -229,7 +229,7 @@ def test_diff_rel_change_new_where_before_is_zero_and_hooked_marked(seed_mlp):
 
 
 def test_module_rows_carry_the_layer_overviews_norms(traced):
-    """The layer overview (js/overview.js) reads, before any click: own parameters, ‖W.grad‖₂ of them,
+    """The layer overview (js/explorer/overview.js) reads, before any click: own parameters, ‖W.grad‖₂ of them,
     ‖a‖₂ and ‖δ‖₂ of the first call, and the health flags."""
     model, _, t = traced
     rows = {r["name"]: r for r in payload.summary(t)["modules"]}

@@ -19,15 +19,14 @@ import anywidget
 import torch
 import traitlets
 
-from hookwidget.views.widget import HookWidget, MessageError, _one_line, check_envelope
+from hookwidget.views.widget import HookWidget, MessageError, _one_line, check_envelope, request_keys
 
 log = logging.getLogger("hookwidget")
 
-ESM = pathlib.Path(__file__).resolve().parents[1] / "static" / "watch.js"  # built from js/watch.js by `npm run build`
+ESM = pathlib.Path(__file__).resolve().parents[1] / "static" / "watch.js"  # built from js/watch/ by `npm run build`
 NOT_BUILT = ('export default { render({ el }) { el.textContent = "hookwidget: the watch front-end is not built '
              '(hookwidget/static/watch.js is missing): run `npm run build` or `pip install -e .`"; } };')
-# type -> the keys it must carry besides type and request_id
-SCHEMA = {"sync": {"have"}, "open": {"step"}}
+SCHEMA = request_keys("watch")  # type -> the keys it must carry besides type and request_id
 
 
 class KeptTraceWidget(HookWidget):

@@ -7,6 +7,7 @@ registered intervention kinds that take plain numbers can be set from it.
 
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
 import time
@@ -19,13 +20,18 @@ from hookwidget.views import payload
 
 log = logging.getLogger("hookwidget")
 
-# type -> the keys it must carry besides type and request_id
-SCHEMA = {
-    "detail": {"target"},
-    "add_hook": {"target", "kind", "params"},
-    "remove_hook": {"target", "kind"},
-    "rerun": set(),
-}
+PAYLOAD_SCHEMA = pathlib.Path(__file__).with_name("payload_schema.json")  # Python's and the front-end's, both tested
+
+
+def request_keys(widget: str) -> dict:
+    """type -> the keys it must carry besides type and request_id, for each front-end message `widget` ("explorer",
+    "watch") accepts: read from the payload schema, the one place the protocol is written down."""
+    schema = json.loads(PAYLOAD_SCHEMA.read_text(encoding="utf-8"))
+    return {t: set(schema["$defs"][f"request_{t}"]["required"]) - {"type", "request_id"}
+            for t in schema["x-messages"][widget]["requests"]}
+
+
+SCHEMA = request_keys("explorer")
 MAX_TEXT = 1000  # longest accepted target / kind / request_id
 ESM = pathlib.Path(__file__).resolve().parents[1] / "static" / "widget.js"  # built from js/ by `npm run build`
 # Shown instead of the explorer when the bundle was never built (a source checkout without npm).

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { CHUNK, buildHierarchy, countVisible, initialExpanded, visibleGraph } from "../collapse.js";
+import { CHUNK, buildHierarchy, countVisible, initialExpanded, visibleGraph } from "../explorer/collapse.js";
 import { seedSummary } from "./fake_model.js";
 
 /** A chain of n Linear-like modules under one root, 4 autograd nodes each. */

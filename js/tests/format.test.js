@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { fmt, fmtCount, fmtParams, fmtStats } from "../format.js";
+import { fmt, fmtCount, fmtParams, fmtStats } from "../shared/format.js";
 
 describe("one number format", () => {
   it("4 significant digits, thousands separators, short exponents", () => {

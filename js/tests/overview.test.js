@@ -1,7 +1,6 @@
 import { beforeEach, describe, expect, it } from "vitest";
-import { render } from "../explorer.js";
-import { layerRows, logScale, scaleColour, scalePos } from "../overview.js";
-import { fakeModel, seedSummary } from "./fake_model.js";
+import { layerRows, logScale, scaleColour, scalePos } from "../explorer/overview.js";
+import { mount, seedSummary } from "./fake_model.js";
 
 const info = (norm) => ({ shape: [2, 4], dtype: "float32", kept: true, norm, nonfinite: 0 });
 
@@ -22,13 +21,6 @@ function deepSummary() {
   return { ...seedSummary(), modules: mods };
 }
 
-function mount(summary) {
-  const model = fakeModel({ summary, readonly: false });
-  const el = document.createElement("div");
-  document.body.append(el);
-  render({ model, el });
-  return { model, el };
-}
 
 const rowNames = (el) => [...el.querySelectorAll("[data-testid=overview] tr[data-layer-row]")].map((r) => r.getAttribute("data-layer-row"));
 const rgb = (c) => c.match(/\d+/g).map(Number);
@@ -64,7 +56,9 @@ describe("layer overview", () => {
   });
 
   it("a small model opens on the tree; the tabs switch", () => {
-    const { el } = mount(seedSummary());
+    const old = seedSummary(); // as a kernel before own_params sent it
+    for (const m of old.modules) delete m.own_params;
+    const { el } = mount(old);
     expect(el.querySelector("[data-testid=overview]").hidden).toBe(true);
     expect(el.querySelector(".hw-tree").hidden).toBe(false);
     el.querySelector('[data-tab="layers"]').dispatchEvent(new Event("click"));

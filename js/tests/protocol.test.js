@@ -1,5 +1,6 @@
-import { describe, expect, it } from "vitest";
-import { addHook, base64ToBytes, decodeTensor, decodeTensors, detail, parseIncoming, rerun } from "../protocol.js";
+import { describe, expect, it, vi } from "vitest";
+import { addHook, base64ToBytes, createRequests, decodeTensor, decodeTensors, detail, open, parseIncoming, rerun, sync } from "../shared/protocol.js";
+import { fakeModel } from "./fake_model.js";
 
 describe("protocol", () => {
   it("builds messages with the schema's keys and a fresh request_id", () => {
@@ -43,5 +44,28 @@ describe("protocol", () => {
 
   it("decodes base64 (standalone buffers)", () => {
     expect(Array.from(base64ToBytes(btoa("\x01\x02\xff")))).toEqual([1, 2, 255]);
+  });
+
+  it("awaits one reply per request: progress keeps it waiting, an error status answers it, a late reply is marked", async () => {
+    vi.useFakeTimers();
+    try {
+      const model = fakeModel({});
+      const rq = createRequests(model, { noReply: "silent" });
+      const a = open(3), b = sync(0), c = detail("fc1");
+      const pa = rq.request(a), pb = rq.request(b), pc = rq.request(c, { timeout: 100, gen: 7 });
+      expect(model.sent).toEqual([a, b, c]);
+      expect(rq.settle({ type: "status", request_id: a.request_id, state: "running", text: "" })).toBeNull();
+      expect(rq.settle({ type: "status", request_id: a.request_id, state: "done", text: "ok" })).not.toBeNull();
+      expect(await pa).toMatchObject({ ok: true, msg: { text: "ok" } });
+      rq.settle({ type: "status", request_id: b.request_id, state: "error", text: "no" });
+      expect(await pb).toEqual({ ok: false, text: "no" });
+      await vi.advanceTimersByTimeAsync(101);
+      expect(await pc).toEqual({ ok: false, text: "silent" });
+      expect(rq.settle({ type: "detail", request_id: c.request_id, target: "fc1", meta: {} })).toMatchObject({ late: true, gen: 7 });
+      expect(rq.settle({ type: "detail", request_id: c.request_id, target: "fc1", meta: {} })).toBeNull();
+      const pd = rq.request(rerun());
+      rq.cancel("gone");
+      expect(await pd).toEqual({ ok: false, text: "gone" });
+    } finally { vi.useRealTimers(); }
   });
 });

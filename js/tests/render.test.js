@@ -1,32 +1,9 @@
 import { beforeEach, describe, expect, it, vi } from "vitest";
-import { buildHierarchy } from "../collapse.js";
-import { REPLY_TIMEOUT_MS, render } from "../explorer.js";
-import { fakeModel, seedSummary } from "./fake_model.js";
+import { buildHierarchy } from "../explorer/collapse.js";
+import { REPLY_TIMEOUT_MS, render } from "../explorer/explorer.js";
+import { detailReply, fakeModel, mount, seedSummary, tick, traceReply } from "./fake_model.js";
 
-const tick = () => new Promise((r) => setTimeout(r, 0));
 
-function mount(summary = seedSummary(), readonly = false) {
-  const model = fakeModel({ summary, readonly });
-  const el = document.createElement("div");
-  document.body.append(el);
-  render({ model, el });
-  return { model, el };
-}
-
-function detailReply(target, request_id) {
-  const meta = {
-    kind: "layer", target, cls: "Linear", calls: 1, flags: [], notes: [], max_abs_diff: 1.5e-7,
-    shapes: { a: { shape: [5, 6, 4], norm: 1, kept: true, nonfinite: 0 }, delta: { shape: [5, 6, 3], norm: 1, kept: true, nonfinite: 0 }, output: [5, 6, 3], weight: [3, 4] },
-    storage: { weight_grad_floats: 12, factor_floats_per_token: 7, tokens: 30, factor_floats: 210, per_token_grad_floats: 360 },
-    tensors: {
-      a: { dtype: "float32", shape: [2, 2], true_shape: [5, 6, 4], min: -1, max: 1, nonfinite: 0, buffer: 0 },
-      per_sample_norms: { dtype: "float32", shape: [3], true_shape: [3], min: 1, max: 3, nonfinite: 0, buffer: 1 },
-    },
-  };
-  const big = new Float32Array([0, 1, -1, 0.5, 0.25, 1, 2, 3]);
-  // Buffers as anywidget hands them: DataViews, here into one shared ArrayBuffer.
-  return [{ type: "detail", request_id, target, meta }, [new DataView(big.buffer, 0, 16), new DataView(big.buffer, 20, 12)]];
-}
 
 beforeEach(() => { document.body.replaceChildren(); });
 
@@ -86,12 +63,7 @@ describe("explorer", () => {
     await tick();
     const rerun = model.sent.at(-1);
     expect(rerun.type).toBe("rerun");
-    model.emit("msg:custom", { type: "trace", request_id: rerun.request_id, diff: {
-      against: "baseline", hooks: ["fc1"], loss_before: 1.5, loss_after: 1.2345678901234567,
-      params: [{ name: "fc1.weight", before: 8.28, after: 0, rel_change: 1, cosine: null, hooked: true },
-        { name: "fc2.weight", before: 0, after: 2, rel_change: "new", cosine: null, hooked: false },
-        { name: "fc2.bias", before: 1, after: 1, rel_change: 0, cosine: 1, hooked: false }],
-      layers: {}, changed_nodes: ["MmBackward0#1"], changed_modules: ["fc1"] } });
+    model.emit("msg:custom", traceReply(rerun.request_id));
     await tick();
     model.emit("msg:custom", { type: "status", request_id: rerun.request_id, state: "done", text: "rerun done" });
     expect(el.querySelector('[data-testid="status"]').textContent).toBe("done: rerun done");
@@ -221,11 +193,23 @@ describe("explorer", () => {
   });
 
   it("shows the trace's notes: a banner when no gradients were captured", () => {
-    const summary = { ...seedSummary(), has_grads: false, notes: ["no gradients captured: the code ran no backward (activations only)", "<b>x</b> note"] };
+    const summary = { ...seedSummary(), has_grads: false, notes: ["no gradients captured: the code ran no backward (activations only)", "<b>x</b> note"],
+      note_ids: ["no_grads", "other"] };
     const { el } = mount(summary);
     expect(el.querySelector('[data-testid="no-grads"]').textContent).toMatch(/no gradients captured/);
     expect(el.querySelector('[data-testid="notes"]').textContent).toContain("<b>x</b> note");
     expect(el.querySelector('[data-testid="notes"] b')).toBeNull();
+    expect(el.querySelector('[data-testid="notes"] details').textContent).not.toMatch(/no gradients captured/);
+  });
+
+  it("finds the no-gradients note by its id, never by its text; has_grads alone still says so", () => {
+    const byId = mount({ ...seedSummary(), notes: ["one", "activations only, said otherwise"], note_ids: ["x", "no_grads"] }).el;
+    expect(byId.querySelector('[data-testid="no-grads"]').textContent).toBe("activations only, said otherwise");
+    expect(byId.querySelector('[data-testid="notes"] details').textContent).toContain("1 note");
+    const lookAlike = mount({ ...seedSummary(), notes: ["no gradients captured: a look-alike"], note_ids: ["other"] }).el;
+    expect(lookAlike.querySelector('[data-testid="no-grads"]')).toBeNull();
+    const noIds = mount({ ...seedSummary(), has_grads: false, notes: [] }).el;
+    expect(noIds.querySelector('[data-testid="no-grads"]').textContent).toMatch(/no gradients captured/);
   });
 
   it("folds repeated blocks in the tree; keyboard moves, unfolds, selects and clears", () => {

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { createStaticModel, nodeMeta } from "../static_model.js";
+import { createStaticModel, nodeMeta } from "../explorer/static_model.js";
 import { seedSummary } from "./fake_model.js";
 
 const flush = () => new Promise((r) => setTimeout(r, 0));

@@ -1,29 +1,13 @@
 import { beforeEach, describe, expect, it } from "vitest";
-import { liveOf } from "../watch.js";
-import { renderPage, storeFromData } from "../watch_standalone.js";
-import { createStore } from "../watch_store.js";
-import { bins, chooseScale, colourOf, INF_RGB, NAN_RGB, pick, position, ZERO_RGB } from "../watch_scale.js";
-import { columnOf, createWatchView, rowHeight } from "../watch_view.js";
-import { fakeModel } from "./fake_model.js";
+import { liveOf } from "../watch/index.js";
+import { renderPage, storeFromData } from "../watch/standalone.js";
+import { createStore } from "../watch/store.js";
+import { bins, chooseScale, colourOf, INF_RGB, NAN_RGB, pick, position, ZERO_RGB } from "../watch/scale.js";
+import { columnOf, createWatchView, rowHeight } from "../watch/view.js";
+import { fakeModel, rows, WATCH_META } from "./fake_model.js";
 
-const EVIL = '<img src=x onerror="window.__pwned=1">';
-const META = { layers: ["fc1", EVIL, "fc2"], stats: ["grad_norm", "delta_norm"], step_stats: ["loss", "grad_norm"], every: 1 };
-
-/** A rows message as the kernel sends it: rows [start, start + count), value = 1000 r + 10 l + k. */
-function rows(start, count, extra = {}) {
-  const L = META.layers.length, K = META.stats.length;
-  const s = new Float64Array(count * L * K), t = new Float64Array(count * 2);
-  for (let i = 0; i < count; i++) {
-    for (let l = 0; l < L; l++) for (let k = 0; k < K; k++) s[(i * L + l) * K + k] = 1000 * (start + i) + 10 * l + k;
-    t[i * 2] = 1 / (start + i + 1);
-    t[i * 2 + 1] = start + i;
-  }
-  const msg = { type: "rows", start, count, steps: Array.from({ length: count }, (_, i) => 2 * (start + i)), a_start: 0, anomalies: [], kept: [0], dropped: 0, total_steps: 2 * (start + count), state: "open", ...extra };
-  // The kernel's buffers arrive as DataViews, possibly at an offset into a larger buffer.
-  const pad = new Uint8Array(8 + s.byteLength);
-  pad.set(new Uint8Array(s.buffer), 8);
-  return [msg, [new DataView(pad.buffer, 8, s.byteLength), new DataView(t.buffer)]];
-}
+const EVIL = WATCH_META.layers[1];
+const META = WATCH_META;
 
 describe("store", () => {
   it("places rows by index, reports a gap, fills it from a sync reply", () => {

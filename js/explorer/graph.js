@@ -5,8 +5,8 @@ import dagre from "@dagrejs/dagre";
 import { select as d3select } from "d3-selection";
 import { zoom as d3zoom, zoomIdentity } from "d3-zoom";
 import { buildHierarchy, initialExpanded, search, visibleGraph } from "./collapse.js";
-import { cssEscape, h, s } from "./dom.js";
-import { fmt, fmtShape } from "./format.js";
+import { cssEscape, h, s } from "../shared/dom.js";
+import { fmt, fmtShape } from "../shared/format.js";
 
 let instances = 0;
 const MAX_BOXES = 800;

@@ -1,15 +1,15 @@
 // The explorer: wires the views to the model. Every command is a request awaited until its reply
-// (request_id -> promise resolved by the matching detail / trace / status message), so an error
-// stays next to the control that caused it. The same code runs on the standalone page with a
+// (shared/protocol.js's createRequests: one reply per request_id, a detail, trace or status message), so an
+// error stays next to the control that caused it. The same code runs on the standalone page with a
 // read-only model (static_model.js).
+import { h } from "../shared/dom.js";
+import { fmt } from "../shared/format.js";
+import * as P from "../shared/protocol.js";
 import { createControls } from "./controls.js";
 import { createDetailPanel } from "./detail.js";
 import { createDiffView } from "./diffview.js";
-import { h } from "./dom.js";
-import { fmt } from "./format.js";
 import { createGraphView } from "./graph.js";
 import { createLeftPane, createOverview } from "./overview.js";
-import * as P from "./protocol.js";
 import { createStatusLine } from "./status.js";
 import { installStyles } from "./styles.js";
 import { createTreeView } from "./tree.js";
@@ -17,6 +17,7 @@ import { createTreeView } from "./tree.js";
 const KERNEL_GONE = "kernel disconnected: a snapshot of the recorded trace (layers not opened before show no detail); run the cell again to explore";
 const NO_REPLY = "no reply from the kernel in 10 s: it is busy running a cell (the answer still shows when it comes), or this output outlived its kernel (run the cell again)";
 export const REPLY_TIMEOUT_MS = 10_000;
+const NO_GRADS = "no_grads"; // the id of the note "no gradients captured" (record/'s notes catalogue)
 
 export function render({ model, el, nonce }) {
   globalThis.performance?.mark?.("hookwidget:render-start"); // read by benchmarks/explorer_time.py
@@ -27,7 +28,7 @@ export function render({ model, el, nonce }) {
   let lastDiff = model.get("diff") || null; // the last rerun's changes (a trait: survives a re-render, exported)
   let generation = 0; // bumps on each new trace: replies for an older one are dropped from the cache
   const cache = new Map(); // target -> {meta, tensors}
-  const waiting = new Map(); // request_id -> {resolve, type, target}
+  const requests = P.createRequests(model, { noReply: NO_REPLY });
 
   const status = createStatusLine();
   const detail = createDetailPanel();
@@ -61,13 +62,16 @@ export function render({ model, el, nonce }) {
 
   function idleText() { return `loss ${fmt(summary.loss)} · ${fmt(summary.modules.length)} modules`; }
 
+  /** The notes banner. The "no gradients" note is found by its id (summary.note_ids, beside summary.notes),
+   * never by its text; a summary without ids says so with has_grads. */
   function renderBanner() {
     const notes = summary.notes || [];
-    const noGrads = summary.has_grads === false || notes.some((n) => n.startsWith("no gradients captured"));
+    const at = (summary.note_ids || []).indexOf(NO_GRADS);
+    const noGrads = at >= 0 || summary.has_grads === false;
     const items = [];
     if (disconnected) items.push(h("div", { class: "hw-banner-main", "data-testid": "kernel-gone", text: KERNEL_GONE }));
-    if (noGrads) items.push(h("div", { class: "hw-banner-main", "data-testid": "no-grads", text: notes.find((n) => n.startsWith("no gradients captured")) || "no gradients captured: the code ran no backward (activations only)" }));
-    const rest = notes.filter((n) => !n.startsWith("no gradients captured"));
+    if (noGrads) items.push(h("div", { class: "hw-banner-main", "data-testid": "no-grads", text: at >= 0 ? notes[at] : "no gradients captured: the code ran no backward (activations only)" }));
+    const rest = notes.filter((_, i) => i !== at);
     if (rest.length) items.push(h("details", { class: "hw-banner-notes" }, h("summary", { text: `${rest.length} note${rest.length === 1 ? "" : "s"} on this trace` }),
       h("ul", {}, ...rest.map((n) => h("li", { text: n })))));
     banner.replaceChildren(...items);
@@ -86,7 +90,7 @@ export function render({ model, el, nonce }) {
     controls.render(selected, summary, readonly);
     renderBanner();
     if (gone) {
-      for (const [id, req] of waiting) { waiting.delete(id); clearTimeout(req.timer); req.resolve({ ok: false, text: KERNEL_GONE }); }
+      requests.cancel(KERNEL_GONE);
       status.set("idle", "kernel disconnected: read-only");
     } else {
       status.set("idle", idleText());
@@ -94,20 +98,12 @@ export function render({ model, el, nonce }) {
   }
   const onCommLive = () => setDisconnected(true);
 
-  /** Send a command; resolves with {ok: true, msg, buffers} on its reply or {ok: false, text} on an error status,
-   * or, for all but a rerun, after REPLY_TIMEOUT_MS without one (a view restored from a notebook's saved widget
-   * state has no kernel behind it); a reply that comes later is still used (see onMessage). */
+  /** Send a command: its reply, {ok: false, text} on an error status, or, for all but a rerun, after REPLY_TIMEOUT_MS
+   * without one (a view restored from a notebook's saved widget state has no kernel behind it); a reply that
+   * comes later is still used (see onMessage). */
   function request(msg) {
     if (disconnected) return Promise.resolve({ ok: false, text: KERNEL_GONE });
-    return new Promise((resolve) => {
-      const req = { resolve, type: msg.type, target: msg.target, timer: null, gen: generation };
-      if (msg.type !== "rerun") {
-        req.timer = setTimeout(() => { req.late = true; resolve({ ok: false, text: NO_REPLY }); }, REPLY_TIMEOUT_MS);
-      }
-      waiting.set(msg.request_id, req);
-      try { model.send(msg); }
-      catch (e) { waiting.delete(msg.request_id); clearTimeout(req.timer); resolve({ ok: false, text: `could not reach the kernel: ${e.message}` }); }
-    });
+    return requests.request(msg, { timeout: msg.type === "rerun" ? 0 : REPLY_TIMEOUT_MS, gen: generation });
   }
 
   function clear() {
@@ -172,28 +168,16 @@ export function render({ model, el, nonce }) {
     const msg = P.parseIncoming(raw);
     if (!msg) return;
     setDisconnected(false); // it answered
-    const req = waiting.get(msg.request_id);
-    if (req) clearTimeout(req.timer);
-    if (req?.late && msg.state !== "running") { // the answer after we stopped waiting: keep a detail, show the rest
-      waiting.delete(msg.request_id);
+    const req = requests.settle(msg, buffers);
+    if (req?.late) { // the answer after we stopped waiting: keep a detail, show the rest
       if (msg.type === "detail" && req.gen === generation) lateDetail(msg, buffers); // not for an older trace
       else if (msg.type === "status") status.set(msg.state, msg.text);
       return;
     }
-    if (msg.type === "detail" || msg.type === "trace") {
-      if (req) { waiting.delete(msg.request_id); req.resolve({ ok: true, msg, buffers }); }
-      else if (msg.type === "trace") applyTrace(msg); // a rerun started elsewhere
-      return;
-    }
-    // status
-    if (msg.state === "running") { status.set("running", msg.text); return; }
-    if (req) {
-      waiting.delete(msg.request_id);
-      req.resolve(msg.state === "error" ? { ok: false, text: msg.text } : { ok: true, msg, buffers });
-      if (msg.state === "done") status.set("done", msg.text);
-    } else {
-      status.set(msg.state, msg.text); // a rerun's closing "done", or an error for a lost request
-    }
+    if (msg.type === "trace") { if (!req) applyTrace(msg); return; } // no request: a rerun started elsewhere
+    // A status: progress, a command's "done" (its error stays beside its control), or one no request awaits
+    // (a rerun's closing "done", an error for a lost request).
+    if (msg.type === "status" && (!req || msg.state !== "error")) status.set(msg.state, msg.text);
   }
 
   function lateDetail(msg, buffers) {

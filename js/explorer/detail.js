@@ -1,8 +1,8 @@
 // The detail panel: what one layer or graph node saw — shapes, a and δ heatmaps, W.grad from autograd
 // beside the one rebuilt from (a, δ) with their max abs difference, per-sample norms, storage, health.
 import { bars, heatmap, tensorView } from "./charts.js";
-import { h } from "./dom.js";
-import { fmt, fmtCount, fmtShape } from "./format.js";
+import { h } from "../shared/dom.js";
+import { fmt, fmtCount, fmtShape } from "../shared/format.js";
 
 export function createDetailPanel() {
   const body = h("div", { class: "hw-detail-body" }, h("div", { class: "hw-dim", text: "click a module or node to see its detail" }));

@@ -1,18 +1,11 @@
 // Colour and value scales of the watch views: a sequential map (viridis), on a log scale where the
 // values span decades; NaN, ±Inf and exact zeros (on a log scale) get colours of their own.
 import { interpolateViridis } from "d3-scale-chromatic";
+import { colourMap, cssOf, NAN_RGB } from "../shared/colour.js";
 
-export const NAN_RGB = [255, 0, 255], INF_RGB = [230, 0, 0], NEG_INF_RGB = [0, 90, 255], ZERO_RGB = [200, 200, 200], EMPTY_RGB = [255, 255, 255];
-const LUT = (() => {
-  const n = 256, lut = new Uint8ClampedArray(n * 3);
-  for (let i = 0; i < n; i++) {
-    const c = interpolateViridis(i / (n - 1));
-    const m = /^#([0-9a-f]{2})([0-9a-f]{2})([0-9a-f]{2})$/i.exec(c) || /rgb\((\d+),\s*(\d+),\s*(\d+)\)/.exec(c);
-    const rgb = !m ? [0, 0, 0] : c.startsWith("#") ? [1, 2, 3].map((j) => parseInt(m[j], 16)) : [+m[1], +m[2], +m[3]];
-    lut.set(rgb, i * 3);
-  }
-  return lut;
-})();
+export { cssOf, NAN_RGB };
+export const INF_RGB = [230, 0, 0], NEG_INF_RGB = [0, 90, 255], ZERO_RGB = [200, 200, 200], EMPTY_RGB = [255, 255, 255];
+const VIRIDIS = colourMap(interpolateViridis);
 
 /** The scale of `values` (finite ones count): log10 when all are >= 0 and the positive ones span >= 2 decades. */
 export function chooseScale(values) {
@@ -45,11 +38,8 @@ export function colourOf(v, scale) {
   if (v === -Infinity) return NEG_INF_RGB;
   const t = position(v, scale);
   if (t === -1) return ZERO_RGB;
-  const i = Math.round(t * 255) * 3;
-  return [LUT[i], LUT[i + 1], LUT[i + 2]];
+  return VIRIDIS(t);
 }
-
-export const cssOf = (rgb) => `rgb(${rgb[0]}, ${rgb[1]}, ${rgb[2]})`;
 
 /** Rows 0..n-1 shown in `cols` columns: each column a [first, end) range of rows (one row each when n <= cols). */
 export function bins(n, cols) {

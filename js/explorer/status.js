@@ -1,5 +1,5 @@
 // The status line: what is running, done, or failed — one line, kernel errors shown as sent.
-import { h } from "./dom.js";
+import { h } from "../shared/dom.js";
 
 export function createStatusLine() {
   const text = h("span", { class: "hw-status-text" });

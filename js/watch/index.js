@@ -1,11 +1,11 @@
 // Entry of the watch widget's ES module. The rows live in one store per model, filled from the moment the
 // model exists (initialize), so no message is lost before a view renders; every view draws that store.
 // A kept step opens in the trace explorer: the kernel makes a HookWidget and names its model here.
-import { render as renderExplorer } from "./explorer.js";
-import { h } from "./dom.js";
-import { newRequestId } from "./protocol.js";
-import { createStore } from "./watch_store.js";
-import { createWatchView } from "./watch_view.js";
+import { render as renderExplorer } from "../explorer/explorer.js";
+import { h } from "../shared/dom.js";
+import * as P from "../shared/protocol.js";
+import { createStore } from "./store.js";
+import { createWatchView } from "./view.js";
 
 // Keyed by the model's `meta` object: anywidget hands initialize and render different proxies of one model.
 const live = new WeakMap();
@@ -16,27 +16,21 @@ export function liveOf(model) {
   let entry = live.get(key);
   if (entry) return entry;
   const store = createStore(key);
-  const waiting = new Map();
+  const requests = P.createRequests(model);
   let syncing = false;
-  const request = (msg) => new Promise((resolve) => {
-    waiting.set(msg.request_id, resolve);
-    try { model.send(msg); } catch (e) { waiting.delete(msg.request_id); resolve({ ok: false, text: `could not reach the kernel: ${e.message}` }); }
-  });
-  const sync = () => { syncing = true; model.send({ type: "sync", have: store.have, request_id: newRequestId() }); };
+  const sync = () => { syncing = true; model.send(P.sync(store.have)); };
   model.on("msg:custom", (msg, buffers) => {
     if (!msg || typeof msg !== "object") return;
     if (msg.type === "rows") {
       const gap = store.apply(msg, buffers || []);
       if (!gap) syncing = false;
       else if (!syncing) sync();
-    } else if (msg.type === "status" && waiting.has(msg.request_id)) {
-      const resolve = waiting.get(msg.request_id);
-      waiting.delete(msg.request_id);
-      resolve(msg.state === "error" ? { ok: false, text: msg.text } : { ok: true, text: msg.text });
+    } else if (msg.type === "status") {
+      requests.settle(msg, buffers);
     }
   });
   sync(); // everything recorded so far (answered as soon as the kernel is idle)
-  entry = { store, request };
+  entry = { store, request: requests.request };
   live.set(key, entry);
   return entry;
 }
@@ -69,7 +63,7 @@ function render({ model, el }) {
   const view = createWatchView({
     store, el,
     async openTrace(step, host) {
-      const r = await request({ type: "open", step, request_id: newRequestId() });
+      const r = await request(P.open(step));
       if (!r.ok) return r;
       await waitTrace(step);
       return mount(step, host);

@@ -2,8 +2,8 @@
 // class (cut first when space is short), parameter count and call count; click or Enter selects.
 // Rows with children fold (▸/▾); blocks of a repeated run (h.0 … h.11 of one class) start folded.
 // Keyboard: ↑/↓ move, →/← unfold/fold, Home/End jump, Enter selects, Esc clears the selection.
-import { h } from "./dom.js";
-import { fmtParams } from "./format.js";
+import { h } from "../shared/dom.js";
+import { fmtParams } from "../shared/format.js";
 
 export function createTreeView({ onSelect, onClear }) {
   const list = h("div", { class: "hw-tree-list", role: "tree", "aria-label": "modules" });

@@ -1,11 +1,11 @@
 // Entry of the standalone page written by Watch.to_html: the watch explorer on the inlined rows; a kept
 // step opens in the trace explorer on a read-only model of its inlined Trace.
-import { render as renderExplorer } from "./explorer.js";
-import { h } from "./dom.js";
-import { base64ToBytes } from "./protocol.js";
-import { createStaticModel } from "./static_model.js";
-import { createStore } from "./watch_store.js";
-import { createWatchView } from "./watch_view.js";
+import { render as renderExplorer } from "../explorer/explorer.js";
+import { h } from "../shared/dom.js";
+import { base64ToBytes } from "../shared/protocol.js";
+import { createStaticModel } from "../explorer/static_model.js";
+import { createStore } from "./store.js";
+import { createWatchView } from "./view.js";
 
 /** A store filled from the page's data (the same "rows" message the kernel sends, with base64 buffers). */
 export function storeFromData(data) {

@@ -1,7 +1,7 @@
 // Hook controls for the selected layer or node: every registered intervention kind with its parameters.
 // A toggle (data-hook="<kind>") asks the kernel to add or remove the hook, then to rerun. A refused
 // hook's error stays beside its control (data-testid="hook-error") until the user acts on it again.
-import { h } from "./dom.js";
+import { h } from "../shared/dom.js";
 
 export function createControls({ onToggle }) {
   const body = h("div", { class: "hw-controls-body" });

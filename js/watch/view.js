@@ -1,12 +1,12 @@
 // The watch explorer: a layers × steps heatmap of one statistic, per-layer sparklines and latest values,
 // the loss and global gradient norm over the same step axis, anomalies marked, kept steps to open.
-// Drawn from a store (watch_store.js) and redrawn when it grows; `openTrace(step, el)` shows a kept
+// Drawn from a store (store.js) and redrawn when it grows; `openTrace(step, el)` shows a kept
 // step's Trace below (the live widget asks the kernel, the standalone page uses its inlined data).
 // Layer names come from user code: they are set as text only.
-import { h as hh } from "./dom.js";
-import { fmt } from "./format.js";
-import { bins, chooseScale, colourOf, cssOf, INF_RGB, NAN_RGB, pick, position, ZERO_RGB } from "./watch_scale.js";
-import { installWatchStyles } from "./watch_styles.js";
+import { h as hh } from "../shared/dom.js";
+import { fmt } from "../shared/format.js";
+import { bins, chooseScale, colourOf, cssOf, INF_RGB, NAN_RGB, pick, position, ZERO_RGB } from "./scale.js";
+import { installWatchStyles } from "./styles.js";
 
 export const STAT_LABELS = {
   grad_norm: "‖W.grad‖₂", delta_norm: "‖δ‖₂ (output gradient)", delta_max: "max |δ|", a_rms: "RMS of the input a",
@@ -25,7 +25,7 @@ function h(tag, attrs = {}, ...children) {
   return node;
 }
 const CELL = 24; // widest step column, px: the heatmap grows rightwards until it fills the width, then compresses
-const SPARK_W = 90, CHART_H = 54; // CHART_H: also .hw-w-chartlabel's height (watch_styles.js)
+const SPARK_W = 90, CHART_H = 54; // CHART_H: also .hw-w-chartlabel's height (styles.js)
 const anomalyColour = (reason) => (/non-finite|nan|inf/i.test(reason) ? "#dc2626" : /spike/i.test(reason) ? "#ea580c" : "#2563eb");
 
 /** Row height of the heatmap for L layers (px): 18 for a few layers, down to 3 for hundreds. */

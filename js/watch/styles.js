@@ -1,18 +1,15 @@
 // Styles of the watch explorer: the trace explorer's theme variables (JupyterLab / VS Code / fallbacks).
+import { DARK_VARS, installStyles as install, THEME_VARS } from "../shared/theme.js";
+
 export const CSS = `
-.hw-watch {
-  --hw-bg: var(--jp-layout-color0, var(--vscode-editor-background, #ffffff));
-  --hw-bg2: var(--jp-layout-color2, var(--vscode-sideBar-background, #f3f4f6));
-  --hw-fg: var(--jp-ui-font-color0, var(--vscode-editor-foreground, #111827));
-  --hw-dim: var(--jp-ui-font-color2, var(--vscode-descriptionForeground, #6b7280));
-  --hw-border: var(--jp-border-color1, var(--vscode-panel-border, #d1d5db));
+.hw-watch {${THEME_VARS}
   --hw-op: #8b5cf6; --hw-param: #0d9488; --hw-error: #dc2626; --hw-spike: #ea580c; --hw-selected: #2563eb;
   font: 12px/1.4 var(--jp-ui-font-family, system-ui, sans-serif); color: var(--hw-fg); background: var(--hw-bg);
   border: 1px solid var(--hw-border); border-radius: 6px; padding: 6px 8px; box-sizing: border-box;
   display: flex; flex-direction: column; gap: 6px; min-width: 0;
 }
 @media (prefers-color-scheme: dark) {
-  .hw-standalone .hw-watch { --hw-bg: #111827; --hw-bg2: #1f2937; --hw-fg: #e5e7eb; --hw-dim: #9ca3af; --hw-border: #374151; }
+  .hw-standalone .hw-watch { ${DARK_VARS} }
 }
 .hw-watch * { box-sizing: border-box; }
 .hw-w-head { display: flex; flex-wrap: wrap; gap: 6px 14px; align-items: center; }
@@ -59,9 +56,4 @@ export const CSS = `
 `;
 
 /** Put the stylesheet into `root` once (with the page's CSP nonce when there is one). */
-export function installWatchStyles(root, nonce) {
-  const style = document.createElement("style");
-  if (nonce) style.nonce = nonce;
-  style.textContent = CSS;
-  root.prepend(style);
-}
+export const installWatchStyles = (root, nonce) => install(root, nonce, CSS);

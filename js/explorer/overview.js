@@ -4,8 +4,10 @@
 // red large), so a vanishing or exploding layer stands out. Click a header to sort; click a row (or
 // Enter on it) to select the layer, the same selection the tree makes. It sits in a tab beside the
 // tree ("layers" / "tree"), open at first when the model has more than OPEN_ABOVE such layers.
-import { h } from "./dom.js";
-import { fmt } from "./format.js";
+import { cssOf, stopsMap } from "../shared/colour.js";
+import { h } from "../shared/dom.js";
+import { fmt } from "../shared/format.js";
+import { createSortable } from "../shared/table.js";
 
 export const OPEN_ABOVE = 8;
 
@@ -13,13 +15,11 @@ const COLS = [
   { key: "index", label: "#", title: "call order" },
   { key: "name", label: "layer", title: "module name (whole name in the row's tooltip)" },
   { key: "cls", label: "class", title: "module class" },
-  { key: "delta", label: "‖δ‖₂", title: "norm of the gradient of the layer's output (first call)", norm: true },
-  { key: "grad", label: "‖W.grad‖₂", title: "norm of the gradients of the layer's own parameters", norm: true },
-  { key: "a", label: "‖a‖₂", title: "norm of the layer's input (first call)", norm: true },
+  { key: "delta", label: "‖δ‖₂", title: "norm of the gradient of the layer's output (first call)", norm: true, desc: true, cls: "hw-ov-num" },
+  { key: "grad", label: "‖W.grad‖₂", title: "norm of the gradients of the layer's own parameters", norm: true, desc: true, cls: "hw-ov-num" },
+  { key: "a", label: "‖a‖₂", title: "norm of the layer's input (first call)", norm: true, desc: true, cls: "hw-ov-num" },
   { key: "flags", label: "health", title: "vanishing / exploding / non-finite gradient (trace.health())" },
 ];
-
-const LOW = [49, 99, 206], MID = [240, 240, 240], HIGH = [214, 39, 40];
 
 /** Layers with parameters of their own, in call order, with the numbers the table shows. */
 export function layerRows(summary) {
@@ -54,33 +54,27 @@ export function scalePos(v, scale) {
 }
 
 /** Blue → pale → red, linear in RGB on each half: the red − blue difference grows with t. */
-export function scaleColour(t) {
-  const [a, b, u] = t < 0.5 ? [LOW, MID, t * 2] : [MID, HIGH, (t - 0.5) * 2];
-  const c = a.map((x, i) => Math.round(x + (b[i] - x) * u));
-  return `rgb(${c[0]}, ${c[1]}, ${c[2]})`;
-}
+const BLUE_RED = stopsMap([[49, 99, 206], [240, 240, 240], [214, 39, 40]]);
+export const scaleColour = (t) => cssOf(BLUE_RED(t));
 
 const sortValue = (v) => (v === INDEX ? null : v === "inf" || v === "nan" ? Infinity : v === "-inf" ? -Infinity : v ?? null);
+/** What a column sorts by: names and classes as text, health flags as one string, norms as numbers (null last). */
+function valueOf(r, key) {
+  if (key === "flags") return r.flags.length ? r.flags.join(" ") : "";
+  return key === "name" || key === "cls" || key === "index" ? r[key] : sortValue(r[key]);
+}
 
 export function createOverview({ onSelect, onClear }) {
   const body = h("div", { class: "hw-ov-body" });
   const el = h("div", { class: "hw-overview", "data-testid": "overview" }, body);
   let rows = [];
   let scale = null;
-  let sort = { key: "index", desc: false };
+  const table = createSortable({
+    cols: COLS.map((c) => ({ ...c, title: `${c.title} — click to sort` })), initial: { key: "index", desc: false },
+    attr: "data-layer-sort", valueOf, tie: (p, q) => p.index - q.index, onSort: draw,
+  });
   let selected = null;
   let trs = new Map();
-
-  function sorted() {
-    return [...rows].sort((p, q) => {
-      let x = p[sort.key], y = q[sort.key];
-      if (sort.key === "flags") { x = x.length ? x.join(" ") : ""; y = y.length ? y.join(" ") : ""; }
-      else if (sort.key !== "name" && sort.key !== "cls") { x = sortValue(x); y = sortValue(y); }
-      if (x === null || y === null) return x === y ? p.index - q.index : x === null ? 1 : -1; // missing: last
-      const c = x < y ? -1 : x > y ? 1 : p.index - q.index;
-      return sort.desc ? -c : c;
-    });
-  }
 
   function cell(r, key) {
     const v = r[key];
@@ -98,15 +92,9 @@ export function createOverview({ onSelect, onClear }) {
 
   function draw() {
     if (!rows.length) { body.replaceChildren(h("div", { class: "hw-dim", text: "no layer holds parameters of its own" })); trs = new Map(); return; }
-    const head = h("tr", {}, ...COLS.map((c) => h("th", {
-      class: "hw-sortable" + (c.norm ? " hw-ov-num" : ""), "data-layer-sort": c.key, title: `${c.title} — click to sort`, tabindex: "0",
-      "aria-sort": sort.key === c.key ? (sort.desc ? "descending" : "ascending") : "none",
-      text: c.label + (sort.key === c.key ? (sort.desc ? " ▾" : " ▴") : ""),
-      onclick: () => sortBy(c.key),
-      onkeydown: (e) => { if (e.key === "Enter" || e.key === " ") { sortBy(c.key); e.preventDefault(); } },
-    })));
+    const head = table.head(body);
     trs = new Map();
-    const bodyRows = sorted().map((r) => {
+    const bodyRows = table.sorted(rows).map((r) => {
       const tr = h("tr", { class: "hw-ov-row", "data-layer-row": r.name, tabindex: "-1", title: `${r.name || "(root)"} · ${r.cls}`,
         onclick: () => onSelect({ kind: "module", target: r.name }) },
       h("td", { class: "hw-dim", text: String(r.index + 1) }),
@@ -131,12 +119,6 @@ export function createOverview({ onSelect, onClear }) {
     for (let i = 0; i <= 8; i++) { const s = h("span", { class: "hw-ov-step" }); s.style.background = scaleColour(i / 8); bar.append(s); }
     return h("div", { class: "hw-ov-legend hw-dim", "data-testid": "overview-legend", title: "one log scale for the three norm columns" },
       `${rows.length} layers with parameters · log scale `, h("span", { text: fmt(10 ** scale.lo, 2) }), bar, h("span", { text: fmt(10 ** scale.hi, 2) }));
-  }
-
-  function sortBy(key) {
-    sort = sort.key === key ? { key, desc: !sort.desc } : { key, desc: COLS.find((c) => c.key === key).norm === true };
-    draw();
-    body.querySelector(`[data-layer-sort="${key}"]`)?.focus();
   }
 
   function mark() {

@@ -1,6 +1,6 @@
 // A read-only stand-in for the anywidget model, built from the payload inlined in a standalone page.
 // Detail requests are answered from the precomputed details; hook messages are refused.
-import { base64ToBytes } from "./protocol.js";
+import { base64ToBytes } from "../shared/protocol.js";
 
 export function createStaticModel(data) {
   const listeners = new Map();

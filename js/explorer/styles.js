@@ -1,11 +1,8 @@
 // Theme-aware styles: JupyterLab / VS Code CSS variables when present, light/dark fallbacks otherwise.
+import { DARK_VARS, installStyles as install, THEME_VARS } from "../shared/theme.js";
+
 export const CSS = `
-.hw-root {
-  --hw-bg: var(--jp-layout-color0, var(--vscode-editor-background, #ffffff));
-  --hw-bg2: var(--jp-layout-color2, var(--vscode-sideBar-background, #f3f4f6));
-  --hw-fg: var(--jp-ui-font-color0, var(--vscode-editor-foreground, #111827));
-  --hw-dim: var(--jp-ui-font-color2, var(--vscode-descriptionForeground, #6b7280));
-  --hw-border: var(--jp-border-color1, var(--vscode-panel-border, #d1d5db));
+.hw-root {${THEME_VARS}
   --hw-input: #9ca3af; --hw-param: #0d9488; --hw-leaf: #5eead4; --hw-op: #8b5cf6; --hw-root-c: #6d28d9;
   --hw-box: color-mix(in srgb, var(--hw-op) 12%, var(--hw-bg));
   --hw-changed: #f97316; --hw-selected: #2563eb; --hw-match: #eab308; --hw-error: #dc2626;
@@ -25,7 +22,7 @@ export const CSS = `
   .hw-side { max-height: 560px; }
 }
 @media (prefers-color-scheme: dark) {
-  .hw-standalone { --hw-bg: #111827; --hw-bg2: #1f2937; --hw-fg: #e5e7eb; --hw-dim: #9ca3af; --hw-border: #374151; }
+  .hw-standalone { ${DARK_VARS} }
   body.hw-page { background: #111827; }
 }
 .hw-root * { box-sizing: border-box; }
@@ -146,9 +143,4 @@ body.hw-page { margin: 8px; }
 `;
 
 /** Put the stylesheet into `root` once (with the page's CSP nonce when there is one). */
-export function installStyles(root, nonce) {
-  const style = document.createElement("style");
-  if (nonce) style.nonce = nonce;
-  style.textContent = CSS;
-  root.prepend(style);
-}
+export const installStyles = (root, nonce) => install(root, nonce, CSS);

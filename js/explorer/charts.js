@@ -1,28 +1,19 @@
 // Charts on canvas: heatmaps of a 2-D tensor (diverging colour map, symmetric around 0) and bar charts.
 import { interpolateRdBu } from "d3-scale-chromatic";
-import { h } from "./dom.js";
-import { fmt, fmtShape, fmtStats } from "./format.js";
+import { colourMap, NAN_RGB } from "../shared/colour.js";
+import { h } from "../shared/dom.js";
+import { fmt, fmtShape, fmtStats } from "../shared/format.js";
 
-const LUT = buildLut(256);
-
-function buildLut(n) {
-  const lut = new Uint8ClampedArray(n * 3);
-  for (let i = 0; i < n; i++) {
-    // RdBu runs red (0) -> blue (1): reverse it so positive values are red, negative blue.
-    const m = /rgb\((\d+),\s*(\d+),\s*(\d+)\)/.exec(interpolateRdBu(1 - i / (n - 1)));
-    lut.set(m ? [+m[1], +m[2], +m[3]] : [0, 0, 0], i * 3);
-  }
-  return lut;
-}
+// RdBu runs red (0) -> blue (1): reversed so positive values are red, negative blue.
+const RED_BLUE = colourMap((t) => interpolateRdBu(1 - t));
 
 /** RGB of value v on a symmetric scale of half-width `absmax` (NaN magenta, ±Inf black/white). */
 export function colourOf(v, absmax) {
-  if (Number.isNaN(v)) return [255, 0, 255];
+  if (Number.isNaN(v)) return NAN_RGB;
   if (v === Infinity) return [0, 0, 0];
   if (v === -Infinity) return [255, 255, 255];
   const t = absmax > 0 ? Math.max(-1, Math.min(1, v / absmax)) : 0;
-  const i = Math.round(((t + 1) / 2) * 255);
-  return [LUT[i * 3], LUT[i * 3 + 1], LUT[i * 3 + 2]];
+  return RED_BLUE((t + 1) / 2);
 }
 
 /** Paint a rows × cols block of `data` (from `offset`) into a canvas at `px` pixels per cell. */

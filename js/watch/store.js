@@ -2,7 +2,7 @@
 // gradient norm, anomalies and kept steps. Filled from the kernel's "rows" messages (or a standalone
 // page's inlined data), by row index, so a message that arrives out of order or after a gap is kept;
 // a gap is reported so the caller can ask the kernel for the rows it missed (a "sync" message).
-import { decodeTensor } from "./protocol.js";
+import { decodeTensor } from "../shared/protocol.js";
 
 export function createStore(meta) {
   const L = meta.layers.length, K = meta.stats.length, P = L * K;

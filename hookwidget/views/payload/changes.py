@@ -1,0 +1,38 @@
+"""What a rerun changed: the loss and per-parameter gradient norms before and after, and the nodes and
+modules whose gradients moved (payload_schema.json, "diff")."""
+
+from __future__ import annotations
+
+from hookwidget.views.payload.numbers import _num, _same
+from hookwidget.views.payload.summaries import hooks, module_tree
+
+
+def diff(before, after) -> dict:
+    """Loss and per-parameter grad norms before/after a rerun, and which nodes and modules changed."""
+    d = after.diff(before)
+    g0, g1 = before.graph, after.graph
+    changed_nodes = [n for n, attrs in g1.nodes(data=True)
+                     if n not in g0 or not _same(g0.nodes[n].get("grad_norm"), attrs.get("grad_norm"))]
+    owner = {n: r["name"] for r in module_tree(after, {}) for n in r["own_params"]}
+    hooked = {h["target"] for h in hooks(after)}
+    params = [{"name": p.name, "before": _num(p.before), "after": _num(p.after),
+               "rel_change": _rel(p), "cosine": _num(p.cosine),
+               "hooked": p.name in hooked or owner.get(p.name) in hooked} for p in d.params]
+    changed_params = {p["name"] for p in params if p["rel_change"] != 0.0}
+    return {
+        "against": "baseline" if before is getattr(getattr(after, "session", None), "baseline", None) else "previous",
+        "hooks": sorted(hooked),
+        "loss_before": _num(d.loss_before), "loss_after": _num(d.loss_after), "params": params,
+        "layers": {n: [_num(b), _num(a)] for n, (b, a) in d.layers.items()},
+        "changed_nodes": changed_nodes,
+        "changed_modules": sorted({owner[p] for p in changed_params if p in owner}
+                                  | {g1.nodes[n].get("module") or "" for n in changed_nodes} - {""}),
+    }
+
+
+
+def _rel(p):
+    """‖g₁−g₀‖/‖g₀‖; "new" where g₀ = 0 and g₁ is not."""
+    if p.rel_change is not None and not p.before and p.after:
+        return "new"
+    return _num(p.rel_change)

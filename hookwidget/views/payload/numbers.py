@@ -1,0 +1,99 @@
+"""Numbers for the front-end: JSON-safe values (NaN and ±Inf as strings), shapes, and the statistics of a
+whole tensor (min, max, mean, std, 2-norm, NaN/Inf counts) taken a piece at a time so a large one costs no
+full-size float64 copy."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from hookwidget.stats import known_l2
+
+CHUNK = 1 << 18  # entries per piece when a statistic of a large tensor is taken a piece at a time (2 MiB of float64)
+
+
+def stats(t: torch.Tensor) -> dict:
+    """min, max, mean, std over the finite entries, the 2-norm, and NaN / Inf counts of the whole tensor."""
+    x = t.detach()
+    x = x if x.is_floating_point() else x.float()
+    n = x.numel()
+    if n == 0:
+        return {"numel": 0, "min": None, "max": None, "mean": None, "std": None, "norm": 0.0, "nan": 0, "inf": 0}
+    lo, hi = torch.aminmax(x.reshape(-1))  # NaN propagates: both finite means every entry is
+    if math.isfinite(float(lo)) and math.isfinite(float(hi)):
+        nan = inf = 0
+        f = x.reshape(-1)
+    else:  # count them, and describe the finite entries
+        nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+        f = x[torch.isfinite(x)]
+        if f.numel() == 0:
+            return {"numel": n, "min": None, "max": None, "mean": None, "std": None, "norm": _num(_norm(x)),
+                    "nan": nan, "inf": inf}
+        lo, hi = torch.aminmax(f)
+    if f.numel() <= CHUNK or f.device.type != "cpu":  # small, or on an accelerator: float64 in one go
+        std, mean = torch.std_mean(f.double(), unbiased=False)
+        mean, std = float(mean), float(std)
+    else:  # two passes a piece at a time in float64: no full-size copy, and no cancellation in the variance
+        f = f.reshape(-1)
+        mean = sum(float(p.sum()) for _, p in _pieces(f)) / f.numel()
+        std = math.sqrt(sum(float(torch.linalg.vector_norm(p.sub_(mean))) ** 2 for _, p in _pieces(f)) / f.numel())
+    return {"numel": int(n), "min": _num(float(lo)), "max": _num(float(hi)), "mean": _num(mean),
+            "std": _num(std), "norm": _num(_norm(x)), "nan": nan, "inf": inf}
+
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a − b| in float64; on the CPU a piece at a time (GPT-2's head gradient is 38M floats: no float64 copy)."""
+    if a.device.type != "cpu":  # an accelerator does the float64 copies at memory speed
+        return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
+    b = b.detach().reshape(-1)
+    peaks = [float(p.sub_(b[i:i + len(p)]).abs_().max()) for i, p in _pieces(a.detach().reshape(-1))]
+    return math.nan if any(v != v for v in peaks) else max(peaks, default=0.0)  # NaN wins, as torch's max
+
+
+
+def _pieces(x: torch.Tensor):
+    """(offset, piece) over flat `x`, each piece copied into one reused float64 buffer of CHUNK entries: it stays
+    in cache, where a full-size temporary of a large tensor costs more in page faults than the arithmetic."""
+    buf = torch.empty(min(CHUNK, x.numel()), dtype=torch.float64)
+    for i in range(0, x.numel(), CHUNK):
+        c = x[i:i + CHUNK]
+        yield i, buf[:c.numel()].copy_(c)
+
+
+
+def _num(v):
+    """JSON-safe number: NaN/±Inf become the strings "nan", "inf", "-inf" (JSON has no NaN)."""
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        return v if math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    return v
+
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a == b or (a != a and b != b)
+
+
+
+def _shape(s):
+    return None if s is None else [int(v) for v in s]
+
+
+
+def _norm(t: torch.Tensor) -> float:
+    """2-norm for display, without a float64 copy of the tensor (an embedding's grad is 38M floats); not
+    again for one whose norm the graph or the summary took (a .grad, a δ)."""
+    known = known_l2(t)
+    if known is not None:
+        return known
+    t = t.detach()
+    return float(torch.linalg.vector_norm(t if t.is_floating_point() else t.float()))
