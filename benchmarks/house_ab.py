@@ -9,9 +9,10 @@ with the working tree's built hookwidget/static; it imports under that name beca
 (checked: every import of `hookwidget...` in it must be relative, every module it loads must come from that folder).
 
 Three tables, CPU, `torch.set_num_threads(1)`, `time.process_time` (this process's CPU time: wall time is not
-reliable on a shared machine); each round times every variant once, the order reversed every other round
-(A B A B ..., then ... B A B A); medians over rounds; after / before is the median of the per-round ratios of the
-two versions' costs (their samples taken next to each other), with their range:
+reliable on a shared machine); each round times every variant once (a trace variant: the fastest of 4 equal chunks
+of steps), the order reversed every other round (A B A B ..., then ... B A B A); medians over rounds; after / before
+is the median of the per-round ratios of the two versions' costs (their samples taken next to each other), with
+their range:
   per module  a chain of 100 Linear(64, 64), B=32: (`trace(step, capture=c)` − plain step) / modules, for c in
               summary, full, norms (norms with `per_sample_grad_norms()`, as run.py's table)
   models      the models of run.py's CPU table whose step takes well under a second (mlp, cnn, transformer):
@@ -85,18 +86,22 @@ def _imported(node) -> list:
     return [] if node.level else [node.module or ""]
 
 
-def per_step(fn, target_s: float):
-    """A sampler: runs `fn` twice (warm-up), then each call times enough runs for about target_s, per run."""
+def per_step(fn, target_s: float, chunks: int = 4):
+    """A sampler: runs `fn` twice (warm-up); then each call runs it for about target_s, in `chunks` timed runs of
+    equal length, and returns the fastest chunk's time per call (other processes' load only ever adds time)."""
     t0 = time.process_time()
     fn()
     fn()
-    n = max(1, round(target_s / max((time.process_time() - t0) / 2, 1e-6)))
+    n = max(1, round(target_s / chunks / max((time.process_time() - t0) / 2, 1e-6)))
 
     def sample() -> float:
-        t0 = time.process_time()
-        for _ in range(n):
-            fn()
-        return (time.process_time() - t0) / n
+        best = float("inf")
+        for _ in range(chunks):
+            t0 = time.process_time()
+            for _ in range(n):
+                fn()
+            best = min(best, (time.process_time() - t0) / n)
+        return best
 
     return sample
 
@@ -177,12 +182,14 @@ def markdown(res: dict) -> str:
              f"(plain {res['chain']['plain_ms']:.2f} ms; (trace − plain) / {res['chain']['modules']} modules)", "",
              head.format("capture")]
     lines += [_row(c, r, "us") for c, r in res["chain"]["cost"].items()]
-    lines += ["", "### Models: `hw.trace(step, capture=...)` as × plain forward+backward", "",
-              head.format("model / capture")]
+    if res["models"]:
+        lines += ["", "### Models: `hw.trace(step, capture=...)` as × plain forward+backward", "",
+                  head.format("model / capture")]
     for m, r in res["models"].items():
         lines += [_row(f"{m} ({r['plain_ms']:.1f} ms) {c}", x, "x") for c, x in r["cost"].items()]
-    lines += ["", f"### Watch: watch_overhead.py's loop, {res['watch_steps']} steps a sample, as × plain", "",
-              head.format("model / variant")]
+    if res["watch"]:
+        lines += ["", f"### Watch: watch_overhead.py's loop, {res['watch_steps']} steps a sample, as × plain", "",
+                  head.format("model / variant")]
     for m, r in res["watch"].items():
         lines += [_row(f"{m} ({r['plain_ms']:.2f} ms) {WATCH_VARIANTS[w]}", x, "x") for w, x in r["cost"].items()]
     lines.append(f"\nLoad average at start / end: {res['load_average']} / {res['load_average_end']}.")
@@ -190,8 +197,10 @@ def markdown(res: dict) -> str:
 
 
 def _describe(rev: str) -> str:
-    out = subprocess.run(["git", "log", "-1", "--format=%h %s", rev], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip()[:100] or rev
+    """The last commit at or before `rev` that changed hookwidget/: its short hash and subject."""
+    out = subprocess.run(["git", "log", "-1", "--format=%h %s", rev, "--", "hookwidget"], cwd=ROOT,
+                         capture_output=True, text=True).stdout.strip()
+    return (out[:80] + "…" if len(out) > 80 else out) or rev
 
 
 def main(argv=None) -> None:
@@ -202,7 +211,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7, --quick 3)")
     ap.add_argument("--models", default="mlp,cnn,transformer", help="models of benchmarks/models.py for the table")
     ap.add_argument("--watch-models", default="mlp,transformer", help="models of watch_overhead.py")
-    ap.add_argument("--watch-steps", type=int, default=None, help="timed steps a watch sample (default 300, "
+    ap.add_argument("--watch-steps", type=int, default=None, help="timed steps a watch sample (default 200, "
                     "--quick 100)")
     ap.add_argument("--out", default=str(RESULTS), help="folder for house_ab.md and house_ab.json")
     args = ap.parse_args(argv)
@@ -212,7 +221,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     rounds = args.rounds or (3 if args.quick else 7)
     target = 0.05 if args.quick else 0.2
-    steps = args.watch_steps or (100 if args.quick else 300)
+    steps = args.watch_steps or (100 if args.quick else 200)
     dirty = subprocess.run(["git", "status", "--porcelain", "hookwidget"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
     res = {"device": _device_name("cpu"), "torch": torch.__version__, "rounds": rounds, "quick": args.quick,
@@ -227,10 +236,10 @@ def main(argv=None) -> None:
         res["chain"] = measure("chain", trace_samplers(versions, chain, x, y, models._mse, target), CAPTURES, rounds,
                                per=n_mod)
         res["chain"]["modules"] = n_mod
-        for name in args.models.split(","):
+        for name in filter(None, args.models.split(",")):
             model, x, y, loss = models.build(name, "cpu", small=args.quick)
             res["models"][name] = measure(name, trace_samplers(versions, model, x, y, loss, target), CAPTURES, rounds)
-        for name in args.watch_models.split(","):
+        for name in filter(None, args.watch_models.split(",")):
             model, x, y = watch_overhead.build(name)
             watch_overhead.time_loop(model, x, y, 50, "plain")  # untimed: a first loop pays one-off costs
             res["watch"][name] = measure(f"watch {name}", watch_samplers(versions, model, x, y, steps), WATCH_VARIANTS,
