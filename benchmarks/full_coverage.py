@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import time
 import warnings
@@ -25,7 +24,7 @@ import torch
 import hookwidget as hw
 
 from . import models
-from .run import RESULTS, _loadavg, peak_memory
+from .run import RESULTS, _loadavg, peak_memory, write_results
 from .variants import ALL_VARIANTS, Unavailable
 
 VARIANTS = ("plain", "hookwidget norms", "hookwidget full norms", "hookwidget norms (vmap rule only)",
@@ -148,12 +147,7 @@ def main(argv=None) -> None:
             r["peak_ratio"] = {v: p / base for v, p in r["peak_mb"].items()} if base else {}
         res["models"][name] = r
         print(json.dumps({name: {v: round(x, 3) for v, x in r["ratio"].items()}}), flush=True)
-    res["load_average_end"] = _loadavg()
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "full_coverage.json").write_text(json.dumps(res, indent=1))
-    (out / "full_coverage.md").write_text(markdown(res))
-    print(markdown(res))
+    write_results(res, args.out, "full_coverage", markdown)
 
 
 if __name__ == "__main__":

@@ -73,11 +73,16 @@ def main(argv=None) -> None:
             res["peak_ratio"] = {v: p / base for v, p in res["peak_mb"].items()} if base else {}
         results["models"][name] = res
         print(json.dumps({name: {v: round(x, 3) for v, x in res["ratio"].items()}}), flush=True)
+    write_results(results, args.out, args.device, markdown)
+
+
+def write_results(results: dict, out: str, stem: str, markdown) -> None:
+    """End a run: the load average now, then <out>/<stem>.json and <stem>.md (printed too)."""
     results["load_average_end"] = _loadavg()
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.device}.json").write_text(json.dumps(results, indent=1))
-    (out / f"{args.device}.md").write_text(markdown(results))
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stem}.md").write_text(markdown(results))
     print(markdown(results))
 
 

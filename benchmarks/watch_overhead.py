@@ -112,7 +112,7 @@ def loss_of(out, y):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def time_loop(model, x, y, steps: int, variant: str) -> float:
+def time_loop(model, x, y, steps: int, variant: str, watch=watch) -> float:
     opt = torch.optim.Adam(model.parameters(), 1e-4)
 
     def step():

@@ -1,5 +1,5 @@
-"""Smoke test of the benchmark script (no timing assertion): it runs, writes its JSON and Markdown,
-and hookwidget's per-sample norms agree with torch.func's."""
+"""Smoke tests of the benchmark scripts (no timing assertion): they run and write their JSON and Markdown;
+hookwidget's per-sample norms agree with torch.func's."""
 
 import json
 import subprocess
@@ -10,11 +10,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytest.importorskip("psutil")
 
 
 @pytest.mark.slow
 def test_quick_benchmark_writes_results_and_norms_agree(tmp_path):
+    pytest.importorskip("psutil")
     variants = "plain,hookwidget summary,hookwidget full,hookwidget norms,torch.func norms"
     r = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--models", "mlp", "--variants", variants,
                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -25,3 +25,22 @@ def test_quick_benchmark_writes_results_and_norms_agree(tmp_path):
     assert mlp["max_rel_diff_vs_torch_func"]["hookwidget norms"] < 1e-4
     assert mlp["observation_bitwise"]["hookwidget full"] is True
     assert "| hookwidget norms |" in (tmp_path / "cpu.md").read_text()
+
+
+@pytest.mark.slow
+def test_house_ab_times_both_versions_in_one_process(tmp_path):
+    from benchmarks.house_ab import BEFORE
+
+    if subprocess.run(["git", "cat-file", "-e", f"{BEFORE}^{{commit}}"], cwd=ROOT).returncode != 0:
+        pytest.skip(f"commit {BEFORE[:9]} is not in this checkout (shallow clone)")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.house_ab", "--quick", "--rounds", "1", "--models", "mlp",
+                        "--watch-models", "mlp", "--watch-steps", "5", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "house_ab.json").read_text())
+    assert set(res["chain"]["cost"]) == {"summary", "full", "norms"}
+    assert set(res["models"]["mlp"]["times_s"]) == {"plain"} | {f"{v} {c}" for v in ("before", "after")
+                                                                  for c in ("summary", "full", "norms")}
+    assert set(res["watch"]["mlp"]["cost"]) == {"watch", "watch+fr"}
+    assert res["before"].startswith(BEFORE[:7])
+    assert "| full |" in (tmp_path / "house_ab.md").read_text()
