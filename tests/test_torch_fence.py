@@ -249,6 +249,16 @@ def test_lazy_clone_copies_on_write():
         assert torch.equal(c, torch.arange(4.0))
 
 
+def test_sparse_values():
+    e = nn.Embedding(10, 3, sparse=True)
+    e(torch.tensor([1, 1, 2])).sum().backward()
+    g = e.weight.grad.coalesce()
+    with internal("Tensor._values"):
+        values = tensors.sparse_values(g)
+        assert values.shape == (2, 3) and torch.equal(values, g.values()) and values.grad_fn is None
+        assert torch.allclose(values.norm(), g.to_dense().norm())
+
+
 def test_storage_key_and_users():
     t = torch.zeros(4)
     with internal("UntypedStorage._cdata / torch._C._storage_Use_Count"):

@@ -5,7 +5,7 @@ no public API does the job.
     modules.py   a module's own parameters, buffers and children; the module and optimizer hook registries;
                  a module's parameters swapped for a rerun of its forward
     autograd.py  the running backward node, sequence numbers, the functorch transform stack, what a node saved
-    tensors.py   version counter, view base, tensor hook dicts, copy-on-write clones, storage identity
+    tensors.py   version counter, view base, tensor hook dicts, copy-on-write clones, sparse values, storage identity
     pytree.py    flattening nested arguments to tensors and back
     norms.py     the multi-tensor (foreach) kernels behind batched norms
     compile.py   torch.compile's wrapper module

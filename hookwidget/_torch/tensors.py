@@ -1,4 +1,4 @@
-"""A tensor's version counter, view base, hook dicts, copy-on-write clone and storage identity.
+"""A tensor's version counter, view base, hook dicts, copy-on-write clone, sparse values and storage identity.
 
 Checked on torch 2.13. Why private names:
 - `t._version` counts in-place writes: the only way to know a tensor kept by reference (an input autograd saved,
@@ -9,6 +9,8 @@ Checked on torch 2.13. Why private names:
   δ hook there directly (a RemovableHandle costs ~2 µs per module call) and a trace lists the user's tensor hooks;
   `t._post_accumulate_grad_hooks` holds hooks that run after .grad is accumulated.
 - `torch._lazy_clone` copies a .grad copy-on-write: no memory copied until one of the two is written to.
+- `t._values()` is a sparse COO tensor's values without autograd history (the public `values()` records a node
+  on a tensor that requires grad): their norms are the sparse gradient's.
 - `untyped_storage()._cdata` is the storage's identity (two views share it) and `torch._C._storage_Use_Count`
   how many tensors hold it: whether a kept tensor is the only holder of its memory.
 """
@@ -53,6 +55,11 @@ def hook_dict(t: torch.Tensor) -> dict:
 def post_accumulate_hooks(t: torch.Tensor) -> dict | None:
     """Hooks that run after t's .grad is accumulated (handle id -> hook), or None."""
     return t._post_accumulate_grad_hooks
+
+
+def sparse_values(t: torch.Tensor) -> torch.Tensor:
+    """The values of a coalesced sparse COO tensor (one row per stored index), detached from autograd."""
+    return t._values()
 
 
 def storage_key(t: torch.Tensor) -> int:
