@@ -47,8 +47,11 @@ def children(module: nn.Module) -> dict:
 def module_hooks(module: nn.Module | None = None) -> dict:
     """kind -> the dict torch calls that kind of hook from (handle id -> hook), kinds "forward_pre", "forward",
     "backward", "backward_pre": the module's own, or (module None) the global ones every module runs."""
-    owner, prefix = (_module, "_global_") if module is None else (module, "_")
-    return {kind: getattr(owner, f"{prefix}{kind}_hooks") for kind in _KINDS}
+    if module is None:
+        return {kind: getattr(_module, f"_global_{kind}_hooks") for kind in _KINDS}
+    # spelled out: asked for every layer of every trace (the user's hooks it shows)
+    return {"forward_pre": module._forward_pre_hooks, "forward": module._forward_hooks,
+            "backward": module._backward_hooks, "backward_pre": module._backward_pre_hooks}
 
 
 def hook_flags(module: nn.Module | None = None) -> list:
