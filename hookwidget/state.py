@@ -10,22 +10,35 @@ of every leaf backward reaches. A parameter changed in place some other way (a h
 update) is named in a note, not restored: copying every parameter up front would double the
 memory of every trace. `snapshot()` takes the same things as they are now, `restore()` puts
 a snapshot back.
+
+The RNG states are read with each generator's public getter: np.random.get_state() and random.getstate()
+build 624 Python ints each (~30 µs per trace together); reading them out of the objects' memory would be
+cheaper, and would break on another interpreter, numpy or a free-threaded build.
+
+Floor: above _torch (its only hookwidget import); imported by session.
 """
 
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from hookwidget import rng
+from hookwidget._torch.modules import own_buffers, own_parameters
+from hookwidget._torch.tensors import version
+
+try:
+    import numpy as np
+except ImportError:  # no numpy: no numpy RNG to put back
+    np = None
 
 
 class RunState:
     def __init__(self, related=()):
-        self.rng = rng.read_all()
+        self.rng = _read_rngs()
         self.params: dict = {}  # parameter -> its value before the run changed it
         self.buffers: dict = {}  # buffer tensor -> (owner module, name, value)
         self.optimizers: dict = {}  # optimizer -> (state, hyper-parameters)
@@ -60,14 +73,14 @@ class RunState:
         if module in self._seen and not eager:
             return
         self._seen.add(module)
-        for name, b in module._buffers.items():
+        for name, b in own_buffers(module).items():
             if b is not None and b not in self.buffers:
                 self.buffers[b] = (module, name, b.detach().clone())
         versions = self._versions
-        for p in module._parameters.values():
+        for p in own_parameters(module).values():
             if p is not None:
                 if id(p) not in versions:
-                    versions[id(p)] = p, p._version
+                    versions[id(p)] = p, version(p)
                 if eager and p not in self.params:
                     self.params[p] = p.detach().clone()
 
@@ -90,7 +103,7 @@ class RunState:
     def snapshot(self) -> RunState:
         """The same objects as they are now."""
         now = RunState.__new__(RunState)
-        now.rng = rng.read_all()
+        now.rng = _read_rngs()
         now.params = {p: p.detach().clone() for p in self.params}
         now.buffers = {b: (m, n, _current(m, n, b).detach().clone()) for b, (m, n, _) in self.buffers.items()}
         now.optimizers = {opt: _optimizer_state(opt) for opt in self.optimizers}
@@ -115,13 +128,13 @@ class RunState:
         for leaf, g in self.grads.items():
             if g is None or isinstance(g, torch.Tensor):
                 leaf.grad = None if g is None else g.clone()
-        rng.write_all(self.rng)
+        _write_rngs(self.rng)
 
     def unrestorable(self) -> list:
         """What a rerun cannot put back, in words."""
         lost = sum(1 for g in self.grads.values() if g is not None and not isinstance(g, torch.Tensor))
         out = list(self.notes)
-        changed = sum(1 for p, v in self._versions.values() if p._version != v and p not in self.params)
+        changed = sum(1 for p, v in self._versions.values() if version(p) != v and p not in self.params)
         if changed:
             out.append(f"{changed} parameters were changed in place outside an optimizer step (a hand-written "
                        "update?): a rerun cannot put them back; pass restore=model to have them copied first")
@@ -189,7 +202,7 @@ def _has_state(obj) -> bool:
 
 def _current(module, name, b):
     """The buffer as the module holds it now (a module may have replaced the tensor)."""
-    now = module._buffers.get(name)
+    now = own_buffers(module).get(name)
     return now if now is not None and now.shape == b.shape else b
 
 
@@ -200,3 +213,20 @@ def _optimizer_state(opt) -> tuple:
 
 def _clone(state: dict) -> dict:
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()}
+
+
+def _read_rngs() -> tuple:
+    """Every RNG a cell may draw from: torch's CPU generator, CUDA's (where initialised), numpy's global, random's."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, None if np is None else np.random.get_state(), random.getstate()
+
+
+def _write_rngs(states: tuple) -> None:
+    """Put back what _read_rngs read."""
+    cpu, cuda, np_state, py_state = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    if np_state is not None:
+        np.random.set_state(np_state)
+    random.setstate(py_state)

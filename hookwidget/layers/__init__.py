@@ -1,4 +1,6 @@
-"""Layer specs: one small module per layer family registers its exact (a, δ) rule (see registry.py)."""
+"""Layer specs: one small module per layer family registers its exact (a, δ) rule (see registry.py).
+
+Floor: above _torch, which is all of hookwidget it imports (torch internals only through it)."""
 
 from hookwidget.layers import attention, conv, embedding, generic, linear, norm  # noqa: F401  (each registers its specs)
 from hookwidget.layers.base import KINDS, ConvCall, ConvCalls, Factor, Kind, gram_applies

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hookwidget._torch.autograd import saved, sequence_nr
+from hookwidget._torch.layers import packed_qkv
 from hookwidget.layers import generic
 from hookwidget.layers.base import Factor
 
@@ -37,7 +39,7 @@ def mha_factors(module: nn.MultiheadAttention, call, names: list, B: int) -> tup
     training = call.training[0] if call.training else module.training
     if module.dropout > 0 and training:
         raise NotApplicable("dropout in train mode")
-    if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
+    if not packed_qkv(module) or module.bias_k is not None or module.add_zero_attn:
         raise NotApplicable("separate q/k/v weights, bias_k/bias_v or add_zero_attn")
     if not set(names) <= {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"}:
         raise NotApplicable("other parameters")
@@ -156,7 +158,7 @@ def _weight_consumers(root, seq_start: int, weights: dict) -> dict:
                 if kind is not None:
                     found.setdefault(kind, []).append(node)
                     continue
-            if child._sequence_nr() >= seq_start and type(child).__name__ != "AccumulateGrad":
+            if sequence_nr(child) >= seq_start and type(child).__name__ != "AccumulateGrad":
                 stack.append(child)
     return found
 
@@ -165,9 +167,9 @@ def _saved_rows(node):
     """The row operand a matmul node saved (addmm's mat1, mm's self)."""
     name = type(node).__name__
     if name == "AddmmBackward0":
-        return node._saved_mat1
+        return saved(node, "mat1")
     if name == "MmBackward0":
-        return node._saved_self
+        return saved(node, "self")
     return None
 
 

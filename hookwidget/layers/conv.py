@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
+from hookwidget._torch.layers import CONV_FORWARD_METHODS, conv_self_padding, is_transposed_conv
 from hookwidget.layers.base import ConvCall, Factor
 from hookwidget.layers.registry import register
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_METHODS = ("forward", "_conv_forward")
 
 
 def _pads_itself(m) -> bool:
@@ -28,12 +28,12 @@ def _call(m, a, delta) -> ConvCall:
     n = m.weight.dim() - 2
     if a.dim() == n + 1:  # unbatched input (C, *S): a batch of one
         a, delta = a.unsqueeze(0), delta.unsqueeze(0)
-    transposed = isinstance(m, nn.modules.conv._ConvTransposeNd)
+    transposed = is_transposed_conv(m)
     padding = m.padding
     if not transposed and (isinstance(padding, str) or m.padding_mode != "zeros"):
-        if any(m._reversed_padding_repeated_twice):  # exactly what the layer does ("same": right side gets the extra)
-            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
-            a = F.pad(a, m._reversed_padding_repeated_twice, mode=mode)
+        pad = conv_self_padding(m)
+        if any(pad):  # exactly what the layer does ("same": right side gets the extra)
+            a = F.pad(a, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
         padding = (0,) * n
     return ConvCall(a, delta, tuple(m.kernel_size), tuple(m.dilation), tuple(padding), tuple(m.stride),
                     m.groups, transposed)
@@ -49,12 +49,12 @@ def _factors(m, call: ConvCall) -> list:
     return out
 
 
-@register(*_CONV, keeps_input=lambda m: not _pads_itself(m), forward_methods=_METHODS)
+@register(*_CONV, keeps_input=lambda m: not _pads_itself(m), forward_methods=CONV_FORWARD_METHODS)
 def conv(m, a, delta, state=None):
     return _factors(m, _call(m, a, delta))
 
 
-@register(*_TRANSPOSED, forward_methods=_METHODS)
+@register(*_TRANSPOSED, forward_methods=CONV_FORWARD_METHODS)
 def conv_transpose(m, a, delta, state=None):
     """W.grad of y = conv_transpose(x, W) is the weight gradient of the convolution it is the adjoint of;
     output_padding (or forward's output_size) is read from δ's shape."""

@@ -46,8 +46,6 @@ from hookwidget.layers import (  # noqa: F401  (the import surface)
 )
 from hookwidget.layers.linear import linear_norm_sq
 
-_ConvCall = ConvCall  # the former name
-
 # type -> rule(module, a, delta), for layer types that are classes (derived from SPECS)
 RULES: dict[type, Callable] = {t: s.rule for t, s in SPECS.items() if isinstance(t, type)}
 

@@ -17,8 +17,10 @@ import warnings
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize, stateless
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.nn.utils import parametrize
+
+from hookwidget._torch.modules import children, own_parameters, parameters_swapped
+from hookwidget._torch.pytree import tree_flatten, tree_unflatten
 
 MIXES = "mixes samples: per-sample gradients are not separable"
 _CONTAINERS = (nn.ParameterList, nn.ParameterDict)
@@ -62,8 +64,8 @@ def owned(module: nn.Module, called=None) -> dict:
     (MultiheadAttention's out_proj, a ParameterList). `called`: ids of the modules the trace saw called;
     without it, a static guess (used before any call is seen): only parametrizations, ParameterList /
     ParameterDict and MultiheadAttention's out_proj count as never called."""
-    out = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
-    stack = [(n, c) for n, c in module._modules.items() if c is not None]
+    out = {n: p for n, p in own_parameters(module).items() if p is not None and p.requires_grad}
+    stack = [(n, c) for n, c in children(module).items() if c is not None]
     while stack:
         prefix, child = stack.pop()
         functional = (prefix == "parametrizations" and parametrize.is_parametrized(module)
@@ -76,11 +78,12 @@ def owned(module: nn.Module, called=None) -> dict:
         if functional:
             out.update((f"{prefix}.{n}", p) for n, p in child.named_parameters() if p.requires_grad)
             continue
-        out.update((f"{prefix}.{n}", p) for n, p in child._parameters.items() if p is not None and p.requires_grad)
-        stack += [(f"{prefix}.{n}", c) for n, c in child._modules.items() if c is not None]
+        out.update((f"{prefix}.{n}", p) for n, p in own_parameters(child).items()
+                   if p is not None and p.requires_grad)
+        stack += [(f"{prefix}.{n}", c) for n, c in children(child).items() if c is not None]
     if called is not None:  # a parameter a called layer inside holds too (a tied bias) is that layer's to answer for
         inner = {id(p) for d in module.modules() if d is not module and id(d) in called
-                 and not isinstance(d, parametrize.ParametrizationList) for p in d._parameters.values()}
+                 and not isinstance(d, parametrize.ParametrizationList) for p in own_parameters(d).values()}
         out = {n: p for n, p in out.items() if id(p) not in inner}
     return out
 
@@ -219,7 +222,7 @@ def _forward(module, prep: _Prepared, train: dict, batched: list, squeeze: bool)
     # module.forward, not module(): the module's own hooks (the user's, another trace's) do not run again
     # buffers as fresh copies: a forward that updates them (BatchNorm's running statistics) writes to those
     frozen = {n: t.clone() if n in prep.buffers else t for n, t in prep.frozen.items()}
-    with stateless._reparametrize_module(module, {**frozen, **train}, tie_weights=True, strict=False):
+    with parameters_swapped(module, {**frozen, **train}):
         out = flat_outputs(module.forward(*args, **kwargs))
     if len(out) <= max(prep.outs):
         raise Refused("its forward returns other outputs than at the call")
@@ -292,7 +295,7 @@ def _leading_one(p) -> bool:
 
 def has_broadcast_params(module) -> bool:
     """Whether the module holds parameters of its own shaped (1, ...) (a class token, a position embedding)."""
-    return any(p is not None and p.requires_grad and _leading_one(p) for p in module._parameters.values())
+    return any(p is not None and p.requires_grad and _leading_one(p) for p in own_parameters(module).values())
 
 
 def broadcast_params(module, call, names: list, B: int) -> tuple:

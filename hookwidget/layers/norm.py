@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
+from hookwidget._torch.layers import unbatched_rank
 from hookwidget.layers.base import Factor
 from hookwidget.layers.registry import register
 
@@ -85,7 +86,7 @@ def instance_norm(m, a, delta, state=None):
     """Each sample's channels normalised by their own statistics (or running ones in eval): exact per sample."""
     if not m.affine:
         return []
-    if a.dim() == m._get_no_batch_dim():  # unbatched (C, *S): a batch of one
+    if a.dim() == unbatched_rank(m):  # unbatched (C, *S): a batch of one
         a, delta = a.unsqueeze(0), delta.unsqueeze(0)
     running = m.track_running_stats and not m.training
     xhat = F.instance_norm(a, m.running_mean if running else None, m.running_var if running else None,

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from hookwidget._torch.modules import own_parameters
 from hookwidget.layers import generic
 
 
@@ -183,7 +184,7 @@ def _exact(module: nn.Module, facts: tuple):
         if patched in own:
             return None, (f"{type(module).__name__}.{patched} is replaced on this instance: no exact (a, δ) rule; "
                           f"the rule rebuilds {cls.__name__}'s own forward")
-    params = module._parameters
+    params = own_parameters(module)
     for p in spec.params:
         if p not in params and isinstance(getattr(module, p, None), torch.Tensor):
             return None, (f"{type(module).__name__}.{p} is computed (parametrize, weight_norm or spectral_norm),"
@@ -220,7 +221,7 @@ def needs_input(module: nn.Module) -> bool:
     if spec is None or not spec.keeps_input(module):
         return False
     return any(isinstance(p, torch.Tensor) and p.requires_grad
-               for p in (module._parameters.get(n) for n in spec.params))
+               for p in (own_parameters(module).get(n) for n in spec.params))
 
 
 def capture_facts(module: nn.Module, table: dict | None = None) -> tuple:
@@ -232,7 +233,7 @@ def capture_facts(module: nn.Module, table: dict | None = None) -> tuple:
         return None, False, False, _elementwise(type(module))
     needs = False
     if spec.keeps_input(module):
-        params = module._parameters
+        params = own_parameters(module)
         for n in spec.params:
             p = params.get(n)
             if p is not None and p.requires_grad:
