@@ -37,6 +37,7 @@ from hookwidget.layers import factors as fx
 from hookwidget.layers import registry
 from hookwidget.record import graph as graph_mod
 from hookwidget.record.calls import PREVIOUS, Call, ModuleRecord, Records, StepRecord
+from hookwidget.record.notes import Note
 from hookwidget.stats import StatsBatch, abs_max, fused_norms, stats_on_device, to_summaries
 
 CAPTURE_MODES = ("full", "summary", "norms")
@@ -415,8 +416,7 @@ class Tracer(GenericCapture):
         if self.node_grads is None:
             self.node_grads = len(walk.nodes) <= AUTO_NODE_GRADS_MAX
             if not self.node_grads:
-                self._notes.append(f"the graph has {len(walk.nodes)} nodes: gradient norms are shown for layer "
-                                   "outputs and parameters only; trace with node_grads=True for every node")
+                self._notes.append(Note("graph_large", {"nodes": len(walk.nodes)}))
         node_grads = self.node_grads
         if node_grads and self._depth > 1:  # norms derived after nested passes would be inexact
             for i in self._unhooked:
@@ -662,26 +662,19 @@ class Tracer(GenericCapture):
         self._derive_node_norms()
         self._own_what_is_kept()
         if self._dropped or self._dropped_grads:
-            self._notes.append(f"memory budget {self.budget_bytes / 2**20:g} MB reached: "
-                               + ", ".join(part for part in (
-                                   f"{self._dropped} activations or gradients" if self._dropped else "",
-                                   f"{self._dropped_grads} .grad copies of earlier steps" if self._dropped_grads
-                                   else "") if part)
-                               + " kept as summaries only (shape, norm, min/max/mean, NaN/Inf); "
-                               "raise budget_mb to keep them")
+            self._notes.append(Note("budget_reached", {"budget_mb": self.budget_bytes / 2**20, "dropped": self._dropped,
+                                                       "dropped_grads": self._dropped_grads}))
         if not self._steps:
-            self._notes.append("no gradients captured: the code ran no backward (activations only)")
+            self._notes.append(Note("no_grads"))
         if self._used_grad:
-            self._notes.append("torch.autograd.grad was used: parameters reached only by it keep .grad None")
+            self._notes.append(Note("autograd_grad_used"))
         self._notes += self._unseen_notes()
-        no_factors = ""
+        no_factors = None
         if self._create_graph:
-            no_factors = ("create_graph=True (double backward): .grad then holds terms that (a, δ) do not, and δ "
-                          "sums every backward pass; weight_grad and per-sample gradients are refused")
+            no_factors = Note("create_graph")
             self._notes.append(no_factors)
         elif self._passes_summed:
-            self._notes.append("backward ran through the same graph more than once (retain_graph=True): δ and "
-                               "weight_grad are summed over those passes, as .grad is")
+            self._notes.append(Note("retain_graph"))
         for c in self._live:
             c.out_node = None
         self._live = []
@@ -701,8 +694,7 @@ class Tracer(GenericCapture):
             for call in rec.calls:
                 if call._a_version >= 0 and call.a is not None and call.a._version != call._a_version:
                     call.a = None
-                    self._notes.append(f"{type(rec.module).__name__}: an input was modified in place after "
-                                       "the call; its activation was not kept")
+                    self._notes.append(Note("input_modified", {"module_type": type(rec.module).__name__}))
                 if call.a is not None and (call._a_version >= 0 or self.capture == "norms"):
                     slots.append((call, "a"))  # (else a copy, the trace's own already)
                 call._a_version = -1
@@ -729,27 +721,18 @@ class Tracer(GenericCapture):
                     for i, c in enumerate(kept):
                         c.index = i
         if names:
-            self._notes.append("torch.utils.checkpoint reran forward during backward for: " + ", ".join(names)
-                               + "; only their calls that received a gradient are kept")
+            self._notes.append(Note("checkpoint_recomputed", {"module_types": tuple(names)}))
 
     def _unseen_notes(self) -> list:
         scripted = sorted({type(r.module).__name__ for r in self._modules.values()
                            if isinstance(r.module, torch.jit.ScriptModule)})
         seen = {k: ", ".join(v) for k, v in self._seen.items()}
-        text = {
-            "compiled": f"torch.compile: hooks added after compilation are not honoured, so the layers inside "
-                        f"{seen.get('compiled')} are not shown; trace the uncompiled model (model._orig_mod), "
-                        "or call torch.compile after tracing",
-            "func": f"torch.func transforms (vmap, grad, ...) ran {seen.get('func')}: calls inside a transform "
-                    "are not captured (hooks see wrapped tensors); trace a plain forward and backward instead",
-        }
-        notes = [text[k] for k in text if k in seen]
+        notes = [Note(i, {"where": seen[k]}) for k, i in (("compiled", "compiled"), ("func", "torch_func"))
+                 if k in seen]
         if scripted:
-            notes.append(f"ScriptModule ({', '.join(scripted)}): hooks do not fire inside TorchScript, so its "
-                         "layers are not shown; trace the module before torch.jit.script")
+            notes.append(Note("script_module", {"classes": tuple(scripted)}))
         if self._ddp:  # a DistributedDataParallel module's record was made (see _decide)
-            notes.append("DistributedDataParallel: .grad is averaged over ranks after backward; a, δ, weight_grad "
-                         "and per-sample gradients are this rank's own (its samples, before the all-reduce)")
+            notes.append(Note("ddp"))
         return notes
 
 

@@ -89,7 +89,7 @@ class Records:
     walk: GraphWalk  # the graph of the last step (or of the forward pass, when no backward ran)
     steps: list  # StepRecord per backward pass
     grads_at_end: dict  # leaf -> whether its .grad was still as the last step left it when the trace ended
-    notes: list
+    notes: list  # record.notes.Note, in the order they were met
     used_autograd_grad: bool
-    no_factors: str = ""  # why (a, δ) cannot rebuild .grad in this run (e.g. double backward), or ""
+    no_factors: Any = None  # the Note saying why (a, δ) cannot rebuild .grad in this run (double backward), or None
     answers: dict = field(default_factory=dict, repr=False)  # the registry's answer per module at its first call

@@ -31,12 +31,14 @@ def summary(trace) -> dict:
     """Everything the explorer draws before any click: JSON-safe, no tensor values. Tensor norms come from
     stats.l2_norms: one multi-tensor reduction, and none again for a tensor the graph's nodes reduced."""
     h = health(trace)  # builds the graph first: its .grad and δ norms are the tree's and the parameters'
+    notes = trace.note_records
     return {
         "graph": graph_summary(trace.graph),
         "modules": module_tree(trace, h.get("layers", {})),
         "params": {n: _num(v) for n, v in l2_norm_map(trace.param_grads).items()},
         "loss": _num(trace.loss),
-        "notes": [str(n) for n in trace.notes],
+        "notes": [str(n) for n in notes],
+        "note_ids": [n.id for n in notes],  # the front-end finds a note by its id, never by its text
         "has_grads": bool(trace.param_grads) or any(c.delta is not None or c.delta_summary is not None
                                                     for layer in trace.layers.values() for c in layer.calls[:1]),
         "hooks": hooks(trace),
@@ -498,11 +500,8 @@ def _unsupported(trace, name: str) -> str | None:
 
 
 def _layer_notes(trace, name: str) -> list[str]:
-    """The trace's notes that name this layer (whole name), one line each."""
-    import re
-
-    pat = re.compile(r"(?<![\w.])" + re.escape(name) + r"(?![\w.])") if name else None
-    return [str(n).splitlines()[0] for n in trace.notes if pat is not None and pat.search(str(n))][:10]
+    """The trace's notes that concern this layer (their `layers` field), one line each."""
+    return [str(n).splitlines()[0] for n in trace.note_records if name and name in n.layers][:10]
 
 
 def _try(fn, meta: dict):
