@@ -76,7 +76,7 @@ def own_trainable(trace, name: str) -> list:
 
 def _layer_params(trace, name: str) -> tuple:
     """(owned_params, own_trainable, the own ones it does not answer for) of the layer, read once per trace
-    (when it is attached): a model changed later does not change them."""
+    (when the run ends: coverage.settle): a model changed later does not change them."""
     cache = trace.facts
     key = ("params", name)
     found = cache.get(key)

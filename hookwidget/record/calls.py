@@ -1,6 +1,6 @@
 """What a trace saw, as plain dataclasses: module calls, backward passes (steps), and the whole run.
 
-The Tracer (capture.py) fills them in; the Trace (trace.py) names them and answers questions.
+The Tracer (capture/tracer.py) fills them in; record/assemble.py names them into the record a Trace holds.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class StepRecord:
 
 @dataclass
 class Records:
-    """Everything a trace saw, before names are attached (see trace.py)."""
+    """Everything a trace saw, before names are given (record/assemble.py)."""
 
     modules: dict  # nn.Module -> ModuleRecord, in first-call order
     walk: GraphWalk  # the graph of the last step (or of the forward pass, when no backward ran)
