@@ -31,14 +31,13 @@ class Trace:
     def __init__(self, session, record: RunRecord | Pending, applied=()):
         self.session = session
         self.applied = tuple(applied)  # the interventions that were on in this run
-        self._record = record
+        self._pending = record if isinstance(record, Pending) else Pending(record)
         self.facts = Facts()
         self._user_hooks = None  # see user_hooks
 
     @property
     def record(self) -> RunRecord:
-        r = self._record
-        return r.record if isinstance(r, Pending) else r
+        return self._pending.record
 
     @property
     def options(self) -> dict:
@@ -46,29 +45,29 @@ class Trace:
 
     @property
     def layers(self) -> dict[str, Layer]:
-        return self.record.layers
+        return self._pending.record.layers
 
     @property
     def steps(self) -> list[Step]:
-        return self.record.steps
+        return self._pending.record.steps
 
     @property
     def param_grads(self) -> dict[str, torch.Tensor | None]:
         """.grad as the last backward pass left it (copies)."""
-        return self.record.param_grads
+        return self._pending.record.param_grads
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
-        return self.record.params
+        return self._pending.record.params
 
     @property
     def losses(self) -> list[float]:
-        return self.record.losses
+        return self._pending.record.losses
 
     @property
     def accumulates(self) -> bool:
         """Whether backward passes summed into .grad with no reset between them."""
-        return self.record.accumulates
+        return self._pending.record.accumulates
 
     @property
     def user_hooks(self) -> dict[str, list[str]]:

@@ -122,8 +122,8 @@ class RunRecord:
 class Pending:
     """The record of a run that may still be going: empty until `fill` (once, when the run ends)."""
 
-    def __init__(self):
-        self.record = RunRecord()
+    def __init__(self, record: RunRecord | None = None):
+        self.record = RunRecord() if record is None else record
 
     def fill(self, record: RunRecord) -> None:
         if self.record.done:
