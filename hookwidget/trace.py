@@ -25,8 +25,9 @@ __all__ = ["Layer", "Step", "Trace"]
 class Trace:
     """What one run showed: layers and their calls, steps, the graph, gradients, notes. Displays as its widget.
 
-    `record`: the RunRecord (record/run.py), or the Pending one of a run still going (`with hw.tracing() as
-    t:`: empty until its block ends). `facts`: analysis's one cache for this trace (analysis/facts.py)."""
+    `record`: the RunRecord (record/run.py), given as it is or as the Pending one of a run still going (`with
+    hw.tracing() as t:`: empty until its block ends). `facts`: analysis's one cache for this trace, made with it
+    (analysis/facts.py)."""
 
     def __init__(self, session, record: RunRecord | Pending, applied=()):
         self.session = session
@@ -75,7 +76,9 @@ class Trace:
         return self.record.user_hooks if self._user_hooks is None else self._user_hooks
 
     @user_hooks.setter
-    def user_hooks(self, hooks: dict) -> None:  # the flight recorder leaves out the watch's own (watch/flight.py)
+    def user_hooks(self, hooks: dict) -> None:
+        # Only while watch/flight.py still rewrites them to leave out the watch's hooks, which the record leaves
+        # out already (record/assemble.py: hookwidget's own hooks are never the user's): then delete this setter.
         self._user_hooks = hooks
 
     @property

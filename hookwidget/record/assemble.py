@@ -107,9 +107,9 @@ def _leaf_namer(rec: Records, param_ids: dict, namespace) -> Callable:
 
 
 def _user_hooks(layers: dict, leaves: dict) -> dict:
-    """Hooks the user's code left attached (hookwidget's own are gone by now): module hooks by layer
-    name, tensor hooks on the leaves backward reached (parameters, inputs) by their names. They
-    change what the trace shows, so the user should see them."""
+    """Hooks the user's code left attached: module hooks by layer name, tensor hooks on the leaves backward
+    reached (parameters, inputs) by their names. They change what the trace shows, so the user should see them.
+    hookwidget's own are not the user's: the trace's are gone by now, a watch's around it are left out."""
     kinds = {}
     for name, layer in layers.items():
         m = layer.module
@@ -123,7 +123,8 @@ def _user_hooks(layers: dict, leaves: dict) -> dict:
             kinds[name] = kinds.get(name, ()) + (("tensor", tensor_hooks or {}), ("post_accumulate_grad", post or {}))
     out = {}
     for name, dicts in kinds.items():
-        found = [f"{kind}: {getattr(h, '__qualname__', type(h).__name__)}" for kind, d in dicts for h in d.values()]
+        found = [f"{kind}: {getattr(h, '__qualname__', type(h).__name__)}" for kind, d in dicts for h in d.values()
+                 if not (getattr(h, "__module__", None) or "").startswith("hookwidget.")]
         if found:
             out[name] = found
     return out
