@@ -5,6 +5,7 @@ the layers it concerns, never by its text."""
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import hookwidget as hw
 from hookwidget.analysis.facts import Facts, Refusal
@@ -169,3 +170,34 @@ def test_a_block_still_running_has_an_empty_record_and_no_notes():
         assert t.layers == {} and t.notes == [] and t.graph.number_of_nodes() == 0 and not t.record.done
         m(x).sum().backward()
     assert t.record.done and "0" in t.layers and t.notes == []
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc2(checkpoint(lambda t: torch.relu(self.fc1(t)), x, use_reentrant=False))
+
+
+def test_capture_notes_on_modules_name_their_layers():
+    """Capture names the modules a note concerns; the record gives their layer names (explorer: on that layer)."""
+    torch.manual_seed(0)
+    model = Checkpointed()
+    t = hw.trace(lambda: model(torch.randn(3, 4)).sum().backward(), model)
+    note = next(n for n in t.note_records if n.id == "checkpoint_recomputed")
+    assert note.layers == ("fc1",) and "modules" not in note.fields and note.fields["module_types"] == ("Linear",)
+    assert payload._layer_notes(t, "fc1") == [str(note)] and payload._layer_notes(t, "fc2") == []
+    check_rendered(t)
+
+    m, x = _mlp()
+
+    def cell():
+        a = x.clone()
+        m(a).sum().backward()
+        a.add_(1)  # after the call: its activation is not kept
+
+    t = hw.trace(cell)
+    assert [(n.id, n.layers) for n in t.note_records] == [("input_modified", ("0",)), ("params_left_out", ("0",))]
+    assert t.notes[0] == "Linear: an input was modified in place after the call; its activation was not kept"

@@ -694,7 +694,8 @@ class Tracer(GenericCapture):
             for call in rec.calls:
                 if call._a_version >= 0 and call.a is not None and call.a._version != call._a_version:
                     call.a = None
-                    self._notes.append(Note("input_modified", {"module_type": type(rec.module).__name__}))
+                    self._notes.append(Note("input_modified", {"module_type": type(rec.module).__name__,
+                                                               "modules": (rec.module,)}))
                 if call.a is not None and (call._a_version >= 0 or self.capture == "norms"):
                     slots.append((call, "a"))  # (else a copy, the trace's own already)
                 call._a_version = -1
@@ -716,12 +717,13 @@ class Tracer(GenericCapture):
             if any(c.recomputed for c in rec.calls):
                 kept = [c for c in rec.calls if c.delta is not None or c.delta_summary is not None]
                 if kept and len(kept) < len(rec.calls):
-                    names.append(type(rec.module).__name__)
+                    names.append(rec.module)
                     rec.calls[:] = kept
                     for i, c in enumerate(kept):
                         c.index = i
         if names:
-            self._notes.append(Note("checkpoint_recomputed", {"module_types": tuple(names)}))
+            self._notes.append(Note("checkpoint_recomputed", {"module_types": tuple(type(m).__name__ for m in names),
+                                                              "modules": tuple(names)}))
 
     def _unseen_notes(self) -> list:
         scripted = sorted({type(r.module).__name__ for r in self._modules.values()

@@ -30,7 +30,7 @@ def assemble(rec: Records, *, targets, names=None, include=None, exclude=None, n
         name = module_names.get(module)
         if name is not None and mrec.calls and keep(name):
             layers[name] = Layer(name, module, mrec.calls)
-    notes = list(rec.notes)
+    notes = [_named(n, layers) for n in rec.notes]
     leaf_name = _leaf_namer(rec, {id(p): n for n, p in params.items()}, namespace)
     steps, losses, param_grads, accumulates = _steps(rec, layers, leaf_name)
     if len([s for s in steps if s.kind == "backward"]) > 1:
@@ -48,6 +48,17 @@ def assemble(rec: Records, *, targets, names=None, include=None, exclude=None, n
     graph = LazyGraph(rec.walk, {p: n for n, p in params.items()}, calls, show_hook_nodes)
     return RunRecord(layers, steps, param_grads, params, losses, _user_hooks(layers, leaves), accumulates,
                      tuple(notes), factor_notes_at, str(rec.no_factors or ""), norms, rec.answers, graph, done=True)
+
+
+def _named(note: Note, layers: dict) -> Note:
+    """A capture note that names the modules it concerns (`modules`), with their layer names instead (`layers`):
+    the record holds names, not live modules."""
+    modules = note.fields.get("modules")
+    if modules is None:
+        return note
+    names = {id(layer.module): n for n, layer in layers.items()}
+    fields = {k: v for k, v in note.fields.items() if k != "modules"}
+    return Note(note.id, {**fields, "layers": tuple(names[id(m)] for m in modules if id(m) in names)})
 
 
 def _steps(rec: Records, layers: dict, leaf_name) -> tuple:

@@ -14,7 +14,7 @@ from typing import Callable
 @dataclass(frozen=True)
 class Note:
     """One note: a stable `id` from TEXT and the `fields` its text is made of (`layers`: the layer names it
-    concerns, where it concerns some)."""
+    concerns, where it concerns some; capture's notes name them as `modules`, which record/assemble.py names)."""
 
     id: str
     fields: dict = field(default_factory=dict)
