@@ -34,6 +34,15 @@ def step_indices(trace, step: int | None) -> list[int]:
     return backward
 
 
+def step_grad(trace, p, k: int) -> torch.Tensor | None:
+    """What step k added to parameter p's .grad, or None (the step did not reach it, or kept a summary only)."""
+    name = next((n for n, q in trace.params.items() if q is p), None)
+    try:
+        return trace.steps[k].grad(name)
+    except (KeyError, ValueError):
+        return None
+
+
 def allclose_grad(got: torch.Tensor, want: torch.Tensor) -> bool:
     if want.is_sparse:
         want = want.to_dense()

@@ -74,7 +74,7 @@ def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | N
         full, matched = None, []
         for pn, g in rows.items():
             if holders.get(id(owned[pn])) == [name]:
-                made = _step_grad(trace, owned[pn], k)
+                made = facts.step_grad(trace, owned[pn], k)
                 if made is not None and _adds_up(g, made):
                     matched.append(("complete", id(owned[pn]), k, (id(g.D if isinstance(g, fx.Factor) else g),)))
                     continue
@@ -153,16 +153,6 @@ def _sum_calls(parts) -> dict:
     for g in parts:
         total = dict(g) if total is None else {n: total[n] + g[n] for n in total}
     return total
-
-
-def _step_grad(trace, p, k: int):
-    """The .grad of parameter p that step k made, or None."""
-    name = next((n for n, q in trace.params.items() if q is p), None)
-    try:
-        made = trace.steps[k].grad(name)
-    except (KeyError, ValueError):
-        return None
-    return made
 
 
 def _summed(g) -> torch.Tensor:

@@ -18,7 +18,7 @@ from collections import defaultdict
 import torch
 
 from hookwidget.analysis.batches import _fold, batched_call, check_batched, unbatched, unbatched_by_step
-from hookwidget.analysis.facts import Refusal, allclose_grad, owned_params, param_holders, step_indices
+from hookwidget.analysis.facts import Refusal, allclose_grad, owned_params, param_holders, step_grad, step_indices
 from hookwidget.analysis.generic import generic_rows
 from hookwidget.layers import factors as fx
 from hookwidget.layers import generic
@@ -209,11 +209,7 @@ def coverage_gap(trace, p, k: int, reasons: dict, factors_of) -> str | None:
 def _complete(trace, p, fs: list, k: int) -> bool:
     """Whether the factors of a parameter rebuild all of the .grad step k made (where they do not, say a tied
     embedding that scales its rows, the parameter is left out)."""
-    name = next((n for n, q in trace.params.items() if q is p), None)
-    try:
-        made = trace.steps[k].grad(name)
-    except (KeyError, ValueError):
-        return False
+    made = step_grad(trace, p, k)
     if made is None:
         return False
     if len(fs) == 1 and trace.facts.get(("complete", id(p), k, (id(fs[0].D),))):
