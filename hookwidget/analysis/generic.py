@@ -46,7 +46,7 @@ def _generic_rows(trace, name: str, k: int) -> dict | Refusal:
     if not B:
         return Refusal("its inputs have no batch dimension")
     size = B * sum(p.numel() * p.element_size() for p in owned.values())
-    budget = _budget_bytes(trace)
+    budget = float(trace.session.options.budget_mb) * 2**20
     fast = _fast_rows(module, calls, names, B)
     if fast is not None and (size <= budget or all(f.kind != "dense" for f in fast.values())):
         why = _check_rows(trace, name, module, calls, names, owned, B, k, fast)
@@ -139,13 +139,6 @@ def _fast_rule_rows(rule, module, call, names: dict, B: int):
     except Exception:  # noqa: BLE001  (the vmap rule decides, and names the reason where it fails too)
         return None
     return rows
-
-
-def _budget_bytes(trace) -> float:
-    try:
-        return float(trace.session.options.budget_mb) * 2**20
-    except AttributeError:  # a trace without a session (built by hand)
-        return float("inf")
 
 
 def _sum_calls(parts) -> dict:
