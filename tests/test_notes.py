@@ -23,6 +23,11 @@ def ids(t) -> list:
     return [n.id for n in t.note_records]
 
 
+def layer_notes(t, name: str) -> list:
+    """The notes the explorer shows on a layer (its detail)."""
+    return payload.detail(t, name)[0]["notes"]
+
+
 def check_rendered(t):
     assert t.notes == [render(n) for n in t.note_records] == [str(n) for n in t.note_records]
 
@@ -124,7 +129,7 @@ def test_an_intervention_that_did_not_fire_is_a_note_on_its_layer():
     t2 = t.rerun()
     assert ids(t2) == ["intervention_not_fired"] and t2.note_records[0].layers == ("2",)
     check_rendered(t2)
-    assert payload._layer_notes(t2, "2") == t2.notes and payload._layer_notes(t2, "0") == []
+    assert "2" not in t2.layers and layer_notes(t2, "0") == []  # (a layer the run did not call has no detail)
 
 
 def test_coverage_notes_name_their_layers_and_the_payload_finds_them_by_that():
@@ -137,8 +142,8 @@ def test_coverage_notes_name_their_layers_and_the_payload_finds_them_by_that():
     assert left.layers == ("1",) and [n for n, _ in left.fields["reasons"]] == ["1.weight", "1.bias"]
     assert dict(left.fields["reasons"]) == t.per_sample_left_out
     check_rendered(t)
-    assert payload._layer_notes(t, "1") == t.notes
-    assert payload._layer_notes(t, "2") == []  # "2 parameters" in the text does not make it a note on layer 2
+    assert layer_notes(t, "1") == t.notes
+    assert layer_notes(t, "2") == []  # "2 parameters" in the text does not make it a note on layer 2
 
 
 class Noisy(nn.Module):
@@ -188,7 +193,7 @@ def test_capture_notes_on_modules_name_their_layers():
     t = hw.trace(lambda: model(torch.randn(3, 4)).sum().backward(), model)
     note = next(n for n in t.note_records if n.id == "checkpoint_recomputed")
     assert note.layers == ("fc1",) and "modules" not in note.fields and note.fields["module_types"] == ("Linear",)
-    assert payload._layer_notes(t, "fc1") == [str(note)] and payload._layer_notes(t, "fc2") == []
+    assert layer_notes(t, "fc1") == [str(note)] and layer_notes(t, "fc2") == []
     check_rendered(t)
 
     m, x = _mlp()
