@@ -42,6 +42,6 @@ def trace(fn: Callable[[], object], modules=None, **options) -> Trace:
 
 @contextmanager
 def tracing(modules=None, **options) -> Iterator[Trace]:
-    """`with hw.tracing() as t:` traces the block; `t` is filled in when the block ends."""
+    """`with hw.tracing() as t:` traces the block; `t`'s record is assembled when the block ends (empty until then)."""
     with Session(None, modules, options).recording() as t:
         yield t

@@ -15,9 +15,12 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from hookwidget.analysis import coverage
 from hookwidget.capture.tracer import Tracer
 from hookwidget.interventions import KINDS, Intervention, make
 from hookwidget.options import Options
+from hookwidget.record.assemble import assemble
+from hookwidget.record.run import Pending
 from hookwidget.state import RunState, code_scope, related_objects
 from hookwidget.trace import Trace
 
@@ -65,7 +68,7 @@ class Session:
 
     @contextmanager
     def recording(self, state: RunState | None = None):
-        """Hooks on for the block; the Trace is filled in when it ends, whatever happens in it."""
+        """Hooks on for the block; the Trace's record is assembled when it ends, whatever happens in it."""
         opts = self.options
         layer_ivs, node_ivs = defaultdict(list), defaultdict(list)
         for iv in self.interventions:
@@ -73,7 +76,8 @@ class Session:
         tracer = Tracer(self.modules, capture=opts.capture, budget_mb=opts.budget_mb, node_grads=opts.node_grads,
                         backward_hooks=opts.backward_hooks, layer_interventions=layer_ivs, node_interventions=node_ivs,
                         norms_rule=_norms_rule(opts.capture), state=state)
-        t = Trace(self, applied=self.interventions)
+        pending = Pending()
+        t = Trace(self, pending, applied=self.interventions)
         failed = True
         try:
             with tracer:
@@ -82,19 +86,25 @@ class Session:
         finally:
             if tracer.records is not None:
                 try:
-                    self._attach(t, tracer, state, failed)
+                    self._ended(t, pending, tracer, state, failed)
                 except Exception:
                     if not failed:
                         raise  # otherwise the code's own exception propagates, not hookwidget's
 
-    def _attach(self, t: Trace, tracer: Tracer, state: RunState | None, failed: bool) -> None:
-        if tracer.norms_rule is not None:
-            t._norms = tracer.norms_rule.result()
-        t._attach(tracer.records, tracer.targets, self.namespace)
+    def _ended(self, t: Trace, pending: Pending, tracer: Tracer, state: RunState | None, failed: bool) -> None:
+        """The run's record assembled (record/assemble.py) and given to its Trace; coverage settled while the
+        modules are as the run left them; the first run becomes the baseline."""
+        rec, opts = tracer.records, self.options
         if state is not None:
-            for s in tracer.records.steps:
+            for s in rec.steps:
                 state.on_grads(s.before)
-            t._notes += [f"rerun: {n}" for n in state.unrestorable()]  # after any notes decided later (Trace.notes)
+        pending.fill(assemble(rec, targets=tracer.targets, names=self.names, include=opts.include,
+                              exclude=opts.exclude, namespace=self.namespace, applied=t.applied,
+                              norms=tracer.norms_rule.result() if tracer.norms_rule is not None else None,
+                              show_hook_nodes=opts.show_hook_nodes,
+                              unrestorable=state.unrestorable() if state is not None else ()))
+        coverage.settle(t)
+        if state is not None:
             self._state, self.baseline = state, t
         if not failed or self.latest is None:
             self.latest = t

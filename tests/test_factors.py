@@ -150,6 +150,7 @@ def test_unsupported_layers_are_listed_not_skipped():
     x = torch.randn(8, 4)
     t = hw.trace(lambda: model(x).sum().backward())
     assert any("1 (no factor rule for SyncBatchNorm: its statistics span every process" in n for n in t.notes)
+    assert [(n.id, n.layers) for n in t.note_records] == [("no_factor_rule", ("1",)), ("params_left_out", ("1",))]
     assert not t.supports("1")
     with pytest.raises(ValueError, match="no factor rule for SyncBatchNorm: .*; supported types:"):
         t.weight_grad("1")

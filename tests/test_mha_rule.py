@@ -30,7 +30,7 @@ def traced(model, loss_full, **options):
 
 
 def used_fast(t, layer: str) -> bool:
-    rows = next(v for k, v in t._generic.items() if k[0] == "rows" and k[1] == layer)
+    rows = next(v for k, v in t.facts.items() if k[0] == "rows" and k[1] == layer)
     return isinstance(rows, dict) and all(isinstance(g, fx.Factor) for g in rows.values())
 
 
@@ -121,7 +121,7 @@ def test_the_fast_factors_equal_each_sample_alone_and_take_the_gram_form():
     model = Wrap(mha, 16)
     x = torch.randn(B, 3, 16)
     t = traced(model, lambda: model(x)[0].pow(2).sum())
-    rows = next(v for k, v in t._generic.items() if k[0] == "rows")
+    rows = next(v for k, v in t.facts.items() if k[0] == "rows")
     f = rows["in_proj_weight"]
     assert f.kind == "outer" and f.D.shape == (B, 3, 48) and f.X.shape == (B, 3, 16)
     assert fx.gram_applies(f)

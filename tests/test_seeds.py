@@ -139,6 +139,7 @@ def test_seed001_forward_hook_sees_activation_shape():
     assert tuple(t.layers["fc1"].calls[0].output_shape) == (1, 5)
     assert t.layers["fc1"].delta is None
     assert any("no gradients captured" in n for n in t.notes)
+    assert "no_grads" in [n.id for n in t.note_records]
 
 
 def test_seed000_wrong_forward_hook_returning_output_changes_gradient():

@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-from hookwidget.analysis.facts import allclose_grad, own_trainable, owned_params, step_indices, trace_cache
+from hookwidget.analysis.facts import allclose_grad, own_trainable, owned_params, step_indices
 from hookwidget.layers import factors as fx
 
 
@@ -45,7 +45,7 @@ def broadcast_delta(trace, call):
     the samples is the call's δ (so the rows are exact), else None."""
     if call.bdelta is None or call.delta is None:
         return None
-    cache = trace_cache(trace)
+    cache = trace.facts
     key = ("bdelta", id(call))
     if key not in cache:
         summed = call.bdelta.sum(0, keepdim=call.bdelta.dim() == call.delta.dim())
@@ -86,15 +86,15 @@ def _lead(trace, call, module=None) -> int | None:
 def step_batch_size(trace, k: int) -> int | None:
     """The batch size the exact-rule layers of step k agree on (the most common leading dimension; with
     capture="norms", the one the streamed norms have)."""
-    if trace._norms is not None:
-        sq = trace._norms[k][0] if k < len(trace._norms) else None
+    if trace.record.norms is not None:
+        sq = trace.record.norms[k][0] if k < len(trace.record.norms) else None
         return None if sq is None else sq.shape[0]
     return _batch_of(_leads(trace, k), model_batches(trace).get(k))
 
 
 def _exact_layers(trace, k: int) -> list[str]:
     """factor_layers(trace, k) of exact (a, δ) rules only (no generic check runs)."""
-    if trace._no_factors:
+    if trace.record.no_factors:
         return []
     out = []
     for n, layer in trace.layers.items():
@@ -125,7 +125,7 @@ def unbatched_by_step(trace, eligible=None) -> dict:
     """unbatched(trace, k) of every step k, in one pass over the calls (a loop of many steps
     would otherwise walk every call once per step). `eligible`: the names of the layers with own
     trainable parameters and a factor rule, where the caller knows them already."""
-    if trace._no_factors:
+    if trace.record.no_factors:
         return {}
     layers = trace.layers
     if eligible is None:
@@ -152,7 +152,7 @@ def unbatched_by_step(trace, eligible=None) -> dict:
 def model_batches(trace) -> dict:
     """Step -> the batch size the model was called with: the leading dimension of the first input of the
     outermost module calls that step reached (most common, where the cell calls several)."""
-    cache = trace_cache(trace)
+    cache = trace.facts
     if "model_batches" not in cache:
         counts: dict = defaultdict(Counter)
         for layer in trace.layers.values():

@@ -1,12 +1,15 @@
 """Facts about a finished trace that every analysis reads: which steps a query answers for, which parameters each
-layer answers for and holds, and the one cache per trace where such answers are kept.
+layer answers for and holds; the one cache per trace where such answers are kept (Facts); the typed refusal
+(Refusal) of an analysis that has no answer.
 
 Floor: analysis. Imports layers/ only.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +34,15 @@ def step_indices(trace, step: int | None) -> list[int]:
     return backward
 
 
+def step_grad(trace, p, k: int) -> torch.Tensor | None:
+    """What step k added to parameter p's .grad, or None (the step did not reach it, or kept a summary only)."""
+    name = next((n for n, q in trace.params.items() if q is p), None)
+    try:
+        return trace.steps[k].grad(name)
+    except (KeyError, ValueError):
+        return None
+
+
 def allclose_grad(got: torch.Tensor, want: torch.Tensor) -> bool:
     if want.is_sparse:
         want = want.to_dense()
@@ -38,11 +50,25 @@ def allclose_grad(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 1e-12))
 
 
-def trace_cache(trace) -> dict:
-    cache = getattr(trace, "_generic", None)
-    if cache is None:
-        cache = trace._generic = {}
-    return cache
+class Facts(dict):
+    """The one cache per trace, made with it (`trace.facts`): what analysis read of its record and of the modules
+    when it ended, and answers worth keeping (the generic rule's rows per layer and step, batch sizes, coverage),
+    by key. `lock`: taken where an answer must be decided once, whichever thread asks first (an explorer's
+    message handler, the user's cell); re-entrant, as deciding may read other answers."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.RLock()
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """No answer, and why (one line): returned where callers go on without the answer and say why."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 def owned_params(trace, name: str) -> dict:
@@ -59,8 +85,8 @@ def own_trainable(trace, name: str) -> list:
 
 def _layer_params(trace, name: str) -> tuple:
     """(owned_params, own_trainable, the own ones it does not answer for) of the layer, read once per trace
-    (when it is attached): a model changed later does not change them."""
-    cache = trace_cache(trace)
+    (when the run ends: coverage.settle): a model changed later does not change them."""
+    cache = trace.facts
     key = ("params", name)
     found = cache.get(key)
     if found is None:
@@ -83,7 +109,7 @@ def _layer_params(trace, name: str) -> tuple:
 
 def param_holders(trace) -> dict:
     """id(parameter) -> names of the called layers that answer for it (tied weights: several)."""
-    cache = trace_cache(trace)
+    cache = trace.facts
     out = cache.get("holders")
     if out is not None:
         return out

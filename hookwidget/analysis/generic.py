@@ -3,7 +3,7 @@
 A layer without an exact (a, δ) rule gets its per-sample gradients from layers/generic.py (a fast rule
 where one applies: nn.MultiheadAttention's factors, a model's own (1, ...) parameters; else vmap of the
 module's own vjp). They are used only after they add up to the gradient the step made; per_sample.py asks
-generic_rows and treats a str as the reason it was refused.
+generic_rows and gets the rows or a facts.Refusal saying why there are none.
 """
 
 from __future__ import annotations
@@ -13,56 +13,57 @@ import weakref
 import torch
 
 from hookwidget.analysis import batches, facts
+from hookwidget.analysis.facts import Refusal
 from hookwidget.layers import factors as fx
 from hookwidget.layers import generic
 
 
-def generic_rows(trace, name: str, k: int):
+def generic_rows(trace, name: str, k: int) -> dict | Refusal:
     """Parameter name -> (B, *shape) per-sample gradients of a generic-rule layer in step k, or why not (a
-    str). Used only after the check: their sum over samples and calls equals the gradient the step made
+    Refusal). Used only after the check: their sum over samples and calls equals the gradient the step made
     (the step's .grad where the layer is the parameter's only holder and that matches, else a full-batch vjp
     of the same calls). Cached per (layer, step)."""
-    cache = facts.trace_cache(trace)
+    cache = trace.facts
     key = ("rows", name, k)
     if key not in cache:
         cache[key] = _generic_rows(trace, name, k)
     return cache[key]
 
 
-def _generic_rows(trace, name: str, k: int):
+def _generic_rows(trace, name: str, k: int) -> dict | Refusal:
     module = trace.layers[name].module
     calls = [c for c in trace.layers[name].calls if c.step == k]
     if not calls:
-        return f"no backward reached it in step {k}"
+        return Refusal(f"no backward reached it in step {k}")
     calls = [batches.batched_call(trace, c) for c in calls]
     why = next((generic.missing(c) for c in calls if generic.missing(c)), None)
     if why:
-        return why
+        return Refusal(why)
     owned = facts.owned_params(trace, name)
     canonical = {id(p): n for n, p in module.named_parameters()}
     names = {pn: canonical[id(p)] for pn, p in owned.items()}
     B = batches.step_batch_size(trace, k) or generic.batch_size_hint(module, calls[0].inputs)
     if not B:
-        return "its inputs have no batch dimension"
+        return Refusal("its inputs have no batch dimension")
     size = B * sum(p.numel() * p.element_size() for p in owned.values())
-    budget = _budget_bytes(trace)
+    budget = float(trace.session.options.budget_mb) * 2**20
     fast = _fast_rows(module, calls, names, B)
     if fast is not None and (size <= budget or all(f.kind != "dense" for f in fast.values())):
         why = _check_rows(trace, name, module, calls, names, owned, B, k, fast)
         if why is None:  # else the vmap rule answers (and names what is wrong where it is refused too)
             return fast
     if size > budget:
-        return (f"its per-sample gradients would take {size / 2**20:.0f} MB (batch {B}), over budget_mb="
-                f"{budget / 2**20:g}; raise budget_mb to have them")
+        return Refusal(f"its per-sample gradients would take {size / 2**20:.0f} MB (batch {B}), over budget_mb="
+                       f"{budget / 2**20:g}; raise budget_mb to have them")
     try:
         rows = _sum_calls(generic.per_sample(module, c, list(names.values()), B) for c in calls)
         rows = {pn: rows[cn] for pn, cn in names.items()}
     except generic.Refused as e:
-        return str(e)
+        return Refusal(str(e))
     except Exception as e:  # noqa: BLE001  (the module changed since the call, say: named, never raised at attach)
-        return f"the generic rule could not rerun it: {generic.first_line(e)}"
+        return Refusal(f"the generic rule could not rerun it: {generic.first_line(e)}")
     why = _check_rows(trace, name, module, calls, names, owned, B, k, rows)
-    return rows if why is None else why
+    return rows if why is None else Refusal(why)
 
 
 def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | None:
@@ -73,7 +74,7 @@ def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | N
         full, matched = None, []
         for pn, g in rows.items():
             if holders.get(id(owned[pn])) == [name]:
-                made = _step_grad(trace, owned[pn], k)
+                made = facts.step_grad(trace, owned[pn], k)
                 if made is not None and _adds_up(g, made):
                     matched.append(("complete", id(owned[pn]), k, (id(g.D if isinstance(g, fx.Factor) else g),)))
                     continue
@@ -89,7 +90,7 @@ def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | N
         return str(e)
     except Exception as e:  # noqa: BLE001  (the module changed since the call, say: named, never raised at attach)
         return f"the generic rule could not rerun it: {generic.first_line(e)}"
-    facts.trace_cache(trace).update(dict.fromkeys(matched, True))  # _complete: these rows rebuild .grad (cached too)
+    trace.facts.update(dict.fromkeys(matched, True))  # _complete: these rows rebuild .grad (cached too)
     return None
 
 
@@ -140,28 +141,11 @@ def _fast_rule_rows(rule, module, call, names: dict, B: int):
     return rows
 
 
-def _budget_bytes(trace) -> float:
-    try:
-        return float(trace.session.options.budget_mb) * 2**20
-    except AttributeError:  # a trace without a session (built by hand)
-        return float("inf")
-
-
 def _sum_calls(parts) -> dict:
     total = None
     for g in parts:
         total = dict(g) if total is None else {n: total[n] + g[n] for n in total}
     return total
-
-
-def _step_grad(trace, p, k: int):
-    """The .grad of parameter p that step k made, or None."""
-    name = next((n for n, q in trace.params.items() if q is p), None)
-    try:
-        made = trace.steps[k].grad(name)
-    except (KeyError, ValueError):
-        return None
-    return made
 
 
 def _summed(g) -> torch.Tensor:

@@ -18,7 +18,7 @@ from collections import defaultdict
 import torch
 
 from hookwidget.analysis.batches import _fold, batched_call, check_batched, unbatched, unbatched_by_step
-from hookwidget.analysis.facts import allclose_grad, owned_params, param_holders, step_indices, trace_cache
+from hookwidget.analysis.facts import Refusal, allclose_grad, owned_params, param_holders, step_grad, step_indices
 from hookwidget.analysis.generic import generic_rows
 from hookwidget.layers import factors as fx
 from hookwidget.layers import generic
@@ -32,8 +32,8 @@ def call_groups(trace, name: str, step: int | None) -> list[list]:
         supported = ", ".join(fx.supported_types())
         raise ValueError(f"layer {name!r}: {reason}; supported types: {supported} (and, with capture='full', "
                          "the generic torch.func rule for other modules with parameters)")
-    if trace._no_factors:
-        raise ValueError(f"layer {name!r}: {trace._no_factors}")
+    if trace.record.no_factors:
+        raise ValueError(f"layer {name!r}: {trace.record.no_factors}")
     is_generic = fx.is_generic(layer.module)
     groups = []
     for k in step_indices(trace, step):
@@ -79,8 +79,8 @@ def layer_factors(trace, name: str, calls: list) -> list[fx.Factor]:
                     _grouped_rows(fx.factors(module, [c]), B) for c, B in zip(calls, grouped)]
         return fx.merge_calls(per_call)
     rows = generic_rows(trace, name, calls[0].step)
-    if isinstance(rows, str):
-        raise ValueError(f"layer {name!r} ({type(module).__name__}, generic torch.func rule): {rows}")
+    if isinstance(rows, Refusal):
+        raise ValueError(f"layer {name!r} ({type(module).__name__}, generic torch.func rule): {rows.reason}")
     owned = owned_params(trace, name)
     return [fx._in_param_dtype(g, owned[n].dtype) if isinstance(g, fx.Factor) else
             fx.Factor(n, "dense", g.to(owned[n].dtype), None, tuple(owned[n].shape)) for n, g in rows.items()]
@@ -116,10 +116,10 @@ def per_sample_grad(trace, name: str, param: str, step: int | None) -> torch.Ten
 def per_sample_norms(trace, name: str | None, step: int | None) -> torch.Tensor:
     """(N,) per-sample gradient norms, N the samples of every selected step, in order."""
     steps = step_indices(trace, step)
-    if name is None and trace._norms is not None:  # capture="norms": streamed, plus the generic rule's layers
+    if name is None and trace.record.norms is not None:  # capture="norms": streamed, plus the generic rule's layers
         rows = []
         for k in steps:
-            sq, extra = trace._norms[k][0], _generic_norm_sq(trace, k)
+            sq, extra = trace.record.norms[k][0], _generic_norm_sq(trace, k)
             sq = extra if sq is None else sq if extra is None else sq + extra
             if sq is not None:
                 rows.append(sq)
@@ -148,9 +148,9 @@ def _generic_norm_sq(trace, k: int) -> torch.Tensor | None:
     holders, sq = param_holders(trace), None
     for n, layer in trace.layers.items():
         calls = [c for c in layer.calls if c.step == k]
-        if not calls or not fx.is_generic(layer.module) or not owned_params(trace, n) or trace._no_factors:
+        if not calls or not fx.is_generic(layer.module) or not owned_params(trace, n) or trace.record.no_factors:
             continue
-        if not isinstance(generic_rows(trace, n, k), dict):
+        if isinstance(generic_rows(trace, n, k), Refusal):
             continue
         for f in layer_factors(trace, n, calls):
             p = _param(trace, n, f.param)
@@ -209,14 +209,10 @@ def coverage_gap(trace, p, k: int, reasons: dict, factors_of) -> str | None:
 def _complete(trace, p, fs: list, k: int) -> bool:
     """Whether the factors of a parameter rebuild all of the .grad step k made (where they do not, say a tied
     embedding that scales its rows, the parameter is left out)."""
-    name = next((n for n, q in trace.params.items() if q is p), None)
-    try:
-        made = trace.steps[k].grad(name)
-    except (KeyError, ValueError):
-        return False
+    made = step_grad(trace, p, k)
     if made is None:
         return False
-    if len(fs) == 1 and trace_cache(trace).get(("complete", id(p), k, (id(fs[0].D),))):
+    if len(fs) == 1 and trace.facts.get(("complete", id(p), k, (id(fs[0].D),))):
         return True  # the generic rule's check (generic_rows) found the same rows add up to this .grad
     rebuilt = sum(fx.summed_grad(f) for f in fs)
     return allclose_grad(rebuilt, made)
@@ -234,16 +230,17 @@ def supports(trace, name: str) -> bool:
     if not fx.is_generic(module):
         return True
     steps = [c.step for c in trace.layers[name].calls if c.step is not None]
-    return bool(steps) and not trace._no_factors and isinstance(generic_rows(trace, name, max(steps)), dict)
+    return bool(steps) and not trace.record.no_factors and not isinstance(generic_rows(trace, name, max(steps)),
+                                                                           Refusal)
 
 
 def left_out(trace) -> dict:
     """Parameters with a gradient that per-sample norms over the whole model leave out -> why: nothing
     is dropped without a note that names it."""
     holders = param_holders(trace)
-    norms_mode = trace._norms is not None
+    norms_mode = trace.record.norms is not None
     if norms_mode:
-        odd = {m for _, modules in trace._norms for m in modules}
+        odd = {m for _, modules in trace.record.norms for m in modules}
         unbatched_names = {n for n, layer in trace.layers.items() if layer.module in odd}
     else:
         unbatched_names = {n for per_step in unbatched_by_step(trace).values() for n in per_step}
@@ -252,8 +249,8 @@ def left_out(trace) -> dict:
         if trace.param_grads.get(name) is None:
             continue
         hs = holders.get(id(p), [])
-        if trace._no_factors:
-            why = trace._no_factors
+        if trace.record.no_factors:
+            why = trace.record.no_factors
         elif not hs:
             why = ("no layer called as a module holds it (used as a plain function, or a parameter of a module "
                    "that was not called)")
@@ -293,10 +290,10 @@ def _layer_reason(trace, name: str, k: int, unbatched_names, norms_mode: bool) -
             return "its a or δ was not kept (capture='summary', or over budget_mb)"
     elif any(c.step == k for c in trace.layers[name].calls):
         rows = generic_rows(trace, name, k)
-        if isinstance(rows, str):
+        if isinstance(rows, Refusal):
             exact = fx.exact_reason(module) or ""
             why = "" if exact.startswith("no factor rule for") else f" (no exact rule: {exact})"
-            return f"{type(module).__name__}, generic torch.func rule: {rows}{why}"
+            return f"{type(module).__name__}, generic torch.func rule: {rows.reason}{why}"
     return None
 
 
@@ -314,7 +311,7 @@ def _factors_of(trace, p, names: list, k: int) -> list:
 def factor_layers(trace, k: int | None = None) -> list[str]:
     """Layers whose parameter gradients rebuild in step k (or in any step): an exact (a, δ) rule with a and δ
     kept, or the generic rule passing its check (in step k, or in the last step that reached the layer)."""
-    if trace._no_factors:
+    if trace.record.no_factors:
         return []
     out = []
     for n, layer in trace.layers.items():
@@ -325,7 +322,7 @@ def factor_layers(trace, k: int | None = None) -> list[str]:
         if not calls:
             continue
         if fx.is_generic(module):
-            if isinstance(generic_rows(trace, n, k if k is not None else max(c.step for c in calls)), dict):
+            if not isinstance(generic_rows(trace, n, k if k is not None else max(c.step for c in calls)), Refusal):
                 out.append(n)
         elif all(c.a is not None and c.delta is not None for c in calls):
             out.append(n)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from hookwidget.capture.tensors import _NO_LAZY, _copy, _lazy_clone
+from hookwidget.record.notes import Note
 from hookwidget.stats import StatsBatch, stats_on_device, to_summaries
 
 
@@ -82,14 +83,9 @@ class Budget:
                 self.kept -= g.numel() * g.element_size()
                 self.dropped_grads += 1
 
-    def note(self) -> str | None:
+    def note(self) -> Note | None:
         """What went over the budget, for the trace's notes; None where nothing did."""
         if not (self.dropped or self.dropped_grads):
             return None
-        return (f"memory budget {self.limit / 2**20:g} MB reached: "
-                + ", ".join(part for part in (
-                    f"{self.dropped} activations or gradients" if self.dropped else "",
-                    f"{self.dropped_grads} .grad copies of earlier steps" if self.dropped_grads
-                    else "") if part)
-                + " kept as summaries only (shape, norm, min/max/mean, NaN/Inf); "
-                "raise budget_mb to keep them")
+        return Note("budget_reached", {"budget_mb": self.limit / 2**20, "dropped": self.dropped,
+                                       "dropped_grads": self.dropped_grads})

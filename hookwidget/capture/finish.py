@@ -11,6 +11,7 @@ import torch
 
 from hookwidget.capture.generic import link_first_delta
 from hookwidget.capture.tensors import own
+from hookwidget.record.notes import Note
 
 
 def drop_recomputed_calls(modules: dict, notes: list) -> None:
@@ -21,13 +22,13 @@ def drop_recomputed_calls(modules: dict, notes: list) -> None:
         if any(c.recomputed for c in rec.calls):
             kept = [c for c in rec.calls if c.delta is not None or c.delta_summary is not None]
             if kept and len(kept) < len(rec.calls):
-                names.append(type(rec.module).__name__)
+                names.append(rec.module)
                 rec.calls[:] = kept
                 for i, c in enumerate(kept):
                     c.index = i
     if names:
-        notes.append("torch.utils.checkpoint reran forward during backward for: " + ", ".join(names)
-                     + "; only their calls that received a gradient are kept")
+        notes.append(Note("checkpoint_recomputed", {"module_types": tuple(type(m).__name__ for m in names),
+                                                    "modules": tuple(names)}))
 
 
 def own_what_is_kept(modules: dict, shares_inputs: bool, notes: list) -> None:
@@ -40,8 +41,8 @@ def own_what_is_kept(modules: dict, shares_inputs: bool, notes: list) -> None:
         for call in rec.calls:
             if call._a_version >= 0 and call.a is not None and call.a._version != call._a_version:
                 call.a = None
-                notes.append(f"{type(rec.module).__name__}: an input was modified in place after "
-                             "the call; its activation was not kept")
+                notes.append(Note("input_modified", {"module_type": type(rec.module).__name__,
+                                                     "modules": (rec.module,)}))
             if call.a is not None and (call._a_version >= 0 or shares_inputs):
                 slots.append((call, "a"))  # (else a copy, the trace's own already)
             call._a_version = -1
@@ -56,24 +57,22 @@ def own_what_is_kept(modules: dict, shares_inputs: bool, notes: list) -> None:
 
 
 def closing_notes(modules: dict, seen: dict, ddp: bool, *, stepped: bool, used_grad: bool, create_graph: bool,
-                  passes_summed: int) -> tuple[list, str]:
+                  passes_summed: int) -> tuple[list, Note | None]:
     """The notes on the trace's backward passes and on what hooks could not see; and why factors are refused
-    ("" where they are not). stepped: a backward ran; used_grad: torch.autograd.grad did; create_graph: a backward
+    (None where they are not). stepped: a backward ran; used_grad: torch.autograd.grad did; create_graph: a backward
     made a graph of its own; passes_summed: δs added up over backward passes through the same graph."""
     notes = []
     if not stepped:
-        notes.append("no gradients captured: the code ran no backward (activations only)")
+        notes.append(Note("no_grads"))
     if used_grad:
-        notes.append("torch.autograd.grad was used: parameters reached only by it keep .grad None")
+        notes.append(Note("autograd_grad_used"))
     notes += unseen_notes(modules, seen, ddp)
-    no_factors = ""
+    no_factors = None
     if create_graph:
-        no_factors = ("create_graph=True (double backward): .grad then holds terms that (a, δ) do not, and δ "
-                      "sums every backward pass; weight_grad and per-sample gradients are refused")
+        no_factors = Note("create_graph")
         notes.append(no_factors)
     elif passes_summed:
-        notes.append("backward ran through the same graph more than once (retain_graph=True): δ and "
-                     "weight_grad are summed over those passes, as .grad is")
+        notes.append(Note("retain_graph"))
     return notes, no_factors
 
 
@@ -83,20 +82,11 @@ def unseen_notes(modules: dict, seen: dict, ddp: bool) -> list:
     scripted = sorted({type(r.module).__name__ for r in modules.values()
                        if isinstance(r.module, torch.jit.ScriptModule)})
     seen = {k: ", ".join(v) for k, v in seen.items()}
-    text = {
-        "compiled": f"torch.compile: hooks added after compilation are not honoured, so the layers inside "
-                    f"{seen.get('compiled')} are not shown; trace the uncompiled model (model._orig_mod), "
-                    "or call torch.compile after tracing",
-        "func": f"torch.func transforms (vmap, grad, ...) ran {seen.get('func')}: calls inside a transform "
-                "are not captured (hooks see wrapped tensors); trace a plain forward and backward instead",
-    }
-    notes = [text[k] for k in text if k in seen]
+    notes = [Note(i, {"where": seen[k]}) for k, i in (("compiled", "compiled"), ("func", "torch_func")) if k in seen]
     if scripted:
-        notes.append(f"ScriptModule ({', '.join(scripted)}): hooks do not fire inside TorchScript, so its "
-                     "layers are not shown; trace the module before torch.jit.script")
+        notes.append(Note("script_module", {"classes": tuple(scripted)}))
     if ddp:
-        notes.append("DistributedDataParallel: .grad is averaged over ranks after backward; a, δ, weight_grad "
-                     "and per-sample gradients are this rank's own (its samples, before the all-reduce)")
+        notes.append(Note("ddp"))
     return notes
 
 

@@ -17,6 +17,7 @@ import torch
 from hookwidget.capture.tensors import _sole_owner
 from hookwidget.record import graph as graph_mod
 from hookwidget.record.calls import PREVIOUS, StepRecord
+from hookwidget.record.notes import Note
 from hookwidget.stats import abs_max, fused_norms
 
 AUTO_NODE_GRADS_MAX = 256  # graphs up to this size get a gradient norm at every node by default
@@ -60,8 +61,7 @@ class NodeNorms:
         if self.enabled is None:
             self.enabled = len(walk.nodes) <= AUTO_NODE_GRADS_MAX
             if not self.enabled:
-                self.notes.append(f"the graph has {len(walk.nodes)} nodes: gradient norms are shown for layer "
-                                  "outputs and parameters only; trace with node_grads=True for every node")
+                self.notes.append(Note("graph_large", {"nodes": len(walk.nodes)}))
         node_grads = self.enabled
         handles = self.hooks.node
         if node_grads and depth > 1:  # norms derived after nested passes would be inexact

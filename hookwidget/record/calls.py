@@ -1,6 +1,6 @@
 """What a trace saw, as plain dataclasses: module calls, backward passes (steps), and the whole run.
 
-The Tracer (capture.py) fills them in; the Trace (trace.py) names them and answers questions.
+The Tracer (capture/tracer.py) fills them in; record/assemble.py names them into the record a Trace holds.
 """
 
 from __future__ import annotations
@@ -83,13 +83,13 @@ class StepRecord:
 
 @dataclass
 class Records:
-    """Everything a trace saw, before names are attached (see trace.py)."""
+    """Everything a trace saw, before names are given (record/assemble.py)."""
 
     modules: dict  # nn.Module -> ModuleRecord, in first-call order
     walk: GraphWalk  # the graph of the last step (or of the forward pass, when no backward ran)
     steps: list  # StepRecord per backward pass
     grads_at_end: dict  # leaf -> whether its .grad was still as the last step left it when the trace ended
-    notes: list
+    notes: list  # record.notes.Note, in the order they were met
     used_autograd_grad: bool
-    no_factors: str = ""  # why (a, δ) cannot rebuild .grad in this run (e.g. double backward), or ""
+    no_factors: Any = None  # the Note saying why (a, δ) cannot rebuild .grad in this run (double backward), or None
     answers: dict = field(default_factory=dict, repr=False)  # the registry's answer per module at its first call

@@ -133,11 +133,8 @@ def _unsupported(trace, name: str) -> str | None:
 
 
 def _layer_notes(trace, name: str) -> list[str]:
-    """The trace's notes that name this layer (whole name), one line each."""
-    import re
-
-    pat = re.compile(r"(?<![\w.])" + re.escape(name) + r"(?![\w.])") if name else None
-    return [str(n).splitlines()[0] for n in trace.notes if pat is not None and pat.search(str(n))][:10]
+    """The trace's notes that concern this layer (their `layers` field), one line each."""
+    return [str(n).splitlines()[0] for n in trace.note_records if name and name in n.layers][:10]
 
 
 

@@ -20,12 +20,14 @@ def summary(trace) -> dict:
     """Everything the explorer draws before any click: JSON-safe, no tensor values. Tensor norms come from
     stats.l2_norms: one multi-tensor reduction, and none again for a tensor the graph's nodes reduced."""
     h = health(trace)  # builds the graph first: its .grad and δ norms are the tree's and the parameters'
+    notes = trace.note_records
     return {
         "graph": graph_summary(trace.graph),
         "modules": module_tree(trace, h.get("layers", {})),
         "params": {n: _num(v) for n, v in l2_norm_map(trace.param_grads).items()},
         "loss": _num(trace.loss),
-        "notes": [str(n) for n in trace.notes],
+        "notes": [str(n) for n in notes],
+        "note_ids": [n.id for n in notes],  # the front-end finds a note by its id, never by its text
         "has_grads": bool(trace.param_grads) or any(c.delta is not None or c.delta_summary is not None
                                                     for layer in trace.layers.values() for c in layer.calls[:1]),
         "hooks": hooks(trace),

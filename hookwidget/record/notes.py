@@ -1,0 +1,106 @@
+"""The notes catalogue: what a trace could not show or keep, as data (`Note(id, fields)`), and its one text.
+
+Code decides with a note's id and fields (the layers it concerns, counts, names); only `render` makes prose
+of it, so no code ever parses note text back, and a sentence can change without changing a decision. Every
+id and its template live in TEXT below, in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Note:
+    """One note: a stable `id` from TEXT and the `fields` its text is made of (`layers`: the layer names it
+    concerns, where it concerns some; capture's notes name them as `modules`, which record/assemble.py names)."""
+
+    id: str
+    fields: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.id not in TEXT:
+            raise KeyError(f"no note {self.id!r} in the catalogue (record/notes.py TEXT)")
+
+    @property
+    def layers(self) -> tuple:
+        return tuple(self.fields.get("layers", ()))
+
+    def __str__(self) -> str:
+        return render(self)
+
+
+def render(note: Note) -> str:
+    """The note's text, one line."""
+    return TEXT[note.id](**note.fields)
+
+
+def _few(names, k: int = 3) -> str:
+    names = list(names)
+    return ", ".join(names[:k]) + (f" and {len(names) - k} more" if len(names) > k else "")
+
+
+def _pairs(pairs, sep: str) -> str:
+    return sep.join(f"{n} ({why})" for n, why in pairs)
+
+
+def _budget(budget_mb, dropped, dropped_grads, **_) -> str:
+    parts = [f"{dropped} activations or gradients" if dropped else "",
+             f"{dropped_grads} .grad copies of earlier steps" if dropped_grads else ""]
+    return (f"memory budget {budget_mb:g} MB reached: " + ", ".join(p for p in parts if p)
+            + " kept as summaries only (shape, norm, min/max/mean, NaN/Inf); raise budget_mb to keep them")
+
+
+# id -> its text from the note's fields (each takes them by keyword; `layers` and other fields it does not show
+# are ignored)
+TEXT: dict[str, Callable[..., str]] = {
+    # -- capture (capture/tracer.py) -----------------------------------------------------------
+    "graph_large": lambda nodes, **_: (
+        f"the graph has {nodes} nodes: gradient norms are shown for layer outputs and parameters only; trace with "
+        "node_grads=True for every node"),
+    "budget_reached": _budget,
+    "no_grads": lambda **_: "no gradients captured: the code ran no backward (activations only)",
+    "autograd_grad_used": lambda **_: "torch.autograd.grad was used: parameters reached only by it keep .grad None",
+    "compiled": lambda where, **_: (
+        f"torch.compile: hooks added after compilation are not honoured, so the layers inside {where} are not shown; "
+        "trace the uncompiled model (model._orig_mod), or call torch.compile after tracing"),
+    "torch_func": lambda where, **_: (
+        f"torch.func transforms (vmap, grad, ...) ran {where}: calls inside a transform are not captured (hooks see "
+        "wrapped tensors); trace a plain forward and backward instead"),
+    "script_module": lambda classes, **_: (
+        f"ScriptModule ({', '.join(classes)}): hooks do not fire inside TorchScript, so its layers are not shown; "
+        "trace the module before torch.jit.script"),
+    "ddp": lambda **_: (
+        "DistributedDataParallel: .grad is averaged over ranks after backward; a, δ, weight_grad and per-sample "
+        "gradients are this rank's own (its samples, before the all-reduce)"),
+    "create_graph": lambda **_: (
+        "create_graph=True (double backward): .grad then holds terms that (a, δ) do not, and δ sums every backward "
+        "pass; weight_grad and per-sample gradients are refused"),
+    "retain_graph": lambda **_: (
+        "backward ran through the same graph more than once (retain_graph=True): δ and weight_grad are summed over "
+        "those passes, as .grad is"),
+    "input_modified": lambda module_type, **_: (
+        f"{module_type}: an input was modified in place after the call; its activation was not kept"),
+    "checkpoint_recomputed": lambda module_types, **_: (
+        "torch.utils.checkpoint reran forward during backward for: " + ", ".join(module_types)
+        + "; only their calls that received a gradient are kept"),
+    # -- the record (record/assemble.py) -------------------------------------------------------
+    "several_passes": lambda steps, accumulate, **_: (
+        f"{steps} backward passes (t.steps): " + (
+            "they accumulate into .grad, so factor queries sum them" if accumulate else
+            ".grad was reset between them, so factor queries take step=k") + "; the graph shows the last one"),
+    "grad_changed_after_backward": lambda leaves, **_: (
+        f"the code changed .grad after its last backward pass ({_few(leaves)}; e.g. opt.zero_grad() or "
+        "clip_grad_norm_): param_grads show .grad as backward left it"),
+    "intervention_not_fired": lambda intervention, **_: (
+        f"intervention {intervention} did not fire: its module was not called (was the model created anew inside "
+        "the cell?)"),
+    "rerun_unrestorable": lambda what, **_: f"rerun: {what}",
+    # -- coverage (analysis/coverage.py) -------------------------------------------------------
+    "no_factor_rule": lambda reasons, **_: (
+        "no (a, δ) factor rule, so no weight_grad / per-sample gradients for: " + _pairs(reasons, ", ")),
+    "params_left_out": lambda reasons, lost, total, **_: (
+        f"per-sample gradient norms leave out {len(reasons)} parameters ({lost:,} of {total:,} gradient elements): "
+        + _pairs(reasons, "; ")),
+}
