@@ -316,7 +316,7 @@ def test_autograd_grad_calls_are_not_steps():
 def test_kept_trace_equals_the_step():
     """w.trace(k) is what hw.trace of step k shows: the (a, δ) of every layer, the .grad of that step and
     weight_grad rebuilt from them, against the plain loop (hand-written hooks) and against hw.trace."""
-    from hookwidget.trace import trace as hw_trace
+    from hookwidget.api import trace as hw_trace
 
     torch.manual_seed(0)
     model = Net(bn=False, p=0.0)
@@ -493,7 +493,7 @@ def test_hookwatch_magic():
     from IPython.core.error import UsageError
     from IPython.testing import globalipapp
 
-    from hookwidget.watch import hookwatch_magic
+    from hookwidget.magic import hookwatch_magic
 
     globalipapp.start_ipython()
     shell = globalipapp.get_ipython()

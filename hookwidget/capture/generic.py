@@ -22,7 +22,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hookwidget.capture import rows
-from hookwidget.capture.tensors import _copy, _first_tensor, _get, _hook_output, _set
+from hookwidget.capture.tensors import _copy, _get, _set
+from hookwidget.capture.tensors import first_tensor as _first_tensor
+from hookwidget.capture.tensors import hook_output as _hook_output
 from hookwidget.layers import generic
 from hookwidget.record.calls import Call
 

@@ -32,7 +32,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from hookwidget.capture import backward as autograd_calls
 from hookwidget.capture.generic import BROADCASTS_MAX, GenericCapture, link_first_delta, maybe_broadcast
 from hookwidget.capture.handles import Removing, Restoring
-from hookwidget.capture.tensors import _NO_LAZY, _copy, _first_tensor, _hook_output, _lazy_clone, _sole_owner, own
+from hookwidget.capture.tensors import _NO_LAZY, _copy, _lazy_clone, _sole_owner, own
+from hookwidget.capture.tensors import first_tensor as _first_tensor
+from hookwidget.capture.tensors import hook_output as _hook_output
 from hookwidget.layers import factors as fx
 from hookwidget.layers import registry
 from hookwidget.record import graph as graph_mod
