@@ -12,6 +12,8 @@ import sys
 import torch
 from torch import nn
 
+from hookwidget.layers.linear import linear
+
 # Per-layer statistics, in this order along the last axis of Watch.stats.
 STAT_NAMES = ("delta_norm", "delta_max", "delta_nan", "delta_inf", "a_rms", "a_zero_frac", "a_nonfinite",
               "grad_norm", "weight_norm", "update_ratio", "grad_nan", "grad_inf")
@@ -19,21 +21,6 @@ STEP_STAT_NAMES = ("loss", "grad_norm")
 S = {name: i for i, name in enumerate(STAT_NAMES)}
 NAN = float("nan")
 F64 = torch.float64
-
-
-def _counts(t: torch.Tensor, norm: torch.Tensor) -> list:
-    """[NaN count, Inf count] of t as float64 0-d tensors."""
-    if t.device.type == "cpu" and math.isfinite(norm.item()):
-        z = torch.zeros((), dtype=F64)
-        return [z, z]
-    return [torch.isnan(t).sum(dtype=F64), torch.isinf(t).sum(dtype=F64)]
-
-
-def _max_abs(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type != "cpu":
-        return torch.linalg.vector_norm(t, float("inf"))
-    lo, hi = torch.aminmax(t)
-    return torch.maximum(lo.abs(), hi.abs())  # NaN propagates
 
 
 def _float(t: torch.Tensor) -> torch.Tensor:
@@ -45,15 +32,6 @@ def norm(t: torch.Tensor) -> torch.Tensor:
     """‖t‖₂, accumulated in float32 at least (a bfloat16 norm keeps 3 digits: autocast's δ and a are bf16)."""
     low = t.dtype in (torch.float16, torch.bfloat16)
     return torch.linalg.vector_norm(t, dtype=torch.float32 if low else None)
-
-
-def delta_stats(g: torch.Tensor) -> torch.Tensor:
-    """[‖g‖², max|g|, NaN count, Inf count] (float64, on g's device)."""
-    g = _float(g)
-    if g.numel() == 0:
-        return torch.zeros(4, dtype=F64, device=g.device)
-    n = norm(g)
-    return torch.stack([n.double().square(), _max_abs(g).double(), *_counts(g, n)])
 
 
 def reduce_delta(g: torch.Tensor) -> tuple:
@@ -91,21 +69,6 @@ def add_delta(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     out = old + new
     out[1] = torch.maximum(old[1], new[1])
     return out
-
-
-def input_stats(a: torch.Tensor) -> torch.Tensor:
-    """[Σa², number of zero entries, number of NaN/Inf entries, number of entries] (float64, on a's device)."""
-    a = _float(a)
-    n = a.numel()
-    if n == 0:
-        return torch.zeros(4, dtype=F64, device=a.device)
-    n2 = norm(a)
-    count = torch.full((), float(n), dtype=F64, device=a.device)  # a fill, not a host-to-device copy
-    if a.device.type == "cpu" and math.isfinite(n2.item()):
-        bad = torch.zeros((), dtype=F64)
-    else:  # ‖a‖ also overflows for finite entries past ~1e19: count
-        bad = count - torch.isfinite(a).sum(dtype=F64)
-    return torch.stack([n2.double().square(), count - a.bool().sum(dtype=F64), bad, count])
 
 
 class Rows:
@@ -326,27 +289,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to_local() if dt is not None and isinstance(t, dt.DTensor) else t.detach()
 
 
-def _linear_norm_sq(m, call) -> torch.Tensor | None:
-    """(B,) squared per-sample gradient norms of an nn.Linear's weight and bias from one call, as
-    layers/linear.py's rule gives them (ghost form Σ_{t,t'} (a_t·a_t' + 1)(δ_t·δ_t') where T² < in·out), without
-    building its Factors: the common case, kept cheap. None where the dtypes call for the general path."""
-    a, d, w, b = call.a, call.delta, m.weight, m.bias
-    if not (a.is_floating_point() and a.dtype == d.dtype == w.dtype) or a.dim() < 2:
-        return None
-    wg, bg = w.requires_grad, b is not None and b.requires_grad
-    if not (wg or bg):
-        return None
-    B = a.shape[0]
-    A, D = a.reshape(B, -1, a.shape[-1]), d.reshape(B, -1, d.shape[-1])
-    T = A.shape[1]
-    if T * T < w.numel():
-        gd = torch.bmm(D, D.transpose(1, 2))
-        if not wg:
-            return gd.sum((1, 2)) if bg else None
-        gx = torch.bmm(A, A.transpose(1, 2))
-        return ((gx + 1) * gd).sum((1, 2)) if bg else (gx * gd).sum((1, 2))
-    sq = torch.bmm(D.transpose(1, 2), A).square().sum((1, 2)) if wg else 0
-    return sq + D.sum(1).square().sum(1) if bg else sq
+def _factors(fx, m, calls: list) -> list:
+    """The layer's Factors from its calls (layers/factors.py). The common case, one call of an nn.Linear whose
+    a, δ and weight share a dtype, straight from its rule (layers/linear.py): factors() would merge nothing and
+    cast nothing there, and the per-sample norm is then linear_norm_sq's Gram form, weight and bias together."""
+    c = calls[0]
+    if len(calls) == 1 and type(m) is nn.Linear and c.a.is_floating_point() and c.a.dtype == c.delta.dtype == \
+            m.weight.dtype:
+        return [f for f in linear(m, c.a, c.delta) if getattr(m, f.param).requires_grad]
+    return fx.factors(m, calls)
 
 
 class _Call:
@@ -433,10 +384,7 @@ class PerSample:
         else:
             with torch.no_grad():
                 m = self.layers[li]
-                sq = _linear_norm_sq(m, calls[0]) if len(calls) == 1 and type(m) is nn.Linear else None
-                if sq is None:
-                    sq = self.fx.layer_norm_sq(m, self.fx.factors(m, calls))
-                sq = sq.to(F64)
+                sq = self.fx.layer_norm_sq(m, _factors(self.fx, m, calls)).to(F64)
             n = sq.shape[0]
             step.ps_sq[n] = step.ps_sq[n] + sq if n in step.ps_sq else sq
             if n != step.ps_batch:
