@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from hookwidget.watch.reduce import F64, NAN, norm
+from hookwidget.stats import l2
+from hookwidget.watch.reduce import F64, NAN
 
 SINK = 9  # ‖δ‖², max|δ|, δ NaN, δ Inf, Σa², zeros of a, non-finite of a, entries of a, calls
 
@@ -24,7 +25,7 @@ def pure_stats(t: torch.Tensor, kind: str) -> torch.Tensor:
     t = t if t.is_floating_point() else t.float()
     if t.numel() == 0:
         return torch.zeros(4, dtype=F64, device=t.device)
-    sq = norm(t).double().square()
+    sq = l2(t).double().square()
     if kind == "delta":
         return torch.stack([sq, t.abs().amax().double(), torch.isnan(t).sum(dtype=F64), torch.isinf(t).sum(dtype=F64)])
     n = torch.full((), float(t.numel()), dtype=F64, device=t.device)

@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from hookwidget.capture.tensors import first_tensor, hook_output
+from hookwidget.stats import l2_batch
 from hookwidget.watch import amp, compiled
 from hookwidget.watch.amp import ScaleTrack
 from hookwidget.watch.reduce import F64, NAN, S, _locals, add_delta, local, reduce_delta, reduce_input
@@ -232,7 +233,7 @@ class StepHooks:
         _, step, idx, copies = snap
         dev = copies[0].device
         torch._foreach_sub_(copies, _locals([self.params[i] for i in idx]))
-        sq, mask = self.rows.update(idx, list(torch._foreach_norm(copies)), dev)
+        sq, mask = self.rows.update(idx, l2_batch(copies), dev)
         step.update = sq if step.update is None else step.update + sq
         step.touched = mask if step.touched is None else step.touched | mask
         col = S["update_ratio"]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from hookwidget.layers.linear import linear
+from hookwidget.stats import l2, l2_batch
 
 # Per-layer statistics, in this order along the last axis of Watch.stats.
 STAT_NAMES = ("delta_norm", "delta_max", "delta_nan", "delta_inf", "a_rms", "a_zero_frac", "a_nonfinite",
@@ -28,12 +29,6 @@ def _float(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_floating_point() else t.float()
 
 
-def norm(t: torch.Tensor) -> torch.Tensor:
-    """‖t‖₂, accumulated in float32 at least (a bfloat16 norm keeps 3 digits: autocast's δ and a are bf16)."""
-    low = t.dtype in (torch.float16, torch.bfloat16)
-    return torch.linalg.vector_norm(t, dtype=torch.float32 if low else None)
-
-
 def reduce_delta(g: torch.Tensor) -> tuple:
     """What the δ hook keeps of one call's δ (while it is hot in cache): (‖g‖, min, max, [NaN, Inf] or None);
     the counts only where they may be non-zero (on CPU: a non-finite norm; elsewhere always: no sync)."""
@@ -41,7 +36,7 @@ def reduce_delta(g: torch.Tensor) -> tuple:
     if g.numel() == 0:
         z = torch.zeros((), dtype=F64, device=g.device)
         return z, z, z, None
-    n = norm(g)
+    n = l2(g)
     lo, hi = torch.aminmax(g)
     counts = None
     if g.device.type != "cpu" or not math.isfinite(n.item()):
@@ -56,9 +51,9 @@ def reduce_input(a: torch.Tensor) -> tuple:
     if k == 0:
         z = torch.zeros((), dtype=F64, device=a.device)
         return z, z, 0, None
-    n = norm(a)
+    n = l2(a)
     bad = None
-    if a.device.type != "cpu" or not math.isfinite(n.item()):  # ‖a‖ also overflows past ~1e19: count
+    if a.device.type != "cpu" or not math.isfinite(n.item()):  # ‖a‖ is finite where every entry is (stats.l2)
         bad = k - torch.isfinite(a).sum(dtype=F64)
     # a.bool().sum(), not torch.count_nonzero: that one branches per entry on CPU (~10x slower on fresh data)
     return n, a.bool().sum(), k, bad
@@ -109,7 +104,7 @@ class Rows:
         present = tuple(i for i, p in enumerate(params) if p.grad is not None)
         grads = [_dense(params[i].grad) for i in present]
         index, has, order, g_layers, g_pos = self._grad_index(present, dev)
-        norms = torch._foreach_norm(grads + [local(p) for p in params])
+        norms = l2_batch(grads + [local(p) for p in params])
         sq = torch.stack([n.to(dev) for n in norms]).double().square_()
         gw = torch.zeros(2 * L, dtype=F64, device=dev).index_add_(0, index, sq[order]).sqrt_()
         gw.masked_fill_(~has, NAN)
@@ -196,7 +191,7 @@ class Rows:
         with torch.no_grad():  # nothing here is recorded by autograd: no detach needed
             grads = [_dense(params[i].grad) for i in present]
             ws = params if sys.modules.get("torch.distributed.tensor") is None else _locals(params)
-            norms = _norms(grads + list(ws))
+            norms = l2_batch(grads + list(ws))
             nN = nd + na + len(norms)
             vals = ([e[1] for e in ds] + [e[1] for e in as_] + norms + [x for e in ds for x in (e[2], e[3])]
                     + [e[2] for e in as_] + ([loss.reshape(())] if loss is not None else []))
@@ -245,20 +240,6 @@ class Rows:
         if gather is not None:
             sq = sq[gather]
         return torch.zeros(self.L, dtype=F64, device=dev).index_add_(0, layers, sq), mask
-
-
-_FOREACH = (torch.float32, torch.float64)
-
-
-def _norms(ts: list) -> list:
-    """‖t‖₂ of each tensor (low precision accumulated in float32, as norm() does): one _foreach_norm
-    call where the dtypes and devices allow it."""
-    if not ts:
-        return []
-    dev = ts[0].device
-    if all(t.dtype in _FOREACH and t.device == dev and t.layout == torch.strided for t in ts):
-        return list(torch._foreach_norm(ts))
-    return [norm(t) if t.numel() else torch.zeros((), dtype=F64, device=t.device) for t in ts]
 
 
 def _stack(ts: list, dev) -> torch.Tensor:
