@@ -61,3 +61,14 @@ def test_the_watch_reports_an_activation_past_float32s_sum_of_squares():
     assert w.series("0", "a_rms")[0].item() == pytest.approx(1e20)
     assert w.series("0", "a_nonfinite")[0].item() == 0
     assert not any("non-finite" in a[2] for a in w.anomalies)
+
+
+def test_the_sync_free_path_agrees(monkeypatch):
+    """Off CPU (and inside torch.compile) overflow is found by torch.where, not by reading the norms: run that
+    path here by making the CPU look compiled."""
+    ts = [torch.randn(6), torch.full((4,), 1e20), torch.randn(3, dtype=torch.bfloat16)]
+    plain = [l2(t) for t in ts]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for got in ([l2(t) for t in ts], l2_batch(ts)):
+        assert got[1].item() == pytest.approx(2e20)
+        assert torch.equal(got[0], plain[0].double()) and torch.equal(got[2], plain[2].double())
