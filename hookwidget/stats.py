@@ -188,33 +188,40 @@ _LOW = (torch.float16, torch.bfloat16)  # accumulated in float32: a bfloat16 sum
 
 def l2(t: torch.Tensor) -> torch.Tensor:
     """‖t‖₂ of one tensor as a 0-d tensor on its device, with no host sync (see l2_batch)."""
-    return l2_batch([t], batched=False)[0]
+    if not t.is_floating_point():
+        t = t.float()
+    return _safe([t], [torch.linalg.vector_norm(t, dtype=torch.float32 if t.dtype in _LOW else None)])[0]
 
 
 def l2_batch(ts: list, batched: bool = True) -> list[torch.Tensor]:
     """‖t‖₂ of each tensor as 0-d tensors on their devices, with no host-device sync: one multi-tensor
     reduction per (device, dtype) group of strided tensors (`batched=False`: one reduction per tensor).
-    float16 and bfloat16 accumulate in float32; an integer tensor is taken as float32.
+    float16 and bfloat16 accumulate in float32; an integer tensor is taken as float32. Tensors are taken as
+    given: detach them (or hold no_grad) where autograd would record the reduction.
     Overflow-safe: where the sum of squares overflows its dtype (float32: ‖t‖ past ~1.8e19 though every
     entry is finite) the norm is taken again accumulating in float64, and returned in float64. On CPU only
     those, found by reading the norms (no sync there); elsewhere, and inside torch.compile, for the whole
     group, kept by torch.where where the first overflowed (one more reduction, no sync). Where nothing
     overflowed the result is bitwise the plain reduction's."""
+    if not ts:
+        return []
+    t0 = ts[0]
+    dev, dtype = t0.device, t0.dtype
+    if batched and dtype.is_floating_point and all(
+            t.device == dev and t.dtype == dtype and t.layout == torch.strided for t in ts):  # the common case
+        return _safe(ts, list(torch._foreach_norm(ts, 2, dtype=torch.float32 if dtype in _LOW else None)))
     out: list = [None] * len(ts)
     groups: dict = {}
     for i, t in enumerate(ts):
-        t = t.detach()
         if not t.is_floating_point():
             t = t.float()
-        if not batched or t.layout != torch.strided:
-            groups[("one", i)] = ([i], [t])
-        else:
-            g = groups.setdefault((t.device, t.dtype), ([], []))
-            g[0].append(i)
-            g[1].append(t)
+        key = (t.device, t.dtype) if batched and t.layout == torch.strided else i
+        g = groups.setdefault(key, ([], []))
+        g[0].append(i)
+        g[1].append(t)
     for key, (idx, xs) in groups.items():
         acc = torch.float32 if xs[0].dtype in _LOW else None
-        if key[0] == "one":
+        if isinstance(key, int):
             ns = [torch.linalg.vector_norm(xs[0], dtype=acc)]
         else:
             ns = list(torch._foreach_norm(xs, 2, dtype=acc))
@@ -228,7 +235,7 @@ def _safe(xs: list, ns: list) -> list:
     if ns[0].dtype == torch.float64:
         return ns
     if ns[0].device.type == "cpu" and not torch.compiler.is_compiling():
-        bad = torch.isinf(torch.stack(ns)).tolist() if len(ns) > 1 else [math.isinf(ns[0].item())]
+        bad = torch.isinf(torch.stack(ns)).tolist() if len(ns) > 16 else [math.isinf(n.item()) for n in ns]
         return [torch.linalg.vector_norm(x, dtype=torch.float64) if b else n for x, n, b in zip(xs, ns, bad)]
     if torch.compiler.is_compiling():  # the cast is fused there: no copy
         wide = [torch.linalg.vector_norm(x, dtype=torch.float64) for x in xs]
