@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from hookwidget.capture.tensors import first_tensor
 from hookwidget.stats import l2
 from hookwidget.watch.reduce import F64, NAN
 
@@ -52,7 +53,7 @@ def probe(sink: torch.Tensor, inputs, output):
         out = output[0]
     if out is None or not out.requires_grad or not out.is_floating_point():
         return None
-    a = inputs[0] if type(inputs) in (tuple, list) and inputs and isinstance(inputs[0], torch.Tensor) else None
+    a = first_tensor(inputs)  # as the eager hook reads it
     a_stats = pure_stats(a, "a").to(sink.device) if a is not None else torch.full((4,), NAN, dtype=F64,
                                                                                    device=sink.device)
     new = _Probe.apply(out, sink, a_stats)
