@@ -110,8 +110,8 @@ class Rows:
         gw.masked_fill_(~has, NAN)
         total = sq[:len(grads)].sum().sqrt() if grads else torch.full((), NAN, dtype=F64, device=dev)
         gc = torch.zeros(L, 2, dtype=F64, device=dev)
-        if grads and (dev.type != "cpu" or not math.isfinite(total.item())):
-            counts = torch.stack([torch.stack([torch.isnan(g).sum(), torch.isinf(g).sum()]) for g in grads]).double()
+        counts = _grad_counts(grads, total, dev)
+        if counts is not None:
             gc.index_add_(0, g_layers, counts[g_pos])
         upd = torch.full((L, 1), NAN, dtype=F64, device=dev)
         row = torch.cat([d, a_part, gw.view(2, L).T, upd, gc], dim=1)
@@ -213,9 +213,8 @@ class Rows:
             if any(e[4] is not None for e in as_):
                 c = torch.stack([e[4] if e[4] is not None else torch.zeros((), dtype=F64, device=dev) for e in as_])
                 a_bad = a_bad.index_add(0, ix["a_layers"], c.to(dev, F64).view(-1, 1))
-            # .grad's NaN/Inf counts: on CPU only where its norm is not finite (reading it there is no sync)
-            if grads and (dev.type != "cpu" or not math.isfinite(total.item())):
-                c = torch.stack([torch.stack([torch.isnan(g).sum(), torch.isinf(g).sum()]) for g in grads]).double()
+            c = _grad_counts(grads, total, dev)
+            if c is not None:
                 g_counts = g_counts.index_add(0, ix["g_layers"], c.to(dev)[ix["g_pos"]])
             scaled = sums / ix["denom"]  # Σa² and the zeros of a over the entries
             m = torch.cat([scaled.sqrt(), scaled[:, 2:3], dmax, d_counts, a_bad, g_counts, ix["nan_col"]], dim=1)
@@ -240,6 +239,14 @@ class Rows:
         if gather is not None:
             sq = sq[gather]
         return torch.zeros(self.L, dtype=F64, device=dev).index_add_(0, layers, sq), mask
+
+
+def _grad_counts(grads: list, total: torch.Tensor, dev) -> torch.Tensor | None:
+    """(grads, 2) float64 [NaN, Inf] counts of each .grad; None where they are 0: on CPU only where the global
+    norm `total` is not finite (reading it there is no sync), elsewhere always (no sync)."""
+    if not grads or dev.type == "cpu" and math.isfinite(total.item()):
+        return None
+    return torch.stack([torch.stack([torch.isnan(g).sum(), torch.isinf(g).sum()]) for g in grads]).double()
 
 
 def _stack(ts: list, dev) -> torch.Tensor:
