@@ -78,7 +78,6 @@ class Watch:
         self._rows = HostRows(len(self._layers), self._detector, lambda: self._hooks.amp, ps is not None, self._tell)
         self._hooks = StepHooks(self._layers, self._params, Rows(len(self._layers), self._params, pairs), ps, scaler,
                                 self.every, self._rows, self._step_ended, self.notes, flight_recorder)
-        self._sinks = self._hooks.sinks  # where compiled code leaves its statistics
         self._ps = ps
         if tensorboard is not None:  # written as rows reach the host
             from hookwidget.views.tensorboard import TensorBoardLog
