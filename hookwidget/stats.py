@@ -201,8 +201,9 @@ def l2_batch(ts: list, batched: bool = True) -> list[torch.Tensor]:
     Overflow-safe: where the sum of squares overflows its dtype (float32: ‖t‖ past ~1.8e19 though every
     entry is finite) the norm is taken again accumulating in float64, and returned in float64. On CPU only
     those, found by reading the norms (no sync there); elsewhere, and inside torch.compile, for the whole
-    group, kept by torch.where where the first overflowed (one more reduction, no sync). Where nothing
-    overflowed the result is bitwise the plain reduction's."""
+    group, kept by torch.where where the first overflowed (one more reduction, no sync; the CUDA multi-tensor
+    kernel accumulates in the output dtype, so no float64 copy is made). Where nothing overflowed the value is
+    bitwise the plain reduction's (off CPU promoted to float64)."""
     if not ts:
         return []
     t0 = ts[0]
