@@ -1,5 +1,5 @@
 """Statistics and norms: tensor summaries (what remains of a tensor when its values are not kept) and the
-2-norms of many tensors in one multi-tensor reduction.
+2-norm (`l2`, `l2_batch`: on device, batched, overflow-safe), which the watch and the graph's norms use.
 
 Statistics are reduced on the tensor's own device inside hooks and moved to the host
 once, at the end of a trace, so a hook never forces a host-device synchronisation.
@@ -182,20 +182,86 @@ def to_summaries(pending: list[tuple[tuple, torch.dtype, torch.Tensor | tuple]])
     return out
 
 
+# -- the 2-norm: on device, batched, overflow-safe --------------------------------------------------------
+_LOW = (torch.float16, torch.bfloat16)  # accumulated in float32: a bfloat16 sum keeps 3 digits
+
+
+def l2(t: torch.Tensor) -> torch.Tensor:
+    """‖t‖₂ of one tensor as a 0-d tensor on its device, with no host sync (see l2_batch)."""
+    if not t.is_floating_point():
+        t = t.float()
+    return _safe([t], [torch.linalg.vector_norm(t, dtype=torch.float32 if t.dtype in _LOW else None)])[0]
+
+
+def l2_batch(ts: list, batched: bool = True) -> list[torch.Tensor]:
+    """‖t‖₂ of each tensor as 0-d tensors on their devices, with no host-device sync: one multi-tensor
+    reduction per (device, dtype) group of strided tensors (`batched=False`: one reduction per tensor).
+    float16 and bfloat16 accumulate in float32; an integer tensor is taken as float32. Tensors are taken as
+    given: detach them (or hold no_grad) where autograd would record the reduction.
+    Overflow-safe: where the sum of squares overflows its dtype (float32: ‖t‖ past ~1.8e19 though every
+    entry is finite) the norm is taken again accumulating in float64, and returned in float64. On CPU only
+    those, found by reading the norms (no sync there); elsewhere, and inside torch.compile, for the whole
+    group, kept by torch.where where the first overflowed (one more reduction, no sync; the CUDA multi-tensor
+    kernel accumulates in the output dtype, so no float64 copy is made). Where nothing overflowed the value is
+    bitwise the plain reduction's (off CPU promoted to float64)."""
+    if not ts:
+        return []
+    t0 = ts[0]
+    dev, dtype = t0.device, t0.dtype
+    if batched and dtype.is_floating_point and all(
+            t.device == dev and t.dtype == dtype and t.layout == torch.strided for t in ts):  # the common case
+        return _safe(ts, list(torch._foreach_norm(ts, 2, dtype=torch.float32 if dtype in _LOW else None)))
+    out: list = [None] * len(ts)
+    groups: dict = {}
+    for i, t in enumerate(ts):
+        if not t.is_floating_point():
+            t = t.float()
+        key = (t.device, t.dtype) if batched and t.layout == torch.strided else i
+        g = groups.setdefault(key, ([], []))
+        g[0].append(i)
+        g[1].append(t)
+    for key, (idx, xs) in groups.items():
+        acc = torch.float32 if xs[0].dtype in _LOW else None
+        if isinstance(key, int):
+            ns = [torch.linalg.vector_norm(xs[0], dtype=acc)]
+        else:
+            ns = list(torch._foreach_norm(xs, 2, dtype=acc))
+        for i, n in zip(idx, _safe(xs, ns)):
+            out[i] = n
+    return out
+
+
+def _safe(xs: list, ns: list) -> list:
+    """The norms `ns` of `xs` with the overflowed ones (inf; NaN stays NaN) taken again in float64."""
+    if ns[0].dtype == torch.float64:
+        return ns
+    if ns[0].device.type == "cpu" and not torch.compiler.is_compiling():
+        bad = torch.isinf(torch.stack(ns)).tolist() if len(ns) > 16 else [math.isinf(n.item()) for n in ns]
+        return [torch.linalg.vector_norm(x, dtype=torch.float64) if b else n for x, n, b in zip(xs, ns, bad)]
+    if torch.compiler.is_compiling():  # the cast is fused there: no copy
+        wide = [torch.linalg.vector_norm(x, dtype=torch.float64) for x in xs]
+    else:  # the multi-tensor kernel accumulates in the output dtype: no float64 copy of x
+        wide = list(torch._foreach_norm(xs, 2, dtype=torch.float64))
+    if len(ns) == 1:  # three kernels, not five
+        return [torch.where(torch.isinf(ns[0]), wide[0], ns[0])]
+    n = torch.stack(ns)
+    return list(torch.where(torch.isinf(n), torch.stack(wide), n).unbind())
+
+
 # -- 2-norms of many tensors at once (the graph's nodes, the payload, health) -------------------------------
 _SMALL = 1 << 16  # on CPU, ‖t‖∞ of tensors up to this size from the multi-tensor kernel, of larger ones from aminmax
 
 
 def fused_norms(tensors: dict, linf: bool = True) -> dict:
     """[‖t‖₂, ‖t‖∞] of many tensors with a few multi-tensor reductions, not two kernels each (without
-    `linf`: [‖t‖₂, None])."""
+    `linf`: [‖t‖₂, None]); the 2-norms are l2_batch's."""
     ts = [_dense_values(t) for t in tensors.values()]
     ts = [t if t.dtype in (torch.float32, torch.float64) else t.float() for t in ts]
     if not ts:
         return {}
-    l2 = torch._foreach_norm(ts)
+    norms = l2_batch(ts)
     if not linf:
-        return {i: (a, None) for i, a in zip(tensors, l2)}
+        return {i: (a, None) for i, a in zip(tensors, norms)}
     cpu = all(t.device.type == "cpu" for t in ts)
     # the multi-tensor ∞-norm: not of empty tensors (no identity), and on CPU only of small ones (for
     # large ones the ∞-norm kernel is ~9x slower than aminmax there)
@@ -208,7 +274,7 @@ def fused_norms(tensors: dict, linf: bool = True) -> dict:
         for k, t in enumerate(ts):
             if peaks[k] is None:
                 peaks[k] = max_abs(t)
-    return {i: (a, b) for i, a, b in zip(tensors, l2, peaks)}
+    return {i: (a, b) for i, a, b in zip(tensors, norms, peaks)}
 
 
 def _dense_values(t):

@@ -720,3 +720,50 @@ def test_counts_shared_parameters_and_unreached_layers_exact():
         assert idle[col["weight_norm"]].item() > 0
     assert w.stats[1, 1, col["a_nonfinite"]] == 0 and w.stats[1, 3, col["a_nonfinite"]] == 1  # tanh(inf) = 1
     assert [a.where for a in w.anomalies if a.step == 1][:1] == ["loss"]
+
+
+def test_layers_returning_a_dict_or_a_dataclass_are_seen():
+    """The watch reads a layer's output as capture does (capture/tensors.first_tensor): the first tensor of a
+    dict (a Hugging Face ModelOutput) or a dataclass too. Reference: hand-written hooks on the same tensors."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        hidden: torch.Tensor
+
+    class Layer(nn.Module):
+        def __init__(self, kind):
+            super().__init__()
+            self.lin, self.kind = nn.Linear(4, 4), kind
+
+        def forward(self, x):
+            y = self.lin(x)
+            return {"hidden": y, "extra": None} if self.kind == "dict" else Out(y)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Layer("dict"), Layer("dataclass")
+
+        def forward(self, x):
+            return self.b(self.a(x)["hidden"]).hidden.sum()
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(3, 4)
+    for layer in (model.a, model.b):  # own parameters, so watched as layers: give them one
+        layer.scale = nn.Parameter(torch.ones(()))
+    seen = {}
+
+    def keep(name):
+        def hook(m, i, o):
+            (o["hidden"] if isinstance(o, dict) else o.hidden).register_hook(lambda g: seen.setdefault(name, g))
+
+        return hook
+
+    hooks = [m.register_forward_hook(keep(n)) for n, m in (("a", model.a), ("b", model.b))]
+    with watch(model, flight_recorder=False) as w:
+        model(x).backward()
+    for h in hooks:
+        h.remove()
+    for n in ("a", "b"):
+        assert w.series(n, "delta_norm")[0].item() == pytest.approx(torch.linalg.vector_norm(seen[n]).item())

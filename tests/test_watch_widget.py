@@ -131,7 +131,7 @@ def test_no_extra_transfer_and_nothing_changed(clock, monkeypatch):
     real = Watch._flush
 
     def counting(self, upto=None):  # count the calls that move rows (one device-to-host transfer each)
-        calls["n"] += any(upto is None or s.index <= upto for s in self._pending)
+        calls["n"] += any(upto is None or s.index <= upto for s in self._rows.pending)
         return real(self, upto)
 
     monkeypatch.setattr(Watch, "_flush", counting)

@@ -1,9 +1,9 @@
 """Seeing every backward pass: one process-wide stand-in for torch.autograd.backward and .grad.
 
 `Tensor.backward` calls `torch.autograd.backward`, so replacing those two attributes sees
-every backward pass of the code a trace runs. Several traces may be active at once (threads,
+every backward pass of the code a trace runs. Several traces and watches may be active at once (threads,
 nested traces): one stand-in serves them all, installed when the first starts and removed
-when the last ends, whatever order they end in. It calls torch's own function with exactly
+when the last ends, whatever order they end in (_torch/patch.py). It calls torch's own function with exactly
 the arguments it got, every calling convention included (keywords, a generator of tensors).
 """
 
@@ -14,40 +14,23 @@ import threading
 
 import torch
 
-_lock = threading.Lock()
-_listeners: list = []  # active tracers, each with .on_backward(roots, kind, create_graph) and .on_backward_end()
-_originals: dict = {}  # attribute name -> torch's own function, while installed
-_stand_ins: dict = {}  # (name, torch's function) -> its stand-in, made once (inspect.signature is slow)
+from hookwidget._torch.patch import Patch
 
 
 def listen(listener) -> None:
-    """Route the backward passes of `listener.thread` to it until `unlisten(listener)`."""
-    with _lock:
-        if not _listeners:
-            for name in ("backward", "grad"):
-                original = _originals[name] = getattr(torch.autograd, name)
-                stand_in = _stand_ins.get((name, original))
-                if stand_in is None:
-                    stand_in = _stand_ins[(name, original)] = _stand_in(name, original)
-                setattr(torch.autograd, name, stand_in)
-        _listeners.append(listener)
+    """Route the backward passes of `listener.thread` to it (`listener.on_backward(roots, kind, create_graph)`
+    and `.on_backward_end()`) until `unlisten(listener)`."""
+    _PATCH.listen(listener)
 
 
 def unlisten(listener) -> None:
-    with _lock:
-        if listener in _listeners:
-            _listeners.remove(listener)
-        if not _listeners and _originals:
-            for name, original in _originals.items():
-                if getattr(getattr(torch.autograd, name), "__wrapped__", None) is original:
-                    setattr(torch.autograd, name, original)
-            _originals.clear()
+    _PATCH.unlisten(listener)
 
 
 _CREATE_GRAPH_AT = {"backward": 3, "grad": 4}  # position of create_graph in torch's signature
 
 
-def _stand_in(name: str, original):
+def _stand_in(name: str, original, listening):
     signature = inspect.signature(original)
     first = next(iter(signature.parameters))  # "tensors" or "outputs"
     at = _CREATE_GRAPH_AT[name]
@@ -56,7 +39,7 @@ def _stand_in(name: str, original):
 
     def stand_in(*args, **kwargs):
         me = threading.get_ident()
-        listeners = [ls for ls in list(_listeners) if ls.thread == me]
+        listeners = [ls for ls in listening() if ls.thread == me]
         if not listeners or torch._C._functorch.peek_interpreter_stack() is not None:
             return original(*args, **kwargs)
         roots = args[0] if args else None
@@ -87,3 +70,6 @@ def _stand_in(name: str, original):
     stand_in.__name__ = name
     stand_in.__doc__ = original.__doc__
     return stand_in
+
+
+_PATCH = Patch(torch.autograd, ("backward", "grad"), _stand_in)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from hookwidget.capture.tensors import _copy, _get, _hook_output, _set
+from hookwidget.capture.tensors import _copy, _get, _set, hook_output
 from hookwidget.layers import generic
 from hookwidget.record.calls import Call
 
@@ -93,7 +93,7 @@ class GenericCapture:
             if o is out:
                 call.out_first = i
             elif o.requires_grad:
-                _hook_output(self.hooks.tensor, o, self._output_delta_hook(call, i))
+                hook_output(self.hooks.tensor, o, self._output_delta_hook(call, i))
         if out is not None and out.grad_fn is not None:
             for applies, capture in generic.FAST_CAPTURES:
                 if applies(module):

@@ -44,7 +44,7 @@ from torch import nn
 
 from hookwidget.capture.budget import Budget
 from hookwidget.capture.norms import StreamingNorms
-from hookwidget.capture.tensors import _copy, _first_tensor
+from hookwidget.capture.tensors import _copy, first_tensor
 from hookwidget.layers import registry
 from hookwidget.options import CAPTURES
 
@@ -113,7 +113,7 @@ class FullKeep(Keep):
 
     def on_generic_inputs(self, call, tree) -> None:
         if call.a is None:
-            call.a = _first_tensor(tree)  # `a` is the kept copy of the call's first tensor
+            call.a = first_tensor(tree)  # `a` is the kept copy of the call's first tensor
 
     def on_delta(self, module, call, grad, modules) -> bool:
         if call.delta is not None:  # another backward through the same graph: sum, as .grad does

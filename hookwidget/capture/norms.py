@@ -88,7 +88,7 @@ class StreamingNorms:
             self._add(module, fx.per_sample_norm_sq(f, x_gram if f.kind == "outer" else None))
         for c in calls:
             c.a = c.delta = None
-            if getattr(c, "bdelta", None) is not None:
+            if c.bdelta is not None:
                 c.bdelta = None
         left = [c for c in self._open.get(module, ()) if c.a is not None]
         if left:
@@ -147,7 +147,7 @@ def _per_sample_call(call):
     gradient that arrived at that add (call.bdelta, kept where capture hooks the add), exact where autograd's sum
     of it over the samples is the call's δ; its input is then the same for every sample. Any other call as it is
     (per_sample.batched_call does the same for capture="full")."""
-    bd = getattr(call, "bdelta", None)
+    bd = call.bdelta
     if bd is None or call.delta is None or call.a is None:
         return call
     summed = bd.sum(0, keepdim=bd.dim() == call.delta.dim())

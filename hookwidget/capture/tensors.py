@@ -1,6 +1,7 @@
 """Hooks on and copies of single tensors, for the Tracer (capture.py) and what it keeps for the generic rule
 (capture_generic.py): a copy-on-write copy, a tensor hook with a light handle, a hook on a module's output that
-survives a later in-place op, the first tensor of a module's inputs or output, sole ownership of memory."""
+survives a later in-place op (`hook_output`), the first tensor of a module's inputs or output (`first_tensor`), sole
+ownership of memory. `hook_output` and `first_tensor` are public: hw.watch's hooks use them too."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _register_hook(t: torch.Tensor, fn):
     return _Handle(hooks, key)
 
 
-def _hook_output(handles: list, out: torch.Tensor, fn) -> None:
+def hook_output(handles: list, out: torch.Tensor, fn) -> None:
     """A tensor hook fn(grad) -> new grad or None on a module's output, that fires even when a later
     in-place op rewrites the output. A hook on a plain tensor survives that; one on a view does not
     (a 3-D Linear's output is a view of a 2-D matmul result, and ReLU(inplace=True) replaces the
@@ -154,7 +155,7 @@ def _sole_owner(t: torch.Tensor) -> bool:
         return False
 
 
-def _first_tensor(obj) -> torch.Tensor | None:
+def first_tensor(obj) -> torch.Tensor | None:
     """The tensor itself, or the first tensor of a tuple, list, dict, Hugging Face ModelOutput or
     dataclass (the one out_* interventions replace; runs twice per module call: no generator)."""
     if isinstance(obj, torch.Tensor):

@@ -39,7 +39,7 @@ from hookwidget.capture.folds import Folds
 from hookwidget.capture.generic import GenericCapture
 from hookwidget.capture.handles import Hooks, Removing, Restoring
 from hookwidget.capture.nodes import NodeNorms
-from hookwidget.capture.tensors import _first_tensor, _hook_output
+from hookwidget.capture.tensors import first_tensor, hook_output
 from hookwidget.layers import factors as fx
 from hookwidget.layers import registry
 from hookwidget.options import DEFAULT_BUDGET_MB
@@ -237,7 +237,7 @@ class Tracer:
                     c.out_node = None
         if outer:
             outer[-1].append(call)
-        a = _first_tensor(inputs) if inputs else _first_tensor(kwargs)
+        a = first_tensor(inputs) if inputs else first_tensor(kwargs)
         folds = self._folds
         if self._open == 0:
             folds.batch = a.shape[0] if a is not None and a.dim() else None
@@ -266,7 +266,7 @@ class Tracer:
         call = self._close_call(module, rec, inputs, kwargs)
         if self.backward_hooks:
             rec.awaiting_backward.append(call)
-        out = _first_tensor(output)
+        out = first_tensor(output)
         replaced = self._intervene(module, inputs, output, out) if self.layer_interventions else None
         call.seq_end = _next_sequence_nr()
         if out is not None:
@@ -289,7 +289,7 @@ class Tracer:
                 if kept is not None:
                     self.keep.on_generic_inputs(call, kept)
         elif not inputs and kwargs and self.targets is None:  # keywords only, which no global pre-hook sees
-            a = _first_tensor(kwargs)
+            a = first_tensor(kwargs)
             if a is not None:
                 self._keep_input(rec, call, a)
         return call
@@ -299,7 +299,7 @@ class Tracer:
         replaced = None
         for iv in self.layer_interventions.get(module, ()):
             if iv.kind.attach == "grad" and out is not None and out.requires_grad:
-                _hook_output(self.hooks.tensor, out, self.hooks.guarded(iv.on_grad))
+                hook_output(self.hooks.tensor, out, self.hooks.guarded(iv.on_grad))
             elif iv.kind.attach == "out":
                 new = iv.on_output(module, inputs, output if replaced is None else replaced)
                 if new is not None:
@@ -314,7 +314,7 @@ class Tracer:
         if node is not None:
             self._live.append(call)
         if out.requires_grad:
-            _hook_output(self.hooks.tensor, out, self._delta_hook(module, call))
+            hook_output(self.hooks.tensor, out, self._delta_hook(module, call))
             if rec.broadcast:
                 self._generic.note_broadcast(call, out)
 
@@ -322,7 +322,7 @@ class Tracer:
         rec = self._modules.get(module)
         if not self.hooks.active or rec is None or not rec.awaiting_backward:
             return None
-        g = _first_tensor(grad_input)
+        g = first_tensor(grad_input)
         with self.hooks.lock:
             rec.awaiting_backward.pop().grad_input = None if g is None else g.detach()
         return None

@@ -1,4 +1,11 @@
-"""`hw.watch`: hooks on across a whole training loop, a few statistics per step and layer, a flight recorder."""
+"""`hw.watch`: hooks on across a whole training loop, a few statistics per step and layer, a flight recorder.
+
+core.py the Watch handle (layers, lifecycle, what users read); hooks.py the per-step hook sweep; host.py the rows
+on their way to the host; reduce.py the statistics reduced on device; amp.py, compiled.py, gather.py GradScaler,
+torch.compile and distributed; detect.py anomalies; flight.py the kept Traces.
+Floor: below magic and api; imports session (the flight recorder's recordings), capture (first_tensor,
+hook_output, the backward stand-in), layers, stats and _torch, and views only lazily, for display.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,6 @@ from hookwidget.watch.detect import Anomaly
 from hookwidget.watch.reduce import STAT_NAMES, STEP_STAT_NAMES
 
 __all__ = ["STAT_NAMES", "STEP_STAT_NAMES", "Anomaly", "Watch", "watch"]
-
 
 
 def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None, flight_recorder: bool = True,

@@ -2,8 +2,8 @@
 
 The watch learns the scaler from `scaler=`, or else from the first `GradScaler.scale()` call on its
 thread while it is open (a stand-in for that method, installed while any watch is open, like
-autograd_calls' for backward). It reads the scaler's scale tensor (on device, no sync) when each
-backward starts. backward ran on `loss * scale`, so the loss, δ and .grad it saw are
+capture/backward.py's for backward: both through _torch/patch.py). It reads the scaler's scale tensor
+(on device, no sync) when each backward starts. backward ran on `loss * scale`, so the loss, δ and .grad it saw are
 scaled: they are divided by that scale (a power of two: exact). A step is skipped when the scaler
 found inf/NaN in its gradients and did not step the optimizer; `update()` then lowers the scale, and
 it lowers it only then: so step k was skipped exactly when the scale at the next backward (or, for
@@ -17,6 +17,7 @@ import threading
 import torch
 from torch.amp import GradScaler
 
+from hookwidget._torch.patch import Patch
 from hookwidget.watch.reduce import F64, NAN, S
 
 SCALED = [S["delta_norm"], S["delta_max"], S["grad_norm"]]
@@ -63,34 +64,28 @@ SKIPPED = ("GradScaler skipped this step: inf/NaN in the scaled gradients, so no
 SEVERAL = ("hw.watch: the loop uses more than one GradScaler; statistics are unscaled by the first one seen "
            "only: pass the one that scales the watched model's loss, hw.watch(model, scaler=...)")
 
-_lock = threading.Lock()
-_watches: list = []  # open watches, each with .thread and .saw_scaler(scaler)
-_ORIGINAL = GradScaler.scale
 
 
-def _scale(self, outputs):
-    me = threading.get_ident()
-    for w in list(_watches):
-        if w.thread == me:
-            w.saw_scaler(self)
-    return _ORIGINAL(self, outputs)
+def _stand_in(name: str, original, listening):
+    def scale(self, outputs):
+        me = threading.get_ident()
+        for w in listening():
+            if w.thread == me:
+                w.saw_scaler(self)
+        return original(self, outputs)
+
+    scale.__wrapped__ = original
+    scale.__name__, scale.__doc__ = original.__name__, original.__doc__
+    return scale
 
 
-_scale.__wrapped__ = _ORIGINAL
-_scale.__doc__ = _ORIGINAL.__doc__
+_PATCH = Patch(GradScaler, ("scale",), _stand_in)  # open watches, each with .thread and .saw_scaler(scaler)
 
 
 def listen(watch) -> None:
     """Tell `watch` of every GradScaler.scale() call on its thread until unlisten(watch)."""
-    with _lock:
-        if not _watches:
-            GradScaler.scale = _scale
-        _watches.append(watch)
+    _PATCH.listen(watch)
 
 
 def unlisten(watch) -> None:
-    with _lock:
-        if watch in _watches:
-            _watches.remove(watch)
-        if not _watches and GradScaler.__dict__.get("scale") is _scale:
-            GradScaler.scale = _ORIGINAL
+    _PATCH.unlisten(watch)

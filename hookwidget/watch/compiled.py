@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from hookwidget.watch.reduce import F64, NAN, norm
+from hookwidget.capture.tensors import first_tensor
+from hookwidget.stats import l2
+from hookwidget.watch.reduce import F64, NAN
 
 SINK = 9  # ‖δ‖², max|δ|, δ NaN, δ Inf, Σa², zeros of a, non-finite of a, entries of a, calls
 
@@ -24,7 +26,7 @@ def pure_stats(t: torch.Tensor, kind: str) -> torch.Tensor:
     t = t if t.is_floating_point() else t.float()
     if t.numel() == 0:
         return torch.zeros(4, dtype=F64, device=t.device)
-    sq = norm(t).double().square()
+    sq = l2(t).double().square()
     if kind == "delta":
         return torch.stack([sq, t.abs().amax().double(), torch.isnan(t).sum(dtype=F64), torch.isinf(t).sum(dtype=F64)])
     n = torch.full((), float(t.numel()), dtype=F64, device=t.device)
@@ -51,7 +53,7 @@ def probe(sink: torch.Tensor, inputs, output):
         out = output[0]
     if out is None or not out.requires_grad or not out.is_floating_point():
         return None
-    a = inputs[0] if type(inputs) in (tuple, list) and inputs and isinstance(inputs[0], torch.Tensor) else None
+    a = first_tensor(inputs)  # as the eager hook reads it
     a_stats = pure_stats(a, "a").to(sink.device) if a is not None else torch.full((4,), NAN, dtype=F64,
                                                                                    device=sink.device)
     new = _Probe.apply(out, sink, a_stats)

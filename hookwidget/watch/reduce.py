@@ -12,6 +12,9 @@ import sys
 import torch
 from torch import nn
 
+from hookwidget.layers.linear import linear
+from hookwidget.stats import l2, l2_batch
+
 # Per-layer statistics, in this order along the last axis of Watch.stats.
 STAT_NAMES = ("delta_norm", "delta_max", "delta_nan", "delta_inf", "a_rms", "a_zero_frac", "a_nonfinite",
               "grad_norm", "weight_norm", "update_ratio", "grad_nan", "grad_inf")
@@ -21,39 +24,9 @@ NAN = float("nan")
 F64 = torch.float64
 
 
-def _counts(t: torch.Tensor, norm: torch.Tensor) -> list:
-    """[NaN count, Inf count] of t as float64 0-d tensors."""
-    if t.device.type == "cpu" and math.isfinite(norm.item()):
-        z = torch.zeros((), dtype=F64)
-        return [z, z]
-    return [torch.isnan(t).sum(dtype=F64), torch.isinf(t).sum(dtype=F64)]
-
-
-def _max_abs(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type != "cpu":
-        return torch.linalg.vector_norm(t, float("inf"))
-    lo, hi = torch.aminmax(t)
-    return torch.maximum(lo.abs(), hi.abs())  # NaN propagates
-
-
 def _float(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return t if t.is_floating_point() else t.float()
-
-
-def norm(t: torch.Tensor) -> torch.Tensor:
-    """‖t‖₂, accumulated in float32 at least (a bfloat16 norm keeps 3 digits: autocast's δ and a are bf16)."""
-    low = t.dtype in (torch.float16, torch.bfloat16)
-    return torch.linalg.vector_norm(t, dtype=torch.float32 if low else None)
-
-
-def delta_stats(g: torch.Tensor) -> torch.Tensor:
-    """[‖g‖², max|g|, NaN count, Inf count] (float64, on g's device)."""
-    g = _float(g)
-    if g.numel() == 0:
-        return torch.zeros(4, dtype=F64, device=g.device)
-    n = norm(g)
-    return torch.stack([n.double().square(), _max_abs(g).double(), *_counts(g, n)])
 
 
 def reduce_delta(g: torch.Tensor) -> tuple:
@@ -63,7 +36,7 @@ def reduce_delta(g: torch.Tensor) -> tuple:
     if g.numel() == 0:
         z = torch.zeros((), dtype=F64, device=g.device)
         return z, z, z, None
-    n = norm(g)
+    n = l2(g)
     lo, hi = torch.aminmax(g)
     counts = None
     if g.device.type != "cpu" or not math.isfinite(n.item()):
@@ -78,9 +51,9 @@ def reduce_input(a: torch.Tensor) -> tuple:
     if k == 0:
         z = torch.zeros((), dtype=F64, device=a.device)
         return z, z, 0, None
-    n = norm(a)
+    n = l2(a)
     bad = None
-    if a.device.type != "cpu" or not math.isfinite(n.item()):  # ‖a‖ also overflows past ~1e19: count
+    if a.device.type != "cpu" or not math.isfinite(n.item()):  # ‖a‖ is finite where every entry is (stats.l2)
         bad = k - torch.isfinite(a).sum(dtype=F64)
     # a.bool().sum(), not torch.count_nonzero: that one branches per entry on CPU (~10x slower on fresh data)
     return n, a.bool().sum(), k, bad
@@ -91,21 +64,6 @@ def add_delta(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     out = old + new
     out[1] = torch.maximum(old[1], new[1])
     return out
-
-
-def input_stats(a: torch.Tensor) -> torch.Tensor:
-    """[Σa², number of zero entries, number of NaN/Inf entries, number of entries] (float64, on a's device)."""
-    a = _float(a)
-    n = a.numel()
-    if n == 0:
-        return torch.zeros(4, dtype=F64, device=a.device)
-    n2 = norm(a)
-    count = torch.full((), float(n), dtype=F64, device=a.device)  # a fill, not a host-to-device copy
-    if a.device.type == "cpu" and math.isfinite(n2.item()):
-        bad = torch.zeros((), dtype=F64)
-    else:  # ‖a‖ also overflows for finite entries past ~1e19: count
-        bad = count - torch.isfinite(a).sum(dtype=F64)
-    return torch.stack([n2.double().square(), count - a.bool().sum(dtype=F64), bad, count])
 
 
 class Rows:
@@ -146,14 +104,14 @@ class Rows:
         present = tuple(i for i, p in enumerate(params) if p.grad is not None)
         grads = [_dense(params[i].grad) for i in present]
         index, has, order, g_layers, g_pos = self._grad_index(present, dev)
-        norms = torch._foreach_norm(grads + [local(p) for p in params])
+        norms = l2_batch(grads + [local(p) for p in params])
         sq = torch.stack([n.to(dev) for n in norms]).double().square_()
         gw = torch.zeros(2 * L, dtype=F64, device=dev).index_add_(0, index, sq[order]).sqrt_()
         gw.masked_fill_(~has, NAN)
         total = sq[:len(grads)].sum().sqrt() if grads else torch.full((), NAN, dtype=F64, device=dev)
         gc = torch.zeros(L, 2, dtype=F64, device=dev)
-        if grads and (dev.type != "cpu" or not math.isfinite(total.item())):
-            counts = torch.stack([torch.stack([torch.isnan(g).sum(), torch.isinf(g).sum()]) for g in grads]).double()
+        counts = _grad_counts(grads, total, dev)
+        if counts is not None:
             gc.index_add_(0, g_layers, counts[g_pos])
         upd = torch.full((L, 1), NAN, dtype=F64, device=dev)
         row = torch.cat([d, a_part, gw.view(2, L).T, upd, gc], dim=1)
@@ -233,7 +191,7 @@ class Rows:
         with torch.no_grad():  # nothing here is recorded by autograd: no detach needed
             grads = [_dense(params[i].grad) for i in present]
             ws = params if sys.modules.get("torch.distributed.tensor") is None else _locals(params)
-            norms = _norms(grads + list(ws))
+            norms = l2_batch(grads + list(ws))
             nN = nd + na + len(norms)
             vals = ([e[1] for e in ds] + [e[1] for e in as_] + norms + [x for e in ds for x in (e[2], e[3])]
                     + [e[2] for e in as_] + ([loss.reshape(())] if loss is not None else []))
@@ -255,9 +213,8 @@ class Rows:
             if any(e[4] is not None for e in as_):
                 c = torch.stack([e[4] if e[4] is not None else torch.zeros((), dtype=F64, device=dev) for e in as_])
                 a_bad = a_bad.index_add(0, ix["a_layers"], c.to(dev, F64).view(-1, 1))
-            # .grad's NaN/Inf counts: on CPU only where its norm is not finite (reading it there is no sync)
-            if grads and (dev.type != "cpu" or not math.isfinite(total.item())):
-                c = torch.stack([torch.stack([torch.isnan(g).sum(), torch.isinf(g).sum()]) for g in grads]).double()
+            c = _grad_counts(grads, total, dev)
+            if c is not None:
                 g_counts = g_counts.index_add(0, ix["g_layers"], c.to(dev)[ix["g_pos"]])
             scaled = sums / ix["denom"]  # Σa² and the zeros of a over the entries
             m = torch.cat([scaled.sqrt(), scaled[:, 2:3], dmax, d_counts, a_bad, g_counts, ix["nan_col"]], dim=1)
@@ -284,18 +241,12 @@ class Rows:
         return torch.zeros(self.L, dtype=F64, device=dev).index_add_(0, layers, sq), mask
 
 
-_FOREACH = (torch.float32, torch.float64)
-
-
-def _norms(ts: list) -> list:
-    """‖t‖₂ of each tensor (low precision accumulated in float32, as norm() does): one _foreach_norm
-    call where the dtypes and devices allow it."""
-    if not ts:
-        return []
-    dev = ts[0].device
-    if all(t.dtype in _FOREACH and t.device == dev and t.layout == torch.strided for t in ts):
-        return list(torch._foreach_norm(ts))
-    return [norm(t) if t.numel() else torch.zeros((), dtype=F64, device=t.device) for t in ts]
+def _grad_counts(grads: list, total: torch.Tensor, dev) -> torch.Tensor | None:
+    """(grads, 2) float64 [NaN, Inf] counts of each .grad; None where they are 0: on CPU only where the global
+    norm `total` is not finite (reading it there is no sync), elsewhere always (no sync)."""
+    if not grads or dev.type == "cpu" and math.isfinite(total.item()):
+        return None
+    return torch.stack([torch.stack([torch.isnan(g).sum(), torch.isinf(g).sum()]) for g in grads]).double()
 
 
 def _stack(ts: list, dev) -> torch.Tensor:
@@ -326,27 +277,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to_local() if dt is not None and isinstance(t, dt.DTensor) else t.detach()
 
 
-def _linear_norm_sq(m, call) -> torch.Tensor | None:
-    """(B,) squared per-sample gradient norms of an nn.Linear's weight and bias from one call, as
-    layers/linear.py's rule gives them (ghost form Σ_{t,t'} (a_t·a_t' + 1)(δ_t·δ_t') where T² < in·out), without
-    building its Factors: the common case, kept cheap. None where the dtypes call for the general path."""
-    a, d, w, b = call.a, call.delta, m.weight, m.bias
-    if not (a.is_floating_point() and a.dtype == d.dtype == w.dtype) or a.dim() < 2:
-        return None
-    wg, bg = w.requires_grad, b is not None and b.requires_grad
-    if not (wg or bg):
-        return None
-    B = a.shape[0]
-    A, D = a.reshape(B, -1, a.shape[-1]), d.reshape(B, -1, d.shape[-1])
-    T = A.shape[1]
-    if T * T < w.numel():
-        gd = torch.bmm(D, D.transpose(1, 2))
-        if not wg:
-            return gd.sum((1, 2)) if bg else None
-        gx = torch.bmm(A, A.transpose(1, 2))
-        return ((gx + 1) * gd).sum((1, 2)) if bg else (gx * gd).sum((1, 2))
-    sq = torch.bmm(D.transpose(1, 2), A).square().sum((1, 2)) if wg else 0
-    return sq + D.sum(1).square().sum(1) if bg else sq
+def _factors(fx, m, calls: list) -> list:
+    """The layer's Factors from its calls (layers/factors.py). The common case, one call of an nn.Linear whose
+    a, δ and weight share a dtype, straight from its rule (layers/linear.py): factors() would merge nothing and
+    cast nothing there, and the per-sample norm is then linear_norm_sq's Gram form, weight and bias together."""
+    c = calls[0]
+    if len(calls) == 1 and type(m) is nn.Linear and c.a.is_floating_point() and c.a.dtype == c.delta.dtype == \
+            m.weight.dtype:
+        return [f for f in linear(m, c.a, c.delta) if getattr(m, f.param).requires_grad]
+    return fx.factors(m, calls)
 
 
 class _Call:
@@ -433,10 +372,7 @@ class PerSample:
         else:
             with torch.no_grad():
                 m = self.layers[li]
-                sq = _linear_norm_sq(m, calls[0]) if len(calls) == 1 and type(m) is nn.Linear else None
-                if sq is None:
-                    sq = self.fx.layer_norm_sq(m, self.fx.factors(m, calls))
-                sq = sq.to(F64)
+                sq = self.fx.layer_norm_sq(m, _factors(self.fx, m, calls)).to(F64)
             n = sq.shape[0]
             step.ps_sq[n] = step.ps_sq[n] + sq if n in step.ps_sq else sq
             if n != step.ps_batch:

@@ -1,0 +1,79 @@
+"""The watch's rows on their way to the host: recorded steps wait on device and move in one transfer,
+`batch` steps at a time or when read; each moved row is judged by the detector and told to the listeners."""
+
+from __future__ import annotations
+
+import torch
+
+from hookwidget.watch.amp import SKIPPED
+from hookwidget.watch.reduce import F64, NAN, STAT_NAMES, S
+
+
+class HostRows:
+    """Recorded steps whose row is still on device (`pending`), and the rows on the host (`stats`, `step_stats`,
+    `steps`, per-sample maxima). `amp()` gives the watch's ScaleTrack or None (it may appear mid-run);
+    `per_sample`: whether steps carry per-sample maxima; `tell(event, *args)`: the watch's listeners."""
+
+    def __init__(self, n_layers: int, detector, amp, per_sample: bool, tell):
+        self.L, self.detector, self.amp, self.per_sample, self.tell = n_layers, detector, amp, per_sample, tell
+        self.pending: list = []  # recorded steps whose statistics are still on device
+        self.chunks, self.step_chunks, self.recorded = [], [], []
+        self.ps_chunks: list = []  # per_sample=True: (recorded steps, 2) on the host
+        self.skipped: list = []  # steps whose optimizer step the GradScaler skipped (found inf/NaN)
+        self._cache = None
+
+    def add(self, step) -> None:
+        self.pending.append(step)
+
+    def changed(self) -> None:
+        """A host row was written into (an optimizer step after the row was read)."""
+        self._cache = None
+
+    def flush(self, upto: int | None = None) -> None:
+        """Move the statistics of pending steps (those up to `upto`) to the host in one transfer."""
+        take = [s for s in self.pending if upto is None or s.index <= upto]
+        if not take:
+            return
+        self.pending = self.pending[len(take):]
+        n, L = len(take), self.L
+        track = self.amp()
+        scales = [track.pairs(take, take[0].row.device).flatten()] if track is not None else []
+        ps = [torch.stack([s.ps for s in take]).flatten()] if self.per_sample else []
+        both = torch.cat([torch.stack([s.row for s in take]).flatten(),
+                          torch.stack([s.step_row for s in take]).flatten(), *ps, *scales]).cpu()  # one transfer
+        skipped = both[-2 * n:].view(n, 2) if scales else None  # (scale, scale after) per step
+        both = both[:-2 * n] if scales else both
+        if ps:
+            self.ps_chunks.append(both[-2 * n:].view(n, 2))
+            both = both[:-2 * n]
+            for s in take:
+                s.ps = None
+        rows, step_rows = both[:n * L * len(STAT_NAMES)].view(n, L, -1), both[n * L * len(STAT_NAMES):].view(n, 2)
+        for r, s in enumerate(take):
+            s.host, s.row, s.step_row = (rows, r), None, None
+        self.chunks.append(rows)
+        self.step_chunks.append(step_rows)
+        self.recorded += [s.index for s in take]
+        self._cache = None
+        for r, s in enumerate(take):
+            skip = None
+            if skipped is not None and skipped[r, 1] < skipped[r, 0]:
+                rows[r, :, S["update_ratio"]] = NAN  # a fused optimizer "steps" by zero: still no update
+                self.skipped.append(s.index)
+                skip = SKIPPED.format(*skipped[r].tolist())
+            self.detector.check(s.index, rows[r], step_rows[r], s.order, s.a_order, s.has_loss, skipped=skip)
+        self.tell("rows", rows, step_rows, [s.index for s in take])
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(stats, step_stats) of every recorded step on the host; the pending ones moved first."""
+        self.flush()
+        if self._cache is None:
+            L, K = self.L, len(STAT_NAMES)
+            stats = torch.cat(self.chunks) if self.chunks else torch.zeros(0, L, K, dtype=torch.float64)
+            steps = torch.cat(self.step_chunks) if self.step_chunks else torch.zeros(0, 2, dtype=torch.float64)
+            self._cache = (stats, steps)
+        return self._cache
+
+    def per_sample_table(self) -> torch.Tensor:
+        self.flush()
+        return torch.cat(self.ps_chunks) if self.ps_chunks else torch.zeros(0, 2, dtype=F64)
