@@ -561,7 +561,7 @@ def _raise_in_backward_only(original):
 
 INTERNAL = [
     ("pre_hook", lambda mp: mp.setattr(capture.Tracer, "_open_call", _raise), {}),
-    ("forward_hook", lambda mp: mp.setattr(capture, "_first_tensor", _raise), {}),
+    ("forward_hook", lambda mp: mp.setattr(capture, "first_tensor", _raise), {}),
     ("backward_start", lambda mp: mp.setattr(graph.GraphWalk, "extend", _raise), {}),
     ("delta_hook",  # δ's statistics, taken in its hook
      lambda mp: mp.setattr(budget.StatsBatch, "stats", _raise_in_backward_only(budget.StatsBatch.stats)),
