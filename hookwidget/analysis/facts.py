@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hookwidget._torch.modules import own_parameters
 from hookwidget.layers import factors as fx
 from hookwidget.layers import generic
 
@@ -91,7 +92,7 @@ def _layer_params(trace, name: str) -> tuple:
     found = cache.get(key)
     if found is None:
         module = trace.layers[name].module
-        own = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
+        own = {n: p for n, p in own_parameters(module).items() if p is not None and p.requires_grad}
         if generic.is_parametrization(module):
             found = {}, list(own.values()), list(own.values())
         elif fx.is_generic(module):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 
+from hookwidget._torch.norms import foreach_norm
 from hookwidget.stats import l2_norm_map
 
 
@@ -101,14 +102,14 @@ def _norm(ts) -> tuple[float, bool]:
     norm that came out inf (a huge but finite gradient) or 0 (squares that underflow) is computed
     again with each tensor scaled by its largest entry first."""
     ts = [t.detach() if t.dtype in (torch.float32, torch.float64) else t.detach().float() for t in ts]
-    norms = torch.stack(torch._foreach_norm(ts)).double()
+    norms = torch.stack(foreach_norm(ts)).double()
     redo = [i for i, v in enumerate(norms.tolist()) if not (math.isfinite(v) and v > 0)]
     if redo:
         careful = [ts[i] for i in redo]
-        maxima = torch.stack(torch._foreach_norm(careful, float("inf"))).double()
+        maxima = torch.stack(foreach_norm(careful, float("inf"))).double()
         if not bool(torch.isfinite(maxima).all()):
             return float("nan"), False
-        scaled = torch._foreach_norm([t / m if m > 0 else t for t, m in zip(careful, maxima.tolist())])
+        scaled = foreach_norm([t / m if m > 0 else t for t, m in zip(careful, maxima.tolist())])
         norms[redo] = torch.stack(scaled).double() * maxima
     return float(torch.linalg.vector_norm(norms)), True
 

@@ -15,6 +15,8 @@ from collections import Counter
 import torch
 from torch import nn
 
+from hookwidget._torch.modules import own_parameters
+from hookwidget._torch.tensors import version
 from hookwidget.layers import factors as fx
 from hookwidget.layers import generic
 
@@ -36,7 +38,7 @@ class StreamingNorms:
         if w is None:  # asked on every forward call: answer once per module and trace
             # a generic-rule module is not streamed: capture keeps its calls, per_sample.py adds its norms when asked
             w = self._wants[module] = fx.unsupported_reason(module) is None and not fx.is_generic(module) and any(
-                p is not None and p.requires_grad for p in module._parameters.values())
+                p is not None and p.requires_grad for p in own_parameters(module).values())
         return w
 
     def on_input(self, module, call) -> None:
@@ -167,7 +169,7 @@ def _per_sample_call(call):
 
 def _input_key(module, a: torch.Tensor) -> tuple:
     """Same key, same values: one storage, offset, shape, strides, version, and the layer's dtype."""
-    return (a.data_ptr(), a.device, a.dtype, tuple(a.shape), a.stride(), a._version, module.weight.dtype)
+    return (a.data_ptr(), a.device, a.dtype, tuple(a.shape), a.stride(), version(a), module.weight.dtype)
 
 
 def _owners(modules: dict) -> Counter:
@@ -177,7 +179,7 @@ def _owners(modules: dict) -> Counter:
     called = {id(m) for m in modules}
     out = Counter()
     for m, rec in modules.items():
-        own = {id(p): p for p in m._parameters.values() if p is not None}.values()  # as parameters(recurse=False)
+        own = {id(p): p for p in own_parameters(m).values() if p is not None}.values()  # as parameters(recurse=False)
         if rec.generic:
             answered = {id(p) for p in generic.owned(m, called).values()}
             own = [p for p in own if id(p) in answered]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from hookwidget._torch.autograd import output_shape, saved
+
 MAX_NODES = 4096  # nodes one proof may visit
 
 # every input with the output's number of dims (or broadcast to it) is laid out as the output, element for element
@@ -41,11 +43,7 @@ def sample_major(node, output_nr: int, B: int, memo: dict | None = None) -> bool
         return False
 
 
-def _shape(node, output_nr: int):
-    try:
-        return tuple(node._input_metadata[output_nr].shape)
-    except (AttributeError, IndexError, RuntimeError):
-        return None
+_shape = output_shape
 
 
 def _proven(node, nr: int, d: int, B: int, memo: dict, budget: list) -> bool:
@@ -90,7 +88,7 @@ def _mixed_trailing_dims(node, name: str, ndim: int) -> int:
         return 2
     if name == "NativeLayerNormBackward0":
         try:
-            return len(node._saved_normalized_shape)
+            return len(saved(node, "normalized_shape"))
         except AttributeError:
             return ndim
     return ndim - 1  # group norm: every dim but the batch's
@@ -113,22 +111,22 @@ def _input_dim(node, name: str, d: int, ndim: int):
     """The input's dim that the output's dim d comes from, where the op leaves it whole; else None."""
     try:
         if name == "TransposeBackward0":
-            a, b = (x % ndim for x in (node._saved_dim0, node._saved_dim1))
+            a, b = (x % ndim for x in (saved(node, "dim0"), saved(node, "dim1")))
             return b if d == a else a if d == b else d
         if name == "PermuteBackward0":
-            return node._saved_dims[d] % ndim
+            return saved(node, "dims")[d] % ndim
         if name in ("UnbindBackward0", "SelectBackward0"):  # the input has one more dim, at `dim`
-            u = node._saved_dim % (ndim + 1)
+            u = saved(node, "dim") % (ndim + 1)
             return d + 1 if u <= d else d
         if name == "UnsqueezeBackward0":  # the output has one more dim, at `dim`
-            u = node._saved_dim % ndim
+            u = saved(node, "dim") % ndim
             return None if u == d else d - 1 if u < d else d
         if name == "SqueezeBackward1":  # the input had a size-1 dim at `dim`
-            s = node._saved_dim % (ndim + 1)
+            s = saved(node, "dim") % (ndim + 1)
             return d + 1 if s <= d else d
         if name in ("SoftmaxBackward0", "LogSoftmaxBackward0", "CatBackward0", "SliceBackward0",
                     "SplitBackward0", "SplitWithSizesBackward0"):
-            return None if node._saved_dim % ndim == d else d
+            return None if saved(node, "dim") % ndim == d else d
     except (AttributeError, TypeError, ZeroDivisionError):
         return None
     return None

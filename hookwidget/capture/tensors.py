@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections import OrderedDict
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from hookwidget._torch.tensors import hook_dict, storage_key, storage_users, view_base
+from hookwidget._torch.tensors import lazy_clone as _lazy_clone
+
 # A copy-on-write clone: it shares the .grad's memory until either is written to (the user's
 # zero_grad(set_to_none=False), clip_grad_norm_, the next backward accumulating into .grad), and only
 # then is the memory copied. A training step that sets .grad to None copies nothing at all.
-_lazy_clone = getattr(torch, "_lazy_clone", None)
 
 
 _NO_LAZY: set = set()  # device types where _lazy_clone failed once: plain copies there
@@ -51,12 +52,7 @@ def _register_hook(t: torch.Tensor, fn):
     """t.register_hook(fn), the same dict entry Tensor.register_hook makes, with a lighter handle."""
     if type(t) is not torch.Tensor:  # a subclass may route register_hook through __torch_function__
         return t.register_hook(fn)
-    hooks = t._backward_hooks
-    if hooks is None:
-        hooks = t._backward_hooks = OrderedDict()
-        node = t.grad_fn
-        if node is not None:
-            node._register_hook_dict(t)
+    hooks = hook_dict(t)
     key = RemovableHandle.next_id  # the ids RemovableHandle uses: no clash with the user's hooks in that dict
     RemovableHandle.next_id = key + 1
     hooks[key] = fn
@@ -68,7 +64,7 @@ def hook_output(handles: list, out: torch.Tensor, fn) -> None:
     in-place op rewrites the output. A hook on a plain tensor survives that; one on a view does not
     (a 3-D Linear's output is a view of a 2-D matmul result, and ReLU(inplace=True) replaces the
     view's grad_fn). Then a hook on the view's base, which stays in the graph, stands in for it."""
-    base = out._base
+    base = view_base(out)
     if (base is None or not base.requires_grad or base.numel() != out.numel() or not out.is_contiguous()
             or not base.is_contiguous() or base.data_ptr() != out.data_ptr()):
         handles.append(_register_hook(out, fn))
@@ -133,14 +129,14 @@ def _set(obj, key, value) -> None:
 def _storage_key(t: torch.Tensor):
     """Its storage's address; for a tensor subclass without plain storage, its own id (never shared: copied)."""
     try:
-        return t.untyped_storage()._cdata
+        return storage_key(t)
     except Exception:
         return ("own", id(t))
 
 
 def _uses(t: torch.Tensor) -> int:
     """How many tensors hold t's memory (the temporary storage object made to ask is not counted)."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+    return storage_users(t)
 
 
 def _view(t: torch.Tensor) -> tuple:

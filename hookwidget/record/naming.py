@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import fnmatch
 
+from hookwidget._torch.modules import own_parameters
+
 
 def qualified_names(recorded: list, targets, target_names) -> tuple[dict, dict]:
     """Module -> qualified name, and qualified parameter name -> parameter.
@@ -42,7 +44,7 @@ def qualified_names(recorded: list, targets, target_names) -> tuple[dict, dict]:
         for qn, m in walks[id(root)]:  # one walk for modules and their parameters
             names.setdefault(m, prefix + qn if qn else label)
             pre = prefix + qn + "." if qn else prefix
-            for pn, p in m._parameters.items():
+            for pn, p in own_parameters(m).items():
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     params.setdefault(pre + pn, p)
