@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hookwidget._torch.norms import foreach_norm
+from hookwidget._torch.tensors import sparse_values, version
+
 _FIELDS = ("norm", "min", "max", "mean", "nan", "inf")
 
 
@@ -210,7 +213,7 @@ def l2_batch(ts: list, batched: bool = True) -> list[torch.Tensor]:
     dev, dtype = t0.device, t0.dtype
     if batched and dtype.is_floating_point and all(
             t.device == dev and t.dtype == dtype and t.layout == torch.strided for t in ts):  # the common case
-        return _safe(ts, list(torch._foreach_norm(ts, 2, dtype=torch.float32 if dtype in _LOW else None)))
+        return _safe(ts, list(foreach_norm(ts, 2, dtype=torch.float32 if dtype in _LOW else None)))
     out: list = [None] * len(ts)
     groups: dict = {}
     for i, t in enumerate(ts):
@@ -225,7 +228,7 @@ def l2_batch(ts: list, batched: bool = True) -> list[torch.Tensor]:
         if isinstance(key, int):
             ns = [torch.linalg.vector_norm(xs[0], dtype=acc)]
         else:
-            ns = list(torch._foreach_norm(xs, 2, dtype=acc))
+            ns = list(foreach_norm(xs, 2, dtype=acc))
         for i, n in zip(idx, _safe(xs, ns)):
             out[i] = n
     return out
@@ -241,7 +244,7 @@ def _safe(xs: list, ns: list) -> list:
     if torch.compiler.is_compiling():  # the cast is fused there: no copy
         wide = [torch.linalg.vector_norm(x, dtype=torch.float64) for x in xs]
     else:  # the multi-tensor kernel accumulates in the output dtype: no float64 copy of x
-        wide = list(torch._foreach_norm(xs, 2, dtype=torch.float64))
+        wide = list(foreach_norm(xs, 2, dtype=torch.float64))
     if len(ns) == 1:  # three kernels, not five
         return [torch.where(torch.isinf(ns[0]), wide[0], ns[0])]
     n = torch.stack(ns)
@@ -268,7 +271,7 @@ def fused_norms(tensors: dict, linf: bool = True) -> dict:
     fused = [k for k, t in enumerate(ts) if t.numel() and (not cpu or t.numel() <= _SMALL)]
     peaks = [None] * len(ts)
     if fused:
-        for k, v in zip(fused, torch._foreach_norm([ts[k] for k in fused], float("inf"))):
+        for k, v in zip(fused, foreach_norm([ts[k] for k in fused], float("inf"))):
             peaks[k] = v
     if len(fused) < len(ts):
         for k, t in enumerate(ts):
@@ -282,7 +285,7 @@ def _dense_values(t):
     if t.layout == torch.strided:
         return t
     if t.layout == torch.sparse_coo:
-        return t.coalesce()._values()
+        return sparse_values(t.coalesce())
     return t.to_dense()
 
 
@@ -332,7 +335,7 @@ def known_l2(t) -> float | None:
 
 def _version(t) -> int | None:
     try:
-        return t._version
+        return version(t)
     except RuntimeError:  # an inference-mode tensor tracks no version
         return None
 

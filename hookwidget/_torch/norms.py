@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 
-def foreach_norm(tensors: list, ord: float = 2) -> tuple:
+def foreach_norm(tensors: list, ord: float = 2, dtype: torch.dtype | None = None) -> tuple:
     """The `ord`-norm of each tensor (2 or float("inf")), as 0-d tensors, in a few kernels for the whole list.
-    Low-precision tensors are reduced in their own dtype; empty tensors have no ∞-norm."""
-    return torch._foreach_norm(tensors, ord)
+    Reduced and returned in `dtype` where given (the tensors must share one), else each in its own dtype; empty
+    tensors have no ∞-norm."""
+    return torch._foreach_norm(tensors, ord) if dtype is None else torch._foreach_norm(tensors, ord, dtype=dtype)
 
 
 def foreach_copy_(dst: list, src: list) -> None:

@@ -14,6 +14,7 @@ import threading
 
 import torch
 
+from hookwidget._torch.autograd import in_transform
 from hookwidget._torch.patch import Patch
 
 
@@ -40,7 +41,7 @@ def _stand_in(name: str, original, listening):
     def stand_in(*args, **kwargs):
         me = threading.get_ident()
         listeners = [ls for ls in listening() if ls.thread == me]
-        if not listeners or torch._C._functorch.peek_interpreter_stack() is not None:
+        if not listeners or in_transform():
             return original(*args, **kwargs)
         roots = args[0] if args else None
         if at >= 0 and isinstance(roots, torch.Tensor) and first not in kwargs:

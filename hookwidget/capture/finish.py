@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from hookwidget._torch.tensors import version
 from hookwidget.capture.generic import link_first_delta
 from hookwidget.capture.tensors import own
 from hookwidget.record.notes import Note
@@ -39,7 +40,7 @@ def own_what_is_kept(modules: dict, shares_inputs: bool, notes: list) -> None:
     slots = []
     for rec in modules.values():
         for call in rec.calls:
-            if call._a_version >= 0 and call.a is not None and call.a._version != call._a_version:
+            if call._a_version >= 0 and call.a is not None and version(call.a) != call._a_version:
                 call.a = None
                 notes.append(Note("input_modified", {"module_type": type(rec.module).__name__,
                                                      "modules": (rec.module,)}))
@@ -105,5 +106,5 @@ def outermost_outputs(records) -> list:
 def unchanged_grads(grad_state: dict) -> dict:
     """leaf -> whether its .grad is still what the last step left (the same tensor, unwritten since)."""
     return {leaf: state is None and leaf.grad is None or state is not None and state[0]() is leaf.grad
-            and leaf.grad is not None and state[1] == leaf.grad._version
+            and leaf.grad is not None and state[1] == version(leaf.grad)
             for leaf, state in grad_state.items()}

@@ -15,8 +15,10 @@ methods here run only for the calls that need them.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from hookwidget._torch.modules import own_parameters
+from hookwidget._torch.pytree import tree_flatten, tree_unflatten
+from hookwidget._torch.tensors import version
 from hookwidget.capture.tensors import _copy, _get, _set, hook_output
 from hookwidget.layers import generic
 from hookwidget.record.calls import Call
@@ -76,9 +78,9 @@ class GenericCapture:
         otherwise spend the budget on a snapshot of the whole model before any layer's a and δ)."""
         cache = self._snapshots
         named = [*module.named_parameters(), *module.named_buffers()]
-        new = [t for _, t in named if (hit := cache.get(id(t))) is None or hit[0] is not t or hit[1] != t._version]
+        new = [t for _, t in named if (hit := cache.get(id(t))) is None or hit[0] is not t or hit[1] != version(t)]
         for t in new:
-            cache[id(t)] = (t, t._version, _copy(t))
+            cache[id(t)] = (t, version(t), _copy(t))
         return {name: cache[id(t)][2] for name, t in named}
 
     def hook_outputs(self, module, call: Call, output, out) -> None:
@@ -166,7 +168,7 @@ class GenericCapture:
         node keeps them (call.join_rows, summed over the nodes); generic.broadcast_params uses them in place of a
         rerun of the model, checked as its rows are (they must add up to .grad, and one sample to its own vjp)."""
         joins, self._joins = self._joins, []
-        wanted = {id(p): (call, n, tuple(p.shape)) for module, call in joins for n, p in module._parameters.items()
+        wanted = {id(p): (call, n, tuple(p.shape)) for module, call in joins for n, p in own_parameters(module).items()
                   if p is not None and p.requires_grad and p.dim() and p.shape[0] == 1}
         targets = {i: wanted[id(walk.nodes[i].variable)] for i, name in enumerate(walk.names)
                    if name == "AccumulateGrad" and id(walk.nodes[i].variable) in wanted}

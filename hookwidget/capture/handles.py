@@ -59,16 +59,3 @@ class Removing:
 
     def __exit__(self, *exc):
         self.handle.remove()
-
-
-class Restoring:
-    """Context manager that puts a module attribute back as it was on entry."""
-
-    def __init__(self, owner, name: str):
-        self.owner, self.name = owner, name
-
-    def __enter__(self):
-        self.original = getattr(self.owner, self.name)
-
-    def __exit__(self, *exc):
-        setattr(self.owner, self.name, self.original)

@@ -42,6 +42,8 @@ import contextlib
 
 from torch import nn
 
+from hookwidget._torch.modules import children, own_parameters
+from hookwidget._torch.tensors import version
 from hookwidget.capture.budget import Budget
 from hookwidget.capture.norms import StreamingNorms
 from hookwidget.capture.tensors import _copy, first_tensor
@@ -105,7 +107,7 @@ class FullKeep(Keep):
             # so no copy is needed; `_a_version` catches forward-only cells that mutate it.
             if rec.needs_input and not a.is_inference():
                 call.a = a.detach()  # shares a's version counter: no reference to a (and its graph) is held
-                call._a_version = a._version
+                call._a_version = version(a)
             else:  # copy-on-write: memory is copied only if the input is later written in place
                 call.a = a.detach().clone() if a.is_inference() else _copy(a)
             return
@@ -183,7 +185,7 @@ def make(name: str, budget: Budget, rule=None) -> Keep:
 def _trainable(module: nn.Module) -> bool:
     """Whether any parameter of the module (its submodules' included) requires grad; its own are asked first
     (module.parameters() walks every submodule through generators: ~8 µs for a Linear)."""
-    for p in module._parameters.values():
+    for p in own_parameters(module).values():
         if p is not None and p.requires_grad:
             return True
-    return bool(module._modules) and any(p.requires_grad for p in module.parameters())
+    return bool(children(module)) and any(p.requires_grad for p in module.parameters())

@@ -14,6 +14,7 @@ from collections import Counter
 
 import torch
 
+from hookwidget._torch.autograd import output_shape
 from hookwidget.capture.tensors import _sole_owner
 from hookwidget.record import graph as graph_mod
 from hookwidget.record.calls import PREVIOUS, StepRecord
@@ -139,10 +140,9 @@ class NodeNorms:
                     same[m] = source
         shapes = {}
         for m in same:
-            try:
-                shapes[m] = tuple(nodes[m]._input_metadata[0].shape)
-            except Exception:  # no metadata (another torch): keep its hook
-                continue
+            shape = output_shape(nodes[m])
+            if shape is not None:  # else no metadata (another torch): keep its hook
+                shapes[m] = shape
         walk.same_norm.update((m, same[m]) for m in shapes)
         walk.shape.update(shapes)
         self.unhooked += list(shapes)

@@ -28,16 +28,28 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
-from torch.optim import optimizer as optimizer_mod
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from hookwidget._torch.autograd import current_node as _current_node
+from hookwidget._torch.autograd import in_transform
+from hookwidget._torch.autograd import next_sequence_nr as _next_sequence_nr
+from hookwidget._torch.autograd import peek_transform as _peek_transform
+from hookwidget._torch.compile import is_compiled
+from hookwidget._torch.modules import (
+    drop_global_kwargs_flag,
+    full_backward_flag_kept,
+    hook_flags,
+    module_hooks,
+    optimizer_hooks,
+)
+from hookwidget._torch.tensors import version
 from hookwidget.capture import backward as autograd_calls
 from hookwidget.capture import finish
 from hookwidget.capture import keep as keep_mod
 from hookwidget.capture.budget import Budget
 from hookwidget.capture.folds import Folds
 from hookwidget.capture.generic import GenericCapture
-from hookwidget.capture.handles import Hooks, Removing, Restoring
+from hookwidget.capture.handles import Hooks, Removing
 from hookwidget.capture.nodes import NodeNorms
 from hookwidget.capture.tensors import first_tensor, hook_output
 from hookwidget.layers import factors as fx
@@ -80,7 +92,7 @@ class Tracer:
         self.thread = threading.get_ident()  # the thread whose code this trace records
         self.records: Records | None = None
         self._stack = ExitStack()
-        self._modules: dict = {}
+        self._module_records: dict = {}
         self._answers: dict = {}  # the registry's answers, asked at each module's first call (registry.memo)
         self._steps: list[StepRecord] = []
         self._depth = 0  # nested backward calls inside one pass (reentrant checkpoint)
@@ -96,11 +108,11 @@ class Tracer:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Tracer:
-        if _in_functorch():
+        if in_transform():
             raise RuntimeError("hookwidget cannot trace inside a torch.func transform (vmap, grad, jacrev, ...): "
                                "hooks would see wrapped tensors; call hw.trace outside the transform")
         for m in self.targets or ():
-            if "_orig_mod" in m._modules:
+            if is_compiled(m):
                 self._saw("compiled", m)
         try:
             self._install()
@@ -141,9 +153,9 @@ class Tracer:
                                                                                       with_kwargs=True)))
             # torch's handle does not remove the global with_kwargs flag (torch 2.13): a later hook given the
             # same id would be called with kwargs
-            s.callback(module_mod._global_forward_hooks_with_kwargs.pop, handle.id, None)
+            s.callback(drop_global_kwargs_flag, handle.id)
             if self.backward_hooks:  # the global flag it sets outlives the hook: put it back
-                s.enter_context(Restoring(module_mod, "_global_is_full_backward_hook"))
+                s.enter_context(full_backward_flag_kept())
                 s.enter_context(Removing(module_mod.register_module_full_backward_hook(self._backward_hook)))
         else:
             for m in self._target_modules():
@@ -171,21 +183,15 @@ class Tracer:
     def _sweep(self) -> None:
         """Remove any hook of this tracer still registered: one an interrupt left between its
         registration and its handle reaching the ExitStack."""
-        if self.targets is None:
-            owners = [(module_mod, "_global_")]
-        else:
-            owners = [(m, "_") for m in self._target_modules()]
-        flags = ("forward_hooks_with_kwargs", "forward_pre_hooks_with_kwargs", "forward_hooks_always_called")
-        for owner, prefix in owners:
-            dicts = [getattr(owner, prefix + n, None) for n in ("forward_pre_hooks", "forward_hooks", "backward_hooks")]
-            extra = [getattr(owner, prefix + n, None) for n in flags]  # a hook's flags, under the same key
-            for d in dicts:
-                for key, fn in list((d or {}).items()):
+        for owner in [None] if self.targets is None else self._target_modules():  # None: the global hooks
+            hooks, flags = module_hooks(owner), hook_flags(owner)  # a hook's flags, under the same key
+            for d in (hooks["forward_pre"], hooks["forward"], hooks["backward"]):
+                for key, fn in list(d.items()):
                     if getattr(fn, "__self__", None) is self:
                         del d[key]
-                        for e in extra:
-                            (e or {}).pop(key, None)
-        hooks = optimizer_mod._global_optimizer_pre_hooks
+                        for e in flags:
+                            e.pop(key, None)
+        hooks = optimizer_hooks()[0]
         for key, fn in list(hooks.items()):
             if getattr(fn, "__self__", None) is self:
                 del hooks[key]
@@ -197,7 +203,7 @@ class Tracer:
         if _peek_transform() is not None:  # inside a torch.func transform: hooks would see wrapped tensors
             self._saw("func", module)
             return
-        rec = self._modules.get(module)
+        rec = self._module_records.get(module)
         if rec is None:
             rec = self._new_record(module)
         rec.open_calls.append(self._open_call(module, rec, inputs, kwargs))
@@ -209,9 +215,9 @@ class Tracer:
         """A module's first call: what does not change between its calls is decided once, and so is the
         registry's answer for it, which the trace's factor queries and notes take from the record."""
         with self.keep.deciding(self._answers):
-            rec = self._modules[module] = ModuleRecord(module)
+            rec = self._module_records[module] = ModuleRecord(module)
             spec, rec.needs_input, rec.stateful, rec.keeps_rows = registry.capture_facts(module, self._answers)
-            rec.compiled = "_orig_mod" in module._modules
+            rec.compiled = is_compiled(module)
             self.keep.decide(rec, module, spec)
             if self.state is not None:
                 self.state.on_call(module)
@@ -260,7 +266,7 @@ class Tracer:
             return None
         if _peek_transform() is not None:
             return None
-        rec = self._modules.get(module)
+        rec = self._module_records.get(module)
         if rec is None:  # hooks installed mid-call: the pre-hook did not see this call start
             rec = self._new_record(module)
         call = self._close_call(module, rec, inputs, kwargs)
@@ -319,7 +325,7 @@ class Tracer:
                 self._generic.note_broadcast(call, out)
 
     def _backward_hook(self, module, grad_input, grad_output):
-        rec = self._modules.get(module)
+        rec = self._module_records.get(module)
         if not self.hooks.active or rec is None or not rec.awaiting_backward:
             return None
         g = first_tensor(grad_input)
@@ -333,7 +339,7 @@ class Tracer:
         self.keep.on_input(rec, call, a)
 
     def _delta_hook(self, module, call: Call):
-        hooks, keep, modules = self.hooks, self.keep, self._modules
+        hooks, keep, modules = self.hooks, self.keep, self._module_records
 
         def hook(grad):
             if not hooks.active:
@@ -375,7 +381,7 @@ class Tracer:
         if g is None:
             return None
         state = self._grad_state.get(leaf)
-        if state is not None and state[0]() is g and state[1] == g._version:
+        if state is not None and state[0]() is g and state[1] == version(g):
             return PREVIOUS
         return self.budget.keep_grad(g)
 
@@ -386,13 +392,13 @@ class Tracer:
         grads = [leaf.grad for leaf in leaves]
         copies = iter(self.budget.copy_grads([g for g in grads if g is not None]))
         step.after.update(zip(leaves, [None if g is None else next(copies) for g in grads]))
-        self._grad_state.update(zip(leaves, [None if g is None else (weakref.ref(g), g._version) for g in grads]))
+        self._grad_state.update(zip(leaves, [None if g is None else (weakref.ref(g), version(g)) for g in grads]))
         self.budget.trim_grad_copies(self._steps)
         self.budget.stats.flush()  # the tensors it holds may go with the step
         hooks.remove_node_hooks()  # a parameter's AccumulateGrad node lives on: its hooks must not pile up
         hooks.tensor[:] = [h for h in hooks.tensor if h.hooks_dict_ref() is not None]  # outputs still alive
         self.graph.note_output_nodes(step, self._live)
-        self.keep.end_step(self._modules, self._batches)
+        self.keep.end_step(self._module_records, self._batches)
         self._batches = Counter()
         hooks.step = None
         self._outer.clear()
@@ -406,39 +412,31 @@ class Tracer:
         self._folds.clear()  # it holds the last forward pass's graph nodes
         walk = self.graph.walk
         if not self._steps:  # forward only: show the graph that backward would have walked
-            walk.extend(finish.outermost_outputs(self._modules.values()))
+            walk.extend(finish.outermost_outputs(self._module_records.values()))
             walk.freeze()
         self.budget.finish()
         notes = self._notes
-        finish.drop_recomputed_calls(self._modules, notes)
+        finish.drop_recomputed_calls(self._module_records, notes)
         self.graph.finish(self._steps, self._passes_summed)
-        finish.own_what_is_kept(self._modules, self.keep.shares_inputs, notes)
+        finish.own_what_is_kept(self._module_records, self.keep.shares_inputs, notes)
         self._generic.release()
         budget_note = self.budget.note()
         if budget_note:
             notes.append(budget_note)
-        more, no_factors = finish.closing_notes(self._modules, self._seen, self._ddp, stepped=bool(self._steps),
+        more, no_factors = finish.closing_notes(self._module_records, self._seen, self._ddp, stepped=bool(self._steps),
                                                 used_grad=self._used_grad, create_graph=self._create_graph,
                                                 passes_summed=self._passes_summed)
         notes += more
         for c in self._live:
             c.out_node = None
         self._live = []
-        return Records(self._modules, walk, self._steps, finish.unchanged_grads(self._grad_state), notes,
+        return Records(self._module_records, walk, self._steps, finish.unchanged_grads(self._grad_state), notes,
                        self._used_grad, no_factors, self._answers)
 
 
-_next_sequence_nr = torch._C._autograd._get_sequence_nr
 _DDP = nn.parallel.DistributedDataParallel
 _get_ident = threading.get_ident
-_current_node = torch._C._current_autograd_node
-_peek_transform = torch._C._functorch.peek_interpreter_stack
 _is_compiling = torch.compiler.is_compiling
-
-
-def _in_functorch() -> bool:
-    """Whether a torch.func transform (vmap, grad, ...) is running."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def _as_module_list(modules):

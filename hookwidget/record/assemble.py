@@ -11,6 +11,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from hookwidget._torch.modules import module_hooks
+from hookwidget._torch.tensors import backward_hooks, post_accumulate_hooks
 from hookwidget.record.calls import PREVIOUS, Records
 from hookwidget.record.naming import name_filter, qualified_names
 from hookwidget.record.notes import Note
@@ -123,13 +125,12 @@ def _user_hooks(layers: dict, leaves: dict) -> dict:
     hookwidget's own are not the user's: the trace's are gone by now, a watch's around it are left out."""
     kinds = {}
     for name, layer in layers.items():
-        m = layer.module
-        if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
-            kinds[name] = (("forward_pre", m._forward_pre_hooks), ("forward", m._forward_hooks),
-                           ("backward", m._backward_hooks), ("backward_pre", m._backward_pre_hooks))
+        hooks = module_hooks(layer.module)
+        if any(hooks.values()):
+            kinds[name] = tuple(hooks.items())
     for name, leaf in leaves.items():
-        tensor_hooks = leaf._backward_hooks
-        post = getattr(leaf, "_post_accumulate_grad_hooks", None)
+        tensor_hooks = backward_hooks(leaf)
+        post = post_accumulate_hooks(leaf)
         if tensor_hooks or post:
             kinds[name] = kinds.get(name, ()) + (("tensor", tensor_hooks or {}), ("post_accumulate_grad", post or {}))
     out = {}

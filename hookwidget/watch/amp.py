@@ -17,6 +17,7 @@ import threading
 import torch
 from torch.amp import GradScaler
 
+from hookwidget._torch.amp import current_scale, is_grad_scaler
 from hookwidget._torch.patch import Patch
 from hookwidget.watch.reduce import F64, NAN, S
 
@@ -26,14 +27,14 @@ SCALED = [S["delta_norm"], S["delta_max"], S["grad_norm"]]
 class ScaleTrack:
     def __init__(self, scaler, explicit: bool = True):
         self.explicit = explicit  # given as scaler=, not seen in scale()
-        if not (hasattr(scaler, "_scale") and callable(getattr(scaler, "is_enabled", None))):
+        if not is_grad_scaler(scaler):
             raise TypeError(f"watch(scaler=...) takes the torch.amp.GradScaler your loop uses, got "
                             f"{type(scaler).__name__}")
         self.scaler = scaler
 
     def now(self):
         """The scale now (a device tensor copy), or None while the scaler is off or has not scaled yet."""
-        s = self.scaler._scale
+        s = current_scale(self.scaler)
         return s.detach().clone() if self.scaler.is_enabled() and s is not None else None
 
     @staticmethod

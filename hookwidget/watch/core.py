@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
 from contextlib import ExitStack
 
@@ -10,6 +9,8 @@ import torch
 from torch import nn
 from torch.optim import optimizer as optimizer_mod
 
+from hookwidget._torch.compile import uncompiled
+from hookwidget._torch.modules import module_hooks, optimizer_hooks
 from hookwidget.capture import backward as autograd_calls
 from hookwidget.capture.handles import Removing
 from hookwidget.watch import amp
@@ -36,9 +37,7 @@ class Watch:
         self.flight_recorder, self.max_kept, self.trace_budget_mb = flight_recorder, int(max_kept), trace_budget_mb
         self.stat_names, self.step_stat_names = STAT_NAMES, STEP_STAT_NAMES
         self.layer_names, self._layers, self._params, pairs, index = [], [], [], [], {}
-        frames = sys.modules.get("torch._dynamo.eval_frame")  # imported once torch.compile was called
-        if frames is not None and isinstance(model, frames.OptimizedModule):
-            model = model._orig_mod  # torch.compile(model): its layers, named as in the model
+        model = uncompiled(model)  # torch.compile(model): its layers, named as in the model
         scripted = []
         for name, m in model.named_modules():
             own = list(m.parameters(recurse=False))
@@ -136,14 +135,10 @@ class Watch:
 
     def _sweep(self) -> None:
         """Remove any hook of this watch still registered (one an interrupt left half-registered)."""
-        owners = [(m, ("_forward_hooks",)) for m in self._layers]
-        owners.append((optimizer_mod, ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")))
-        for owner, names in owners:
-            for n in names:
-                d = getattr(owner, n)
-                for key, fn in list(d.items()):
-                    if getattr(fn, "__self__", None) is self._hooks:
-                        del d[key]
+        for d in [module_hooks(m)["forward"] for m in self._layers] + optimizer_hooks():
+            for key, fn in list(d.items()):
+                if getattr(fn, "__self__", None) is self._hooks:
+                    del d[key]
 
     def _step_ended(self, step) -> None:
         """Backward of `step` ended (hooks.py). Rows before it are complete (their optimizer step ran): with

@@ -14,6 +14,8 @@ import weakref
 
 import torch
 
+from hookwidget._torch.autograd import current_node
+from hookwidget._torch.norms import foreach_copy_, foreach_sub_
 from hookwidget.capture.tensors import first_tensor, hook_output
 from hookwidget.stats import l2_batch
 from hookwidget.watch import amp, compiled
@@ -87,7 +89,7 @@ class StepHooks:
             return compiled.probe(self.sinks[self.layer_of[module]], inputs, output) if self.active else None
         cur = self.cur
         if (not self.active or cur is None or not cur.recorded or threading.get_ident() != self.thread
-                or torch._C._current_autograd_node() is not None):
+                or current_node() is not None):
             return None
         out = first_tensor(output)
         if out is None or not out.requires_grad:
@@ -223,7 +225,7 @@ class StepHooks:
         _, idx, copies = hit
         if not idx:
             return
-        torch._foreach_copy_(copies, _locals([self.params[i] for i in idx]))  # detached: nothing recorded
+        foreach_copy_(copies, _locals([self.params[i] for i in idx]))  # detached: nothing recorded
         self.snap = (opt, step, idx, copies)
 
     def opt_post(self, opt, args, kwargs):
@@ -232,7 +234,7 @@ class StepHooks:
             return
         _, step, idx, copies = snap
         dev = copies[0].device
-        torch._foreach_sub_(copies, _locals([self.params[i] for i in idx]))
+        foreach_sub_(copies, _locals([self.params[i] for i in idx]))
         sq, mask = self.rows.update(idx, l2_batch(copies), dev)
         step.update = sq if step.update is None else step.update + sq
         step.touched = mask if step.touched is None else step.touched | mask

@@ -12,6 +12,7 @@ import sys
 import torch
 from torch import nn
 
+from hookwidget._torch.tensors import version
 from hookwidget.layers.linear import linear
 from hookwidget.stats import l2, l2_batch
 
@@ -294,7 +295,7 @@ class _Call:
     __slots__ = ("a", "delta", "state", "version")
 
     def __init__(self, a: torch.Tensor, state):
-        self.a, self.delta, self.state, self.version = a.detach(), None, state, a._version
+        self.a, self.delta, self.state, self.version = a.detach(), None, state, version(a)
 
 
 class PerSample:
@@ -367,7 +368,7 @@ class PerSample:
 
     def _reduce(self, step, li: int, calls: list) -> None:
         step.ps_calls.pop(li, None)
-        if any(c.a._version != c.version for c in calls):
+        if any(version(c.a) != c.version for c in calls):
             step.ps_bad = True  # an input changed in place after the layer read it: not known this step
         else:
             with torch.no_grad():
