@@ -10,7 +10,7 @@ projections and the attention are rerun from the call's kept inputs and paramete
 F.scaled_dot_product_attention with the module's masks made additive), about the module's own forward and
 backward. It serves exactly nn.MultiheadAttention (no subclass, forward not replaced) with packed in_proj_weight,
 no bias_k/bias_v or add_zero_attn, no dropout in train mode, batched inputs, no gradient on the attention weights;
-anything else falls back to the vmap rule. per_sample.py checks the result as it checks that rule's (rows sum to
+anything else falls back to the vmap rule. analysis/per_sample.py checks it as it checks that rule's (rows sum to
 the step's gradient) and, once per code path, one sample's rows against the module's own forward rerun on that
 sample alone.
 """

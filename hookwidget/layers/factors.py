@@ -9,7 +9,7 @@ materialising them where the Gram ("ghost") form is cheaper:
 
 A rule is applied only where it is exact: a subclass that overrides the layer's forward gets none
 (exact_reason(module) says why) and falls back to the generic torch.func rule (layers/generic.py, kind
-"dense"), which per_sample.py checks against the step's gradient before it is used.
+"dense"), which analysis/per_sample.py checks against the step's gradient before it is used.
 
 Per-sample gradients are each sample's contribution to .grad (they sum to W.grad). With a
 mean-reduced loss each carries the 1/B factor: pass loss_reduction="mean" to undo it. Where samples

@@ -6,7 +6,7 @@ and keyword), every output's δ, the module's train/eval flags and its parameter
 (copy-on-write). Per sample b the rule reruns the module's forward on that sample alone and pulls its δ back:
 vmap over the batch of the vjp of the forward (Opacus' and torch.func's way), or, where vmap cannot run
 (`.item()`, data-dependent control flow), a loop of vjps. Its result is used only after the check in
-per_sample.py: the per-sample gradients must add up to the gradient the step made; a module that mixes
+analysis/per_sample.py: the per-sample gradients must add up to the gradient the step made; a module that mixes
 samples (BatchNorm in train mode) fails it and is named in a note, never used.
 """
 
@@ -36,14 +36,14 @@ class NotApplicable(Exception):
 
 # (applies(module) -> bool, rule(module, call, names, B) -> ({name: Factor}, key)): exact token factors for a module
 # type the generic rule serves, cheaper than vmap of its vjp (attention.py: nn.MultiheadAttention); key names the code
-# path the call took (layout, masks, parameters). Checked in per_sample.py like the vmap rule's rows (they add up to
+# path the call took (layout, masks, parameters). Checked in analysis/per_sample.py as the vmap rule's rows (they sum to
 # the step's gradient), and, on the first call of each key, one sample's rows against its own vjp (one_sample).
 FAST_RULES: list = []
 
 # (applies(module) -> bool, capture(module, call, out) -> (parts, hooks)): what a fast rule takes from the call's own
 # graph at forward time, so that it need not rerun the module: `parts` (name -> tensor, e.g. an input autograd saved)
 # go to call.rule_parts, and each (node, name) of `hooks` keeps the gradient arriving at that node as
-# call.rule_parts[name] (capture_generic.py). The rule checks what it finds and falls back where anything is missing.
+# call.rule_parts[name] (capture/generic.py). The rule checks what it finds and falls back where anything is missing.
 FAST_CAPTURES: list = []
 
 
@@ -303,7 +303,7 @@ def broadcast_params(module, call, names: list, B: int) -> tuple:
     embedding): each replaced, for one rerun of the forward on the whole batch, by B copies of itself (B, ...),
     the batch dimension its (1, ...) was broadcast along. Where the forward uses them only so, it computes the
     same outputs and the gradient of copy b is sample b's: one backward of the batch instead of vmap of the
-    module's vjp over it (the rerun, not a per-sample one). per_sample.py checks the rows as the vmap rule's and,
+    module's vjp over it (not a per-sample rerun). analysis/per_sample.py checks the rows as the vmap rule's and,
     once per module and code path (key: shapes), one sample's rows against its own vjp: a forward that indexes or
     reduces the parameter over its first dimension (p[0], p.sum(0)) gives other rows, or other outputs: refused.
     Raises NotApplicable where a parameter is not (1, ...), the outputs differ in shape, or the forward draws
