@@ -36,6 +36,10 @@ from hookwidget.views import export, watch_widget, widget
 prefix = pathlib.Path(sys.prefix).resolve()
 assert pathlib.Path(hw.__file__).resolve().is_relative_to(prefix), (hw.__file__, prefix)
 assert torch.__version__.startswith("2.13.0"), torch.__version__
+from importlib import metadata
+cuda = [d.metadata["Name"] for d in metadata.distributions()
+        if d.metadata["Name"].lower().startswith(("nvidia-", "cuda-", "triton"))]
+assert not cuda, f"CUDA packages came in beside the CPU torch: {cuda}"
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
