@@ -13,7 +13,7 @@ classes are rebuilt as themselves (found in torch.nn, never imported from a name
 empty subclasses with the same names, so the layer registry answers for a stand-in as it did for the module (a
 class that overrode forward gets a forward that says the code is not here). A stand-in cannot run.
 
-Floor: record. Imports layers/ (the registry's specs), options, stats.
+Floor: record. Imports layers/ (the registry's specs), options, stats, _torch.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hookwidget._torch.modules import children, own_buffers, own_parameters
 from hookwidget.layers import Factor, registry
 from hookwidget.options import Options
 from hookwidget.record.calls import Call
@@ -215,9 +216,10 @@ class _Encoder:
             "attrs": {k: self.enc(v) for k, v in vars(m).items() if k not in fresh and _is_plain(v)},
             "training": m.training,
             "patched": [n for n in methods if callable(vars(m).get(n))],
-            "params": {n: self.enc(p) for n, p in m.named_parameters(recurse=False)},
-            "buffers": {n: self.enc(b) for n, b in m.named_buffers(recurse=False)},
-            "children": {n: self._module(c) for n, c in m.named_children()},
+            "params": {n: self.enc(p) for n, p in own_parameters(m).items()},
+            "buffers": {n: self.enc(b) for n, b in own_buffers(m).items()},
+            "transient": [n for n in own_buffers(m) if n not in m.state_dict(keep_vars=True)],
+            "children": {n: None if c is None else self._module(c) for n, c in children(m).items()},
             "answer": _answer(m),
         })
         return key
@@ -298,7 +300,7 @@ class _Decoder:
         m = self._stand_in(data, exact=True)
         self._modules[key] = m
         for n, c in data["children"].items():
-            m.add_module(n, self.module(c))
+            m.add_module(n, None if c is None else self.module(c))
         got = _answer(m)
         if got != data["answer"] and data["answer"][0] != got[0]:
             # the stand-in of a class the registry would answer differently for (a computed weight, say): an
@@ -318,7 +320,7 @@ class _Decoder:
         for n, p in data["params"].items():
             m.register_parameter(n, self.dec(p))
         for n, b in data["buffers"].items():
-            m.register_buffer(n, self.dec(b))
+            m.register_buffer(n, self.dec(b), persistent=n not in data["transient"])
         for n, c in (like.named_children() if like is not None else ()):
             m.add_module(n, c)
         return m
