@@ -251,7 +251,7 @@ class Trace:
         from hookwidget.record import saved
 
         session = saved.ReadOnly(path, tree["options"], tree["applied"])
-        t = cls(session, saved.trace_record(tree), applied=tree["applied"])
+        t = cls(session, saved.trace_record(tree), applied=session.applied)
         session.latest = t
         if tree["baseline"]:
             session.baseline = t

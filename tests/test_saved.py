@@ -43,7 +43,7 @@ def close(x, y) -> bool:
         return False
     if x[0] == "error":
         return x == y
-    a, b = x[1], y[1]
+    a, b = x[1].cpu(), y[1].cpu()
     return a.shape == b.shape and torch.allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -221,14 +221,29 @@ def test_other_capture_modes(tmp_path, capture):
     assert u.options == t.options
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_trace_loads_on_the_cpu(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).cuda()
+    x = torch.randn(6, 4, device="cuda")
+    t = hw.trace(lambda: model(x).pow(2).sum().backward())
+    path = tmp_path / "cuda.pt"
+    t.save(path)
+    u = hw.load(path)
+    assert u.layers["0"].a.device.type == "cpu" and repr(u) == repr(t) and u.notes == t.notes
+    for n in ("0", "2"):
+        assert torch.allclose(u.weight_grad(n), t.weight_grad(n).cpu(), atol=1e-6)
+        assert torch.allclose(u.per_sample_grads(n), t.per_sample_grads(n).cpu(), atol=1e-6)
+    assert torch.allclose(u.per_sample_grad_norms(), t.per_sample_grad_norms().cpu(), atol=1e-6)
+
+
 def test_read_only_refusals_name_the_file(tmp_path):
     model, x = nn.Linear(2, 2), torch.randn(3, 2)
     t = hw.trace(lambda: model(x).sum().backward())
     t.add_hook("Linear", "grad_scale", factor=2.0)
     r = t.rerun()
     path = tmp_path / "rerun.pt"
-    r.save(path)
-    u = hw.load(path)
+    u = check_loaded(r, tmp_path, "rerun.pt")
     for what, call in [("rerun", u.rerun), ("add_hook", lambda: u.add_hook("Linear", "grad_zero")),
                        ("remove_hook", lambda: u.remove_hook("Linear", "grad_scale"))]:
         with pytest.raises(RuntimeError) as e:
@@ -238,11 +253,26 @@ def test_read_only_refusals_name_the_file(tmp_path):
     with pytest.raises(AttributeError, match="pass the trace to compare with"):
         u.diff()
     assert u.diff(hw.load(_saved(t, tmp_path))).changed  # the hook made a difference
-    assert u.applied == tuple(str(iv) for iv in r.applied) and u.interventions == []
+    assert [str(iv) for iv in u.applied] == [str(iv) for iv in r.applied] == [str(iv) for iv in u.interventions]
+    assert payload.hooks(u) == payload.hooks(r) == [{"target": "Linear", "kind": "grad_scale", "params": {"factor": 2}}]
     w = u.widget()  # displays read-only
     assert w is not None
     u.to_html(tmp_path / "u.html")
     assert (tmp_path / "u.html").stat().st_size > 1000
+
+
+def test_a_users_function_hook_comes_back_by_name(tmp_path):
+    model, x = nn.Linear(2, 2), torch.randn(3, 2)
+    t = hw.trace(lambda: model(x).sum().backward())
+
+    def halve(g):
+        return g / 2
+
+    t.add_hook("Linear", "callable", fn=halve)
+    u = check_loaded(t.rerun(), tmp_path)
+    assert payload.hooks(u)[0]["params"]["fn"].endswith("halve")
+    with pytest.raises(RuntimeError, match="cannot run"):
+        u.applied[0].params["fn"](torch.ones(1))
 
 
 def _saved(t, tmp_path):

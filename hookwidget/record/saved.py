@@ -13,7 +13,7 @@ classes are rebuilt as themselves (found in torch.nn, never imported from a name
 empty subclasses with the same names, so the layer registry answers for a stand-in as it did for the module (a
 class that overrode forward gets a forward that says the code is not here). A stand-in cannot run.
 
-Floor: record. Imports layers/ (the registry's specs), options, stats, _torch.
+Floor: record. Imports layers/ (the registry's specs), interventions, options, stats, _torch.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from hookwidget._torch.modules import children, own_buffers, own_parameters
+from hookwidget.interventions import KINDS, Intervention
 from hookwidget.layers import Factor, registry
 from hookwidget.options import Options
 from hookwidget.record.calls import Call
@@ -48,11 +49,11 @@ class ReadOnly:
 
     fn = None
 
-    def __init__(self, path, options: dict, applied: tuple):
+    def __init__(self, path, options: dict, applied: list):
         self.path = str(path)
         self.options = Options.from_kwargs(**options)
-        self.applied = applied
-        self.interventions: list = []
+        self.applied = tuple(_intervention(*a) for a in applied)
+        self.interventions = list(self.applied)  # the explorer shows the hooks that were on in this run
         self.latest = None
         self._baseline = None  # set by the loader where the saved trace was its session's baseline
 
@@ -122,7 +123,9 @@ def trace_tree(record: RunRecord, graph, options: dict, applied, kept: dict, bas
         "graph": {"nodes": list(graph.nodes(data=True)), "edges": list(graph.edges(data=True))},
         "options": {k: v for k, v in options.items() if isinstance(v, _PLAIN) or (
             isinstance(v, tuple) and all(isinstance(x, str) for x in v))},
-        "applied": tuple(str(iv) for iv in applied), "kept": kept, "baseline": baseline,
+        "applied": [(iv.target, iv.kind.name, {k: v if _is_plain(v) else {"function": getattr(
+            v, "__qualname__", type(v).__name__)} for k, v in iv.params.items()}) for iv in applied],
+        "kept": kept, "baseline": baseline,
     }
 
 
@@ -352,6 +355,21 @@ def _torch_class(mod: str, qual: str):
     except (ImportError, AttributeError):
         return None
     return obj if isinstance(obj, type) and issubclass(obj, nn.Module) else None
+
+
+def _intervention(target: str, kind: str, params: dict) -> Intervention:
+    """An intervention that was on in the saved run, as data: a user's function comes back as a stand-in of the
+    same name that cannot run."""
+    params = {k: _function(v["function"]) if isinstance(v, dict) else v for k, v in params.items()}
+    return Intervention(target, KINDS[kind], params)
+
+
+def _function(name: str):
+    def stand_in(*args, **kwargs):
+        _needs_code()
+
+    stand_in.__name__ = stand_in.__qualname__ = name
+    return stand_in
 
 
 def _needs_code(*args, **kwargs):
