@@ -74,7 +74,9 @@ def check_loaded(t, tmp_path, name="t.pt"):
     for s, r in zip(t.steps, u.steps):
         assert (s.index, s.kind, s.losses, s.calls) == (r.index, r.kind, r.losses, r.calls)
         assert same(s.grads, r.grads) and same(s.before, r.before)
-    assert same(u.param_grads, t.param_grads) and same(u.losses, t.losses)
+    assert same(u.param_grads, t.param_grads) and same(u.losses, t.losses) and same(u.params, t.params)
+    for n in t.factor_layers:
+        assert outcome(lambda n=n: u.storage(n)) == outcome(lambda n=n: t.storage(n))
     assert u.factor_layers == t.factor_layers and u.accumulates == t.accumulates
     assert u.user_hooks == t.user_hooks
     for k in steps_to_ask(t):
@@ -169,6 +171,32 @@ def test_small_transformer_generic_rules_and_tied_weights(tmp_path):
     with pytest.raises(RuntimeError, match="cannot run"):
         u.layers["gain"].module(torch.ones(16))
     assert u.layers["gain"].type == "Gain" and u.layers["block.self_attn"].type == "MultiheadAttention"
+
+
+class Standardised(nn.Linear):
+    """Overrides Linear.forward: no exact rule, the generic rule answers (live by rerunning it)."""
+
+    def forward(self, x):
+        w = self.weight
+        return nn.functional.linear(x, (w - w.mean()) / (w.std() + 1e-5), self.bias)
+
+
+class Plain(nn.Linear):
+    """A subclass that keeps Linear's forward: the exact rule still answers."""
+
+
+def test_subclasses_get_the_answers_they_had(tmp_path):
+    from hookwidget.layers import factors as fx
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Plain(3, 4), nn.Tanh(), Standardised(4, 2))
+    x = torch.randn(5, 3)
+    t = hw.trace(lambda: model(x).pow(2).sum().backward())
+    u = check_loaded(t, tmp_path)
+    for n in ("0", "2"):
+        live, loaded = t.layers[n].module, u.layers[n].module
+        assert (fx.is_generic(loaded), fx.exact_reason(loaded)) == (fx.is_generic(live), fx.exact_reason(live))
+    assert fx.is_generic(u.layers["2"].module) and isinstance(u.layers["0"].module, nn.Linear)
 
 
 def test_tiny_gpt2(tmp_path):

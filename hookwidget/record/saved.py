@@ -41,6 +41,7 @@ FORMAT, VERSION = "hookwidget", 1
 # the classes a file may name as objects: data classes of the record, rebuilt field by field
 _CLASSES = {c.__name__: c for c in (Call, Note, Step, TensorSummary)}
 _PLAIN = (type(None), bool, int, float, str)
+_FRESH = frozenset(vars(nn.Module()))  # what every module has (hooks, parameters, ...): not an attribute of its own
 
 
 class ReadOnly:
@@ -209,19 +210,18 @@ class _Encoder:
         self._keep.append(m)
         entry: dict = {}
         self.modules.append(entry)  # before its children, which may name it (a cycle of modules)
-        fresh = vars(nn.Module())
         cls = type(m)
         spec_cls = _spec_class(cls)
         methods = ("forward", *(registry.SPECS[spec_cls].forward_methods if spec_cls in registry.SPECS else ()))
         entry.update({
             "mro": [[c.__module__, c.__qualname__, [n for n in methods if n in vars(c)]]
                     for c in cls.__mro__ if c is not nn.Module and issubclass(c, nn.Module)],
-            "attrs": {k: self.enc(v) for k, v in vars(m).items() if k not in fresh and _is_plain(v)},
+            "attrs": {k: self.enc(v) for k, v in vars(m).items() if k not in _FRESH and _is_plain(v)},
             "training": m.training,
             "patched": [n for n in methods if callable(vars(m).get(n))],
             "params": {n: self.enc(p) for n, p in own_parameters(m).items()},
             "buffers": {n: self.enc(b) for n, b in own_buffers(m).items()},
-            "transient": [n for n in own_buffers(m) if n not in m.state_dict(keep_vars=True)],
+            "transient": [n for n in own_buffers(m) if n not in m.state_dict(keep_vars=True)] if own_buffers(m) else [],
             "children": {n: None if c is None else self._module(c) for n, c in children(m).items()},
             "answer": _answer(m),
         })
@@ -304,10 +304,9 @@ class _Decoder:
         self._modules[key] = m
         for n, c in data["children"].items():
             m.add_module(n, None if c is None else self.module(c))
-        got = _answer(m)
-        if got != data["answer"] and data["answer"][0] != got[0]:
-            # the stand-in of a class the registry would answer differently for (a computed weight, say): an
-            # empty class of the same name, which only the generic rule (or none) answers for, as it did
+        if data["answer"][0] in (None, registry.GENERIC.name) and _answer(m)[0] != data["answer"][0]:
+            # a class the registry answered for by the generic rule or not at all, though its stand-in has an exact
+            # rule (a computed weight, say): an empty class of the same names instead, which it answers for alike
             m = self._stand_in(data, exact=False, like=m)
             self._modules[key] = m
         return m
@@ -333,8 +332,10 @@ class _Decoder:
         found = self._classes.get(key)
         if found is not None:
             return found
-        i, base = next(((i, c) for i, c in enumerate(_torch_class(mod, qual) for mod, qual, _ in mro)
-                        if c is not None), (len(mro), nn.Module)) if exact else (len(mro), nn.Module)
+        i, base = len(mro), nn.Module  # the stand-in's base: the first torch.nn class of the MRO, where exact
+        if exact:
+            i, base = next(((i, c) for i, c in enumerate(_torch_class(mod, qual) for mod, qual, _ in mro)
+                            if c is not None), (i, base))
         for mod, qual, overrides in reversed(mro[:i]):
             body = {"__module__": mod, "__qualname__": qual, **dict.fromkeys(overrides, _needs_code)}
             if not exact:
