@@ -283,8 +283,13 @@ def test_read_only_refusals_name_the_file(tmp_path):
     assert u.diff(hw.load(_saved(t, tmp_path))).changed  # the hook made a difference
     assert [str(iv) for iv in u.applied] == [str(iv) for iv in r.applied] == [str(iv) for iv in u.interventions]
     assert payload.hooks(u) == payload.hooks(r) == [{"target": "Linear", "kind": "grad_scale", "params": {"factor": 2}}]
-    w = u.widget()  # displays read-only
-    assert w is not None
+    w = u.widget()  # displays; what needs the code answers one line naming the file
+    w.sent = []
+    w.send = lambda content, buffers=None: w.sent.append(content)
+    w._on_msg(w, {"type": "rerun", "request_id": "r1"}, [])
+    assert w.sent[-1]["state"] == "error" and f"loaded from {path}: rerun needs the code" in w.sent[-1]["text"]
+    w._on_msg(w, {"type": "detail", "target": "Linear", "request_id": "r2"}, [])
+    assert w.sent[-1]["type"] == "detail"
     u.to_html(tmp_path / "u.html")
     assert (tmp_path / "u.html").stat().st_size > 1000
 
