@@ -49,7 +49,7 @@ def tracing(modules=None, **options) -> Iterator[Trace]:
 
 
 # what hw.load opens, by the kind a file names (record/saved.py): kind -> loader(path, tree)
-LOADERS: dict[str, Callable] = {"trace": Trace.loaded}
+LOADERS: dict[str, Callable] = {"trace": lambda path, tree: Trace.from_data(tree, path)}
 
 
 def load(path):

@@ -239,18 +239,24 @@ class Trace:
         `hw.load(path)`: a read-only Trace that answers the same queries, without rerun or hooks."""
         from hookwidget.record import saved
 
-        if not self.record.done:
-            raise RuntimeError("this trace's run is still going: save it after its `with hw.tracing()` block")
-        session = self.session
-        saved.write(path, "trace", saved.trace_tree(self.record, self.graph, self.options, self.applied,
-                                                    _kept(self), getattr(session, "baseline", None) is self))
+        saved.write(path, "trace", self.to_data())
 
-    @classmethod
-    def loaded(cls, path, tree: dict) -> Trace:
-        """The read-only Trace of a file that `save` wrote (`hw.load` reads it)."""
+    def to_data(self) -> dict:
+        """What `save` writes: the record as plain data and tensors (record/saved.py), with the answers that would
+        need the code to work out again. A file that holds several traces (a watch's) nests these."""
         from hookwidget.record import saved
 
-        session = saved.ReadOnly(path, tree["options"], tree["applied"])
+        if not self.record.done:
+            raise RuntimeError("this trace's run is still going: save it after its `with hw.tracing()` block")
+        return saved.trace_tree(self.record, self.graph, self.options, self.applied, _kept(self),
+                                getattr(self.session, "baseline", None) is self)
+
+    @classmethod
+    def from_data(cls, tree: dict, source) -> Trace:
+        """The read-only Trace of what `to_data` gave, read back from the file `source` (`hw.load` reads it)."""
+        from hookwidget.record import saved
+
+        session = saved.ReadOnly(source, tree["options"], tree["applied"])
         t = cls(session, saved.trace_record(tree), applied=session.applied)
         session.latest = t
         if tree["baseline"]:

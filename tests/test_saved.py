@@ -345,3 +345,19 @@ def test_a_view_is_stored_as_its_own_values(tmp_path):
     t = hw.trace(lambda: model(big[:4]).sum().backward())
     t.save(tmp_path / "t.pt")
     assert (tmp_path / "t.pt").stat().st_size < 1000 * 64 * 4 / 4  # not the whole (1000, 64) storage
+
+
+def test_a_file_of_several_traces_dispatches_on_its_kind(tmp_path, monkeypatch):
+    """How a watch's file can hold its kept traces: their data nested in one tree, written under its own kind,
+    which hw.load dispatches on (api.LOADERS). Traces of one model share its stand-ins and tensors."""
+    from hookwidget import api
+    from hookwidget.record import saved
+
+    model = nn.Linear(3, 2)
+    t1 = hw.trace(lambda: model(torch.randn(4, 3)).sum().backward())
+    t2 = hw.trace(lambda: model(torch.randn(5, 3)).sum().backward())
+    saved.write(tmp_path / "pair.pt", "pair", {"kept": [t1.to_data(), t2.to_data()]})
+    monkeypatch.setitem(api.LOADERS, "pair", lambda path, tree: [hw.Trace.from_data(d, path) for d in tree["kept"]])
+    u1, u2 = hw.load(tmp_path / "pair.pt")
+    assert u1.layers["Linear"].module is u2.layers["Linear"].module
+    assert torch.allclose(u2.per_sample_grads("Linear"), t2.per_sample_grads("Linear"))
