@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 from hookwidget.options import check_callable
+from hookwidget.record import saved
 from hookwidget.session import Session
 from hookwidget.trace import Trace
 
@@ -45,3 +46,19 @@ def tracing(modules=None, **options) -> Iterator[Trace]:
     """`with hw.tracing() as t:` traces the block; `t`'s record is assembled when the block ends (empty until then)."""
     with Session(None, modules, options).recording() as t:
         yield t
+
+
+# what hw.load opens, by the kind a file names (record/saved.py): kind -> loader(path, tree)
+LOADERS: dict[str, Callable] = {"trace": lambda path, tree: Trace.from_data(tree, path)}
+
+
+def load(path):
+    """A record that `t.save(path)` wrote, read back as data: a read-only Trace that answers the queries a live
+    one does (layers, a, δ, graph, steps, weight_grad, per-sample gradients, notes, health, diff, its explorer);
+    `rerun` and hooks need the code, and say so."""
+    kind, tree = saved.read(path)
+    loader = LOADERS.get(kind)
+    if loader is None:
+        raise ValueError(f"{path}: a saved {kind!r}, which this hookwidget does not open (it opens: "
+                         f"{', '.join(LOADERS)}); upgrade hookwidget")
+    return loader(path, tree)

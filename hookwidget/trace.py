@@ -13,7 +13,8 @@ import torch
 
 from hookwidget.analysis import coverage
 from hookwidget.analysis import per_sample as ps
-from hookwidget.analysis.facts import Facts
+from hookwidget.analysis.facts import Facts, Refusal
+from hookwidget.analysis.generic import generic_rows
 from hookwidget.layers import factors as fx
 from hookwidget.layers import registry
 from hookwidget.record.notes import Note, render
@@ -232,8 +233,63 @@ class Trace:
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+    # -- keeping it (record/saved.py) ------------------------------------------------------------
+    def save(self, path) -> None:
+        """Write this trace to `path` as data (tensors, the graph, notes, layers, steps; no code), for
+        `hw.load(path)`: a read-only Trace that answers the same queries, without rerun or hooks."""
+        from hookwidget.record import saved
+
+        saved.write(path, "trace", self.to_data())
+
+    def to_data(self) -> dict:
+        """What `save` writes: the record as plain data and tensors (record/saved.py), with the answers that would
+        need the code to work out again. A file that holds several traces (a watch's) nests these."""
+        from hookwidget.record import saved
+
+        if not self.record.done:
+            raise RuntimeError("this trace's run is still going: save it after its `with hw.tracing()` block")
+        return saved.trace_tree(self.record, self.graph, self.options, self.applied, _kept(self),
+                                getattr(self.session, "baseline", None) is self)
+
+    @classmethod
+    def from_data(cls, tree: dict, source) -> Trace:
+        """The read-only Trace of what `to_data` gave, read back from the file `source` (`hw.load` reads it)."""
+        from hookwidget.record import saved
+
+        session = saved.ReadOnly(source, tree["options"], tree["applied"])
+        t = cls(session, saved.trace_record(tree), applied=session.applied)
+        session.latest = t
+        if tree["baseline"]:
+            session.baseline = t
+        kept = tree["kept"]
+        t.facts["coverage"] = coverage.Coverage(tuple(kept["notes"]), kept["left_out"])
+        for name, k, rows in kept["rows"]:
+            t.facts[("rows", name, k)] = Refusal(rows) if isinstance(rows, str) else rows
+        return t
+
+    def __reduce__(self):
+        raise TypeError("a Trace holds the live model and the code that made it, which pickle and deepcopy do not "
+                        "copy: keep it with t.save(path), read it back with hw.load(path)")
+
 
 # -- helpers -----------------------------------------------------------------------------------
+def _kept(t: Trace) -> dict:
+    """What a saved trace keeps of analysis's answers that would need the code again: coverage (its notes, what
+    per-sample norms leave out) and the generic rule's checked rows per layer and step (it reruns the module)."""
+    found = coverage.decide(t)
+    rows = []
+    if not t.record.no_factors:
+        with registry.memo(t.record.answers):
+            for name, layer in t.layers.items():
+                if fx.is_generic(layer.module):
+                    for k in sorted({c.step for c in layer.calls if c.step is not None}):
+                        r = generic_rows(t, name, k)
+                        rows.append((name, k, r.reason if isinstance(r, Refusal) else {
+                            pn: fx.per_sample_grad(g) if isinstance(g, fx.Factor) and g.conv is not None else g
+                            for pn, g in r.items()}))
+    return {"notes": found.notes, "left_out": found.left_out, "rows": rows}
+
+
 def _reduction_scale(loss_reduction: str, batch: int) -> float:
     if loss_reduction not in ("sum", "mean"):
         raise ValueError(f"loss_reduction={loss_reduction!r}: use 'sum' or 'mean' (the reduction of your loss)")

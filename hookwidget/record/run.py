@@ -86,6 +86,13 @@ class LazyGraph:
         self._graph = None if walk is not None else nx.DiGraph()
         self._lock = threading.Lock()
 
+    @classmethod
+    def of(cls, graph: nx.DiGraph) -> LazyGraph:
+        """A graph built already (a record read back from disk: record/saved.py)."""
+        lazy = cls()
+        lazy._graph = graph
+        return lazy
+
     def get(self) -> nx.DiGraph:
         with self._lock:
             if self._graph is None:
