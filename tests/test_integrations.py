@@ -209,16 +209,14 @@ def test_trainer_fit_that_raises_leaves_no_hook(tmp_path, added_later, error):
     assert cb.watch.steps == [0, 1] and cb.micro_batches == {1: [0, 1]}
 
 
-def test_trainer_log_stats_checked(tmp_path):
-    tf, _ = trainer_parts()
-    from hookwidget.integrations.transformers import HookwidgetCallback
-
-    model = gpt2(tf)
-    before = hook_count(model)
-    trainer = hf_trainer(tf, tmp_path, model, [HookwidgetCallback(log_stats=("grad_nrom",))])
-    with pytest.raises(ValueError, match="no statistic grad_nrom; choose from"):
-        trainer.train()
-    assert hook_count(model) == before
+def test_arguments_checked_when_the_callback_is_made():
+    for name in ("transformers", "lightning"):
+        pytest.importorskip(name)
+        module = __import__(f"hookwidget.integrations.{name}", fromlist=["HookwidgetCallback"])
+        with pytest.raises(ValueError, match="log_stats: no statistic grad_nrom; choose from delta_norm, "):
+            module.HookwidgetCallback(log_stats=("grad_nrom",))
+        with pytest.raises(TypeError, match="evrey"):
+            module.HookwidgetCallback(evrey=2)
 
 
 # -- Lightning ----------------------------------------------------------------------------------------------

@@ -4,13 +4,17 @@ The watch counts backward passes (its steps); a trainer counts optimizer steps, 
 (gradient accumulation: `gradient_accumulation_steps` backward passes, then one optimizer step). The callbacks
 tell `Fit` when the trainer's step counter moves; Fit notes which backward passes that step held, and picks
 the row the loggers get for it: the step's last recorded backward pass, where .grad is the accumulated
-gradient the optimizer used and update_ratio is that optimizer step's.
+gradient the optimizer used and update_ratio is that optimizer step's. With every=N the watch records every N-th
+backward pass, not every N-th optimizer step: a step whose last micro-batch was not recorded gets its last recorded
+one (whose .grad holds the micro-batches so far), and a step with none recorded logs nothing.
 """
 
 from __future__ import annotations
 
 import bisect
+import inspect
 
+from hookwidget.watch import STAT_NAMES
 from hookwidget.watch import watch as open_watch
 
 PREFIX = "hookwidget"  # the loggers' keys: hookwidget/{stat}/{layer}
@@ -23,6 +27,10 @@ class Fit:
 
     def __init__(self, watch_kwargs: dict, log_stats):
         self.watch_kwargs, self.log_stats = dict(watch_kwargs), tuple(log_stats)
+        inspect.signature(open_watch).bind(None, **self.watch_kwargs)  # a misspelt argument fails now, not mid-fit
+        unknown = [s for s in self.log_stats if s not in STAT_NAMES]
+        if unknown:
+            raise ValueError(f"log_stats: no statistic {', '.join(unknown)}; choose from {', '.join(STAT_NAMES)}")
         self.watch = None
         self.micro_batches: dict = {}  # trainer step -> the backward passes (watch steps) it held
         self._first = 0  # the first backward pass of the optimizer step being accumulated
@@ -33,11 +41,6 @@ class Fit:
         previous watch, if a fit left it open, is closed first."""
         self.close()
         self.watch, self.micro_batches, self._first, self._step = open_watch(model, **self.watch_kwargs), {}, 0, step
-        unknown = [s for s in self.log_stats if s not in self.watch.stat_names]
-        if unknown:
-            self.close()
-            raise ValueError(f"log_stats: no statistic {', '.join(unknown)}; choose from "
-                             f"{', '.join(self.watch.stat_names)}")
 
     def close(self) -> None:
         """Remove every hook of the watch; idempotent, and safe before open()."""
