@@ -142,3 +142,34 @@ def test_an_active_run_is_used_and_left_open(offline):
     run.log({"after": 1.0})  # still the user's to log into and finish
     run.finish()
     assert [row["after"] for row in logged(run) if "after" in row] == [1.0]
+
+
+def test_trainer_report_to_wandb_gets_the_callbacks_series(offline, tmp_path):
+    """report_to=["wandb"]: the Trainer's WandbCallback logs the series the hookwidget callback adds to the logs
+    (under its "train/" prefix), at the Trainer's logging cadence."""
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from hookwidget.integrations.transformers import HookwidgetCallback
+
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                             bos_token_id=0, eos_token_id=0))
+    ids = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = tf.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, gradient_accumulation_steps=2,
+                                per_device_train_batch_size=2, logging_steps=2, report_to=["wandb"], use_cpu=True,
+                                save_strategy="no", disable_tqdm=True, seed=0)
+    cb = HookwidgetCallback()
+    trainer = tf.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+    trainer.train()
+    run = wandb.run
+    run.finish()
+    kept = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    assert sorted(kept) == [2, 4]
+    rows = {row["train/global_step"]: row for row in logged(run) if "train/loss" in row}
+    assert sorted(rows) == [2, 4]
+    for step, row in rows.items():
+        for layer in cb.watch.layer_names:
+            for stat in ("grad_norm", "update_ratio"):
+                key = f"hookwidget/{stat}/{layer}"
+                assert row[f"train/{key}"] == kept[step][key]
