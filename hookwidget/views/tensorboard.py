@@ -26,6 +26,8 @@ class TensorBoardLog:
     Live, a thread writes them: add_scalar costs ~25 µs, 12 per layer per step, too much for the loop's
     own thread; close() waits for it, so the files are complete when the watch is closed."""
 
+    LABEL = "tensorboard"  # names the sink in the note a failed write leaves (views/wandb.py reuses the thread)
+
     def __init__(self, log_dir, watch):
         self.watch, self.writer = watch, _writer(log_dir)
         self.log_dir = self.writer.log_dir
@@ -61,7 +63,7 @@ class TensorBoardLog:
             self.anomalies()
             self.writer.close()
             if self.error is not None:
-                self.watch.notes.append(f"tensorboard: writing to {self.log_dir} failed: {self.error!r}")
+                self.watch.notes.append(f"{self.LABEL}: writing to {self.log_dir} failed: {self.error!r}")
 
     def _drain(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -282,6 +282,14 @@ class Watch:
 
         return write(self, log_dir)
 
+    def to_wandb(self, run=None):
+        """Log what was recorded so far to a W&B run (None: the active one, else a new one), the same keys as
+        to_tensorboard against x = `hookwidget_step`, the anomalies as a table; on an open watch the later rows
+        follow from a background thread until close(). Returns the run. Needs: pip install hookwidget[wandb]."""
+        from hookwidget.views.wandb import write
+
+        return write(self, run)
+
     def gather(self, dst: int = 0, group=None):
         """Distributed: every rank's statistics on rank `dst` (list of RankStats indexed by rank; None on the
         others), in one gather_object call at the end; call it on every rank. Each rank records its own:

@@ -1,0 +1,46 @@
+"""A Lightning callback: the model watched for the whole fit, its series in the Trainer's own loggers.
+
+    cb = HookwidgetCallback()                    # hw.watch's arguments go here: every=, flight_recorder=, ...
+    L.Trainer(callbacks=[cb], ...).fit(module, data)
+    cb.watch                                     # the Watch: live view, w.series, w.trace(k), w.anomalies
+
+The watch opens at on_train_start and closes at on_train_end and on_exception (Lightning calls it for any
+exception of the fit, KeyboardInterrupt included). Steps are the Trainer's: `cb.micro_batches[s]` lists the
+backward passes (watch steps) optimizer step `s` (trainer.global_step after it) held with
+accumulate_grad_batches, `cb.optimizer_steps()` the optimizer step of each row of `cb.watch.stats`. Every
+`log_every_n_steps` optimizer steps, `hookwidget/{stat}/{layer}` for the stats in `log_stats` (of the step's last
+micro-batch) go to every logger of the Trainer (trainer.loggers), at x = trainer.global_step.
+"""
+
+from __future__ import annotations
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:
+    raise ImportError("hookwidget.integrations.lightning needs Lightning: pip install hookwidget[lightning]") from None
+
+from hookwidget.integrations.fit import LOG_STATS, Fit, Watching
+
+
+class HookwidgetCallback(Callback, Watching):
+    """See the module docstring. `log_stats`: the statistics forwarded to the loggers (() for none); the other
+    keyword arguments go to hw.watch (every, spike, window, keep, flight_recorder, max_kept, per_sample, ...)."""
+
+    def __init__(self, log_stats=LOG_STATS, **watch_kwargs):
+        self._fit = Fit(watch_kwargs, log_stats)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._fit.open(pl_module, trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self._fit.stepped(step) and trainer.loggers and step % max(trainer.log_every_n_steps, 1) == 0:
+            metrics = self._fit.metrics(step)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._fit.close()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._fit.close()
