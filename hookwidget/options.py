@@ -160,6 +160,51 @@ _CHECKS = {"capture": _capture, "budget_mb": _budget_mb, "include": _globs("incl
            "backward_hooks": _flag("backward_hooks"), "restore": _restore}
 
 
+def shown(value, limit: int = 60) -> str:
+    """`value` as an error line quotes it: its repr cut to `limit` characters (a 5000-digit integer, a long list or
+    a deep structure stays readable, and no int-to-str limit is hit)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__, a structure too deep to show
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def suggest(value, names, label: str, k: int = 5) -> str:
+    """A few of `names` for an error line, `label` saying what they are: the close matches to `value` first ("did
+    you mean"), then the first others, cut to `k` and saying how many there are in all."""
+    names = [str(n) for n in names]
+    if not names:
+        return f"there are no {label}"
+    close = difflib.get_close_matches(value, names, n=k, cutoff=0.6) if isinstance(value, str) else []
+    few = [*close, *(n for n in names if n not in close)][:k]
+    more = f" and {len(names) - len(few)} more" if len(names) > len(few) else ""
+    text = ", ".join(map(repr, few)) + more
+    return f"did you mean {text}" if close else f"{label}: {text}"
+
+
+def check_name(what: str, value, example: str = "'fc1'") -> str:
+    """A name argument (a layer, a target, a kind): a string, else TypeError naming the argument and the value."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, got {type(value).__name__} {shown(value)}; e.g. {what}={example}")
+    return value
+
+
+def check_modules(modules):
+    """`modules=`: None, an nn.Module or a non-empty list of them, as a list (or None); one line otherwise."""
+    if modules is None:
+        return None
+    if isinstance(modules, nn.Module):
+        return [modules]
+    items = list(modules) if isinstance(modules, (list, tuple)) else None
+    if not items or not all(isinstance(m, nn.Module) for m in items):
+        got = "an empty list" if items == [] else f"{type(modules).__name__} {shown(modules)}"
+        raise TypeError(f"modules= takes an nn.Module or a list of them, got {got}; e.g. modules=model")
+    return items
+
+
 def check_callable(fn) -> None:
     """hw.trace runs fn() once, on this thread: a module, a non-callable, a generator function or
     a coroutine function would run nothing (or not here), so they get one line naming the fix."""

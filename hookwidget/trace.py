@@ -8,18 +8,37 @@ trace, its reruns and the explorer agree on which hooks are on.
 
 from __future__ import annotations
 
+import functools
+
 import networkx as nx
 import torch
 
-from hookwidget.analysis import coverage
+from hookwidget.analysis import coverage, facts
 from hookwidget.analysis import per_sample as ps
 from hookwidget.analysis.facts import Facts
 from hookwidget.layers import factors as fx
 from hookwidget.layers import registry
+from hookwidget.options import check_name, shown, suggest
 from hookwidget.record.notes import Note, render
 from hookwidget.record.run import Layer, Pending, RunRecord, Step
 
 __all__ = ["Layer", "Step", "Trace"]
+
+ARGUMENT_ERRORS = (ValueError, KeyError, TypeError)  # what a wrong argument of a Trace method raises: one line
+
+
+def _boundary(method):
+    """A wrong argument raises from the method the user called, whatever checked it: the traceback is their line
+    and this one, not the 5-7 frames of analysis/ and session.py that found it (the message names the fix)."""
+
+    @functools.wraps(method)
+    def entry(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except ARGUMENT_ERRORS as e:
+            raise e.with_traceback(None) from None
+
+    return entry
 
 
 class Trace:
@@ -113,28 +132,30 @@ class Trace:
         """The value of the last scalar that backward started from, if any."""
         return self.losses[-1] if self.losses else None
 
+    @_boundary
     def layer(self, name: str) -> Layer:
-        if name not in self.layers:
-            close = [n for n in self.layers if name.lower() in n.lower()][:5] or list(self.layers)[:8]
-            raise KeyError(f"no layer {name!r} in this trace; layers include: {', '.join(close)}")
-        return self.layers[name]
+        return self.layers[check_name("name", name)]  # a missing one: KeyError listing close names (record/run.py)
 
+    @_boundary
     def supports(self, name: str) -> bool:
         """Whether this layer's parameter gradients rebuild: an exact (a, δ) rule, or the generic torch.func
         rule where it passed its check."""
         with registry.memo():
             return ps.supports(self, name)
 
+    @_boundary
     def weight_grad(self, name: str, step: int | None = None) -> torch.Tensor:
         """W.grad of the layer rebuilt from its factors: what backward pass `step` added to .grad, or,
         without step=, what every pass added (one pass, or passes accumulating into .grad)."""
         with registry.memo():
-            return ps.summed_grad(self, name, "weight", step)
+            return ps.summed_grad(self, self.layer(name).name, "weight", step)
 
+    @_boundary
     def bias_grad(self, name: str, step: int | None = None) -> torch.Tensor:
         with registry.memo():
-            return ps.summed_grad(self, name, "bias", step)
+            return ps.summed_grad(self, self.layer(name).name, "bias", step)
 
+    @_boundary
     def per_sample_grads(self, name: str, param: str = "weight", loss_reduction: str = "sum",
                          step: int | None = None) -> torch.Tensor:
         """(N, *param.shape): each sample's contribution to the parameter's .grad; under gradient
@@ -142,14 +163,20 @@ class Trace:
 
         They sum to .grad. With a mean-reduced loss pass loss_reduction="mean" to get each
         sample's own gradient (the contributions times B)."""
+        _reduction_scale(loss_reduction, 1)
+        check_name("param", param, "'weight'")
         with registry.memo():
-            g = ps.per_sample_grad(self, name, param, step)
+            g = ps.per_sample_grad(self, self.layer(name).name, param, step)
         return g * _reduction_scale(loss_reduction, g.shape[0])
 
+    @_boundary
     def per_sample_grad_norms(self, name: str | None = None, loss_reduction: str = "sum",
                               step: int | None = None) -> torch.Tensor:
         """(N,) norms of per-sample gradients over all parameters of one layer, or of every
         supported layer (name=None). A parameter shared by several layers is counted once."""
+        _reduction_scale(loss_reduction, 1)
+        if name is not None:
+            self._trainable(self.layer(name).name)
         with registry.memo():  # a query asks the registry about each layer several times
             norms = ps.per_sample_norms(self, name, step)
         return norms * _reduction_scale(loss_reduction, norms.shape[0])
@@ -160,6 +187,7 @@ class Trace:
         with registry.memo():
             return ps.factor_layers(self)
 
+    @_boundary
     def storage(self, name: str) -> dict:
         """Floats needed to store W.grad vs its (a, δ) factors (seed 003's figures)."""
         tokens = 0
@@ -169,10 +197,12 @@ class Trace:
         return fx.storage(self.layer(name).module, tokens)
 
     # -- changing it (through the session) -----------------------------------------------------
+    @_boundary
     def add_hook(self, target: str, kind: str, **params):
         """Attach an intervention for the next rerun(); the same kind on the same target is replaced."""
         return self.session.add_hook(target, kind, **params)
 
+    @_boundary
     def remove_hook(self, target: str, kind: str, missing_ok: bool = False) -> None:
         self.session.remove_hook(target, kind, missing_ok=missing_ok)
 
@@ -180,15 +210,26 @@ class Trace:
         """Run the same code again with the interventions on, as a what-if: parameters, buffers,
         optimizer and scheduler state, .grad and every RNG are put back first, and put back as
         they are now afterwards, so the interventions are the only change and nothing stays changed."""
+        refused = self.session.no_rerun()
+        if refused:
+            raise RuntimeError(refused)  # raised here: the traceback is the user's line and this one
         return self.session.rerun()
 
+    @_boundary
     def diff(self, before: Trace | None = None):
         """What changed from `before` (default: the hook-free first run) to this trace: grads per
         parameter, loss, δ per layer."""
         from hookwidget.analysis.diff import diff
 
+        if before is None and self.session.baseline is None:
+            raise ValueError("this trace has no hook-free first run to compare with (`with hw.tracing()` runs once): "
+                             "pass one, e.g. t2.diff(t1)")
+        if before is not None and not isinstance(before, Trace):
+            raise TypeError(f"diff(before) takes a Trace, got {type(before).__name__} {shown(before)}; "
+                            "e.g. t.rerun().diff(t)")
         return diff(before if before is not None else self.session.baseline, self)
 
+    @_boundary
     def health(self, **thresholds):
         """NaN/Inf, vanishing and exploding gradients per node and per layer."""
         from hookwidget.analysis.health import health
@@ -231,6 +272,14 @@ class Trace:
         lines += [f"  hook on: {iv}" for iv in self.applied]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+    def _trainable(self, name: str) -> None:
+        """A layer asked for per-sample gradients holds a parameter that requires grad; else one line naming some."""
+        if not facts.owned_params(self, name):
+            some = [n for n in self.layers if n != name and facts.owned_params(self, n)]
+            raise ValueError(f"layer {name!r} has no trainable parameters (requires_grad=False, e.g. a frozen or LoRA "
+                             f"base layer): no per-sample gradients; {suggest(name, some, 'layers with some')}")
 
 
 # -- helpers -----------------------------------------------------------------------------------
