@@ -185,6 +185,12 @@ def suggest(value, names, label: str, k: int = 5) -> str:
     return f"did you mean {text}" if close else f"{label}: {text}"
 
 
+def did_you_mean(value, names) -> str:
+    """"; did you mean 'x'?" for the closest of `names` to a mistyped `value`, or "" where none is close."""
+    close = difflib.get_close_matches(value, [str(n) for n in names], n=1) if isinstance(value, str) else []
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def check_name(what: str, value, example: str = "'fc1'") -> str:
     """A name argument (a layer, a target, a kind): a string, else TypeError naming the argument and the value."""
     if not isinstance(value, str):

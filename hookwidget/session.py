@@ -18,7 +18,7 @@ from torch import nn
 from hookwidget.analysis import coverage
 from hookwidget.capture.tracer import Tracer
 from hookwidget.interventions import KINDS, Intervention, make
-from hookwidget.options import Options, check_modules, check_name, suggest
+from hookwidget.options import Options, check_modules, check_name, did_you_mean, suggest
 from hookwidget.record.assemble import assemble
 from hookwidget.record.naming import name_filter, qualified_names
 from hookwidget.record.run import Pending
@@ -175,7 +175,8 @@ class Session:
         check_name("target", target)
         check_name("kind", kind, "'grad_zero'")
         if kind not in KINDS:
-            raise ValueError(f"unknown intervention kind {kind[:80]!r}; {suggest(kind, KINDS, 'kinds', 8)}")
+            raise ValueError(f"unknown intervention kind {kind[:80]!r}; choose one of: {', '.join(KINDS)}"
+                             + did_you_mean(kind, KINDS))
         if self.baseline is None and (self.latest is None or not self.latest.record.done):
             raise RuntimeError("hooks apply to a finished trace: add them after the traced code has run")
 
