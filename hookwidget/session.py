@@ -205,7 +205,8 @@ def check_filters(modules, names, options: Options) -> None:
         return
     named = list(qualified_names([], roots, names)[0].values())
     if named and not any(map(name_filter(options.include, options.exclude), named)):
-        given = ", ".join(f"{k}={v!r}" for k, v in (("include", options.include), ("exclude", options.exclude)) if v)
+        given = ", ".join(f"{k}={v[0] if len(v) == 1 else list(v)!r}" for k, v in
+                          (("include", options.include), ("exclude", options.exclude)) if v)
         pattern = (options.include or ("",))[0]
         raise ValueError(f"{given} match no module: {suggest(pattern, named, 'modules', 6)}; "
                          "e.g. include='fc*' (a glob on these names)")
