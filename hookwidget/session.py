@@ -36,8 +36,11 @@ class Session:
     """`kept_by`: "hw.watch" for the flight recorder's recordings, which take no hooks and no reruns."""
 
     def __init__(self, fn, modules=None, options=None, names=None, namespace=None, code=None, kept_by=None):
-        self.options = options if isinstance(options, Options) else Options.from_kwargs(**(options or {}))
-        check_filters(modules, names, self.options)
+        try:  # a wrong option raises from here: the traceback is the user's line, hw.trace's and this one
+            self.options = options if isinstance(options, Options) else Options.from_kwargs(**(options or {}))
+            check_filters(modules, names, self.options)
+        except (TypeError, ValueError) as e:
+            raise e.with_traceback(None) from None
         self.fn = fn
         self.kept_by = kept_by
         self.modules = modules
