@@ -90,20 +90,21 @@ def _cache_key(kwargs: dict):
 # -- one check per field: returns the normalized value or raises one line -----------------------
 def _capture(value):
     if value not in CAPTURES:
-        raise ValueError(f"capture={value!r} must be one of {', '.join(map(repr, CAPTURES))}, e.g. capture='summary'")
+        raise ValueError(f"capture={shown(value)} must be one of {', '.join(map(repr, CAPTURES))}, "
+                         "e.g. capture='summary'")
     return value
 
 
 def _budget_mb(value):
     fix = 'must be a number of megabytes >= 0, e.g. budget_mb=512 or budget_mb=float("inf") for no limit'
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"budget_mb={value!r} {fix}")
+        raise ValueError(f"budget_mb={shown(value)} {fix}")
     try:
         mb = float(value)
     except OverflowError:  # an int beyond float's range: use inf for no limit
-        raise ValueError(f"budget_mb is an integer of {len(str(value))} digits, too large for a float; {fix}") from None
+        raise ValueError(f"budget_mb is {shown(value, 20)}, too large for a float; {fix}") from None
     if math.isnan(mb) or mb < 0:
-        raise ValueError(f"budget_mb={value!r} {fix}")
+        raise ValueError(f"budget_mb={shown(value)} {fix}")
     return mb
 
 
@@ -113,7 +114,7 @@ def _globs(name):
             return None
         items = (value,) if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(g, str) for g in items):
-            raise ValueError(f"{name}={value!r} must be a glob on layer names or a list of them, "
+            raise ValueError(f"{name}={shown(value)} must be a glob on layer names or a list of them, "
                              f"e.g. {name}='blocks.*' or {name}=['fc1', 'fc2']")
         return tuple(items) or None  # an empty list filters nothing, like None
 
@@ -123,7 +124,7 @@ def _globs(name):
 def _tristate(name):
     def check(value):
         if value is not None and not isinstance(value, bool):
-            raise ValueError(f"{name}={value!r} must be True, False or None (automatic), e.g. {name}=True")
+            raise ValueError(f"{name}={shown(value)} must be True, False or None (automatic), e.g. {name}=True")
         return value
 
     return check
@@ -132,7 +133,7 @@ def _tristate(name):
 def _flag(name):
     def check(value):
         if not isinstance(value, bool):
-            raise ValueError(f"{name}={value!r} must be True or False, e.g. {name}=True")
+            raise ValueError(f"{name}={shown(value)} must be True or False, e.g. {name}=True")
         return value
 
     return check
@@ -166,7 +167,7 @@ def shown(value, limit: int = 60) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
         return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
     try:
-        text = repr(value)
+        text = " ".join(repr(value).split())  # one line: a module's repr spans several
     except Exception:  # a broken __repr__, a structure too deep to show
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -148,12 +148,12 @@ class Trace:
         """W.grad of the layer rebuilt from its factors: what backward pass `step` added to .grad, or,
         without step=, what every pass added (one pass, or passes accumulating into .grad)."""
         with registry.memo():
-            return ps.summed_grad(self, self.layer(name).name, "weight", step)
+            return ps.summed_grad(self, self.layer(name).name, "weight", self._step(step))
 
     @_boundary
     def bias_grad(self, name: str, step: int | None = None) -> torch.Tensor:
         with registry.memo():
-            return ps.summed_grad(self, self.layer(name).name, "bias", step)
+            return ps.summed_grad(self, self.layer(name).name, "bias", self._step(step))
 
     @_boundary
     def per_sample_grads(self, name: str, param: str = "weight", loss_reduction: str = "sum",
@@ -166,7 +166,7 @@ class Trace:
         _reduction_scale(loss_reduction, 1)
         check_name("param", param, "'weight'")
         with registry.memo():
-            g = ps.per_sample_grad(self, self.layer(name).name, param, step)
+            g = ps.per_sample_grad(self, self.layer(name).name, param, self._step(step))
         return g * _reduction_scale(loss_reduction, g.shape[0])
 
     @_boundary
@@ -178,7 +178,7 @@ class Trace:
         if name is not None:
             self._trainable(self.layer(name).name)
         with registry.memo():  # a query asks the registry about each layer several times
-            norms = ps.per_sample_norms(self, name, step)
+            norms = ps.per_sample_norms(self, name, self._step(step))
         return norms * _reduction_scale(loss_reduction, norms.shape[0])
 
     @property
@@ -274,6 +274,14 @@ class Trace:
         return "\n".join(lines)
 
 
+    def _step(self, step):
+        """step=: None or the index of one of t.steps (negative from the end), else one line."""
+        n = len(self.steps)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or not -n <= step < n):
+            raise ValueError(f"step={shown(step, 30)}: this trace has {n} step(s); pass step=0..{n - 1} or None "
+                             "(t.steps lists them)")
+        return step
+
     def _trainable(self, name: str) -> None:
         """A layer asked for per-sample gradients holds a parameter that requires grad; else one line naming some."""
         if not facts.owned_params(self, name):
@@ -285,5 +293,5 @@ class Trace:
 # -- helpers -----------------------------------------------------------------------------------
 def _reduction_scale(loss_reduction: str, batch: int) -> float:
     if loss_reduction not in ("sum", "mean"):
-        raise ValueError(f"loss_reduction={loss_reduction!r}: use 'sum' or 'mean' (the reduction of your loss)")
+        raise ValueError(f"loss_reduction={shown(loss_reduction)}: use 'sum' or 'mean' (the reduction of your loss)")
     return float(batch) if loss_reduction == "mean" else 1.0

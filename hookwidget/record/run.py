@@ -79,7 +79,15 @@ class Step:
 
 
 class Layers(dict):
-    """Layer name -> Layer; a missing name is a KeyError of one line that lists the close names ("did you mean")."""
+    """Layer name -> Layer; a missing name is a KeyError of one line that lists the close names ("did you mean"),
+    a name that is not a string (a list) a TypeError of one line."""
+
+    def __getitem__(self, name):
+        try:
+            return super().__getitem__(name)
+        except TypeError:  # unhashable
+            check_name("layer name", name)
+            raise
 
     def __missing__(self, name):
         check_name("layer name", name)

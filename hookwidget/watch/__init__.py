@@ -135,10 +135,13 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
 
 
 # -- watch()'s arguments, checked where the user gave them (%%hookwatch checks its flags with these too) -----------
+_MOST = 10**9  # counts of steps past it are mistakes (and past 2**63 Python's containers refuse them)
+
+
 def _integer(least: int, example: str, what: str):
     def check(value) -> str:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-            return f"must be an integer >= {least} ({what}), e.g. {example}"
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not least <= value <= _MOST:
+            return f"must be an integer >= {least} ({what}, at most {_MOST:,}), e.g. {example}"
         return ""
 
     return check
@@ -146,8 +149,11 @@ def _integer(least: int, example: str, what: str):
 
 def _number(least: float, example: str, what: str, inf: bool = False):
     def check(value) -> str:
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
-        if not ok or value < least or (value == math.inf and not inf) or value == -math.inf:
+        try:
+            number = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+        except OverflowError:  # an integer past float's range
+            number = math.nan
+        if math.isnan(number) or number < least or number == math.inf and not inf:
             return f"must be a number >= {least:g} ({what}), e.g. {example}"
         return ""
 
