@@ -190,6 +190,10 @@ class Trace:
     @_boundary
     def storage(self, name: str) -> dict:
         """Floats needed to store W.grad vs its (a, δ) factors (seed 003's figures)."""
+        if not _has_weight(self.layer(name).module):
+            some = [n for n, layer in self.layers.items() if _has_weight(layer.module)]
+            raise ValueError(f"layer {name!r} ({self.layer(name).type}) has no weight matrix to compare its factors "
+                             f"with; {suggest(name, some, 'layers with one')}")
         tokens = 0
         if name in self.factor_layers and not fx.is_generic(self.layer(name).module):
             f = ps.param_factors(self, name, "weight", self.steps[-1].index if not self.accumulates else None)[0]
@@ -291,6 +295,11 @@ class Trace:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+def _has_weight(module) -> bool:
+    w = getattr(module, "weight", None)
+    return isinstance(w, torch.Tensor) and w.dim() >= 1
+
+
 def _reduction_scale(loss_reduction: str, batch: int) -> float:
     if loss_reduction not in ("sum", "mean"):
         raise ValueError(f"loss_reduction={shown(loss_reduction)}: use 'sum' or 'mean' (the reduction of your loss)")
