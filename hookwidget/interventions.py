@@ -247,7 +247,8 @@ def _signature(spec: Kind) -> str:
 def _number(spec: Kind, name: str, value) -> float:
     """A float parameter: finite, or the one infinity that means "no bound" there (grad_clamp's min=-inf)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{spec.name}: {name} must be a number, got {type(value).__name__}; e.g. {_example(spec)}")
+        got = " ".join(repr(value).split())  # one line, cut short: a module's repr spans many
+        raise ValueError(f"{spec.name}: {name} must be a number, got {got[:60]}; e.g. {_example(spec)}")
     try:
         number = float(value)
     except OverflowError:

@@ -18,7 +18,7 @@ from torch import nn
 from hookwidget.analysis import coverage
 from hookwidget.capture.tracer import Tracer
 from hookwidget.interventions import KINDS, Intervention, make
-from hookwidget.options import Options, check_modules, check_name, did_you_mean, suggest
+from hookwidget.options import Options, check_modules, check_name, did_you_mean, shown, suggest
 from hookwidget.record.assemble import assemble
 from hookwidget.record.naming import name_filter, qualified_names
 from hookwidget.record.run import Pending
@@ -168,8 +168,8 @@ class Session:
         if self._remove(target, kind):
             self._changed("hooks")
         elif not missing_ok:
-            on = ", ".join(f"{iv.kind.name} on {iv.target!r}" for iv in self.interventions) or "none"
-            raise KeyError(f"no {kind} hook on {target!r} to remove; attached: {on}")
+            on = [f"{iv.kind.name} on {iv.target!r}" for iv in self.interventions]
+            raise KeyError(f"no {kind} hook on {shown(target)} to remove; attached: {_few(on)}")
 
     def _check_hook(self, target, kind) -> None:
         """The arguments every hook method takes, checked before anything looks them up."""
@@ -196,8 +196,12 @@ class Session:
             if KINDS[kind].attach == "out":
                 raise ValueError(f"{kind} replaces a layer's output: give a layer name, not node {target!r}")
             return target
-        raise KeyError(f"unknown target {target!r}: give a layer name ({suggest(target, t.layers, 'layers')}) "
+        raise KeyError(f"unknown target {shown(target)}: give a layer name ({suggest(target, t.layers, 'layers')}) "
                        f"or a graph node id (e.g. {next(iter(t.graph.nodes), 'AddmmBackward0#0')!r})")
+
+
+def _few(items: list, k: int = 4) -> str:
+    return ", ".join(items[:k]) + (f" and {len(items) - k} more" if len(items) > k else "") if items else "none"
 
 
 def check_filters(modules, names, options: Options) -> None:

@@ -14,7 +14,7 @@ import networkx as nx
 import torch
 from torch import nn
 
-from hookwidget.options import check_name, suggest
+from hookwidget.options import check_name, shown, suggest
 from hookwidget.record import graph as graph_mod
 from hookwidget.stats import TensorSummary
 
@@ -85,13 +85,10 @@ class Layers(dict):
     def __getitem__(self, name):
         try:
             return super().__getitem__(name)
-        except TypeError:  # unhashable
-            check_name("layer name", name)
-            raise
-
-    def __missing__(self, name):
+        except (KeyError, TypeError):  # missing, or unhashable (a list)
+            pass
         check_name("layer name", name)
-        raise KeyError(f"no layer {name!r} in this trace; {suggest(name, self, 'layers')}")
+        raise KeyError(f"no layer {shown(name)} in this trace; {suggest(name, self, 'layers')}")
 
 
 class LazyGraph:
