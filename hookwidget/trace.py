@@ -9,6 +9,9 @@ trace, its reruns and the explorer agree on which hooks are on.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
+import os
 
 import networkx as nx
 import torch
@@ -238,6 +241,12 @@ class Trace:
         """NaN/Inf, vanishing and exploding gradients per node and per layer."""
         from hookwidget.analysis.health import health
 
+        for key, value in thresholds.items():
+            if key not in ("vanishing", "exploding"):
+                raise TypeError(f"health() takes vanishing= and exploding=, got {shown(key)}; "
+                                "e.g. t.health(exploding=1e4)")
+            if not _positive(value):
+                raise ValueError(f"health: {key}={shown(value)} must be a number > 0, e.g. {key}=1e-7")
         return health(self, **thresholds)
 
     # -- showing it ----------------------------------------------------------------------------
@@ -246,9 +255,13 @@ class Trace:
 
         return HookWidget(self)
 
+    @_boundary
     def to_html(self, path) -> None:
         from hookwidget.views.export import to_html
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"to_html(path) takes a file path, got {type(path).__name__} {shown(path)}; "
+                            "e.g. t.to_html('trace.html')")
         return to_html(self, path)
 
     def _repr_mimebundle_(self, **kwargs):
@@ -295,6 +308,14 @@ class Trace:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+def _positive(value) -> bool:
+    """A finite number > 0 (not a bool; an integer past float's range is not one)."""
+    try:
+        return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < float(value) < math.inf
+    except OverflowError:
+        return False
+
+
 def _has_weight(module) -> bool:
     w = getattr(module, "weight", None)
     return isinstance(w, torch.Tensor) and w.dim() >= 1

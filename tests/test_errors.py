@@ -126,6 +126,10 @@ def test_query_arguments_get_one_line():
         (lambda: t.per_sample_grad_norms(3), ["name must be a string"]),
         (lambda: t.per_sample_grad_norms("0", loss_reduction="avg"), ["loss_reduction='avg'"]),
         (lambda: t.diff(3), ["diff(before) takes a Trace", "int 3"]),
+        (lambda: t.health(explodng=10), ["health() takes vanishing= and exploding=", "'explodng'"]),
+        (lambda: t.health(exploding=-1), ["exploding=-1", "> 0"]),
+        (lambda: t.to_html(3), ["to_html(path) takes a file path", "int 3"]),
+        (lambda: t.storage("1"), ["layer '1' (ReLU) has no weight", "'0'"]),
     ]:
         with pytest.raises((ValueError, KeyError, TypeError)) as e:
             call()

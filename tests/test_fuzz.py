@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -119,6 +120,10 @@ ops = st.one_of(
     st.tuples(st.just("step")),
     st.tuples(st.just("close")),
     st.tuples(st.just("kept"), targets, kinds),
+    st.tuples(st.just("health"), st.dictionaries(st.one_of(st.sampled_from(["vanishing", "exploding"]),
+                                                           st.text(max_size=5)), values, max_size=2)),
+    st.tuples(st.just("to_html"), st.one_of(values.filter(lambda v: not isinstance(v, (str, bytes))),
+                                            st.just(os.path.join(tempfile.gettempdir(), "hw_fuzz.html")))),
 )
 
 
@@ -173,6 +178,10 @@ def _run(state: dict, call: tuple) -> None:
         attempt(lambda: getattr(t, method)(name, **kwargs))
     elif op == "layers":
         attempt(lambda: t.layers[call[1]])
+    elif op == "health":
+        attempt(lambda: t.health(**call[1]))
+    elif op == "to_html":
+        attempt(lambda: t.to_html(call[1]))
     elif op == "watch" and state["w"] is None:
         state["w"] = attempt(lambda: hw.watch(MODEL, **call[1]))
     elif op == "step":
