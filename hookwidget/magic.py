@@ -250,7 +250,7 @@ def hookwatch_magic(shell, line: str, cell: str):
     every hook is removed whatever happens. In a Jupyter kernel its live explorer is shown above the
     cell's output before the loop starts, and grows while it runs. Returns None (Out[n] would keep the
     watch and its Traces alive); the Watch is in NAME."""
-    from hookwidget.watch import check_arguments, watch
+    from hookwidget.watch import argument_problem, watch
 
     try:
         args = _watch_parser().parse_args(shlex.split(line))
@@ -264,13 +264,11 @@ def hookwatch_magic(shell, line: str, cell: str):
     model = ns[args.model]
     if not isinstance(model, nn.Module):
         raise _usage_error(f"%%hookwatch: {args.model} is a {type(model).__name__}, not an nn.Module")
-    kwargs = {"every": args.every, "flight_recorder": not args.no_flight_recorder}
-    try:
-        check_arguments(model, **kwargs)  # before the cell is compiled, as %%hooktrace's options
-    except (TypeError, ValueError) as e:
-        raise _usage_error(f"%%hookwatch: {e}".replace("watch: every=", "--every ")) from None
+    problem = argument_problem("every", args.every)  # before the cell is compiled, as %%hooktrace's options
+    if problem:
+        raise _usage_error(f"%%hookwatch: --every {args.every} {problem}")
     run_cell = cell_runner(compile_cell(shell, cell), ns)
-    w = watch(model, **kwargs)
+    w = watch(model, every=args.every, flight_recorder=not args.no_flight_recorder)
     ns[args.out] = w
     if not args.no_widget:
         _show_watch(w)

@@ -19,7 +19,7 @@ import anywidget
 import torch
 import traitlets
 
-from hookwidget.views.widget import HookWidget, MessageError, _one_line, check_envelope, request_id, request_keys
+from hookwidget.views.widget import HookWidget, MessageError, _one_line, check_envelope, reply_id, request_keys
 
 log = logging.getLogger("hookwidget")
 
@@ -158,7 +158,7 @@ class WatchWidget(anywidget.AnyWidget):
 
     # -- from the front-end ----------------------------------------------------------------------
     def _on_msg(self, _widget, content, buffers) -> None:
-        rid = request_id(content)
+        rid = reply_id(content)
         try:
             msg = validate(content)
             getattr(self, "_do_" + msg["type"])(msg)

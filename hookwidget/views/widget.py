@@ -113,7 +113,7 @@ class HookWidget(anywidget.AnyWidget):
             self.sync()
 
     def _on_msg(self, _widget, content, buffers) -> None:
-        rid = request_id(content)
+        rid = reply_id(content)
         try:
             msg = validate(content)
         except MessageError as e:
@@ -198,14 +198,15 @@ class HookWidget(anywidget.AnyWidget):
         self.send({"type": "status", "request_id": request_id, "state": state, "text": text})
 
 
-def request_id(content):
+def reply_id(content):
     """The message's request_id to answer with, where it is a sane one (a string or integer of at most 64
     characters), else None: read before the message is validated, so an error reply can still name it."""
     rid = content.get("request_id") if isinstance(content, dict) else None
     if isinstance(rid, bool) or not isinstance(rid, (str, int)):
         return None
-    return rid if (len(rid) if isinstance(rid, str) else len(str(rid)) if rid.bit_length() < 256 else 65) <= 64 \
-        else None
+    if isinstance(rid, int) and rid.bit_length() > 256:  # too long anyway, and str() of it may be refused
+        return None
+    return rid if len(str(rid)) <= 64 else None
 
 
 def check_bounds(content) -> None:
@@ -248,7 +249,7 @@ def check_envelope(content, schema: dict) -> str:
         raise MessageError(f"{kind}: " + "; ".join(
             part for part in (f"unknown key(s) {', '.join(sorted(map(str, extra)))[:200]}" if extra else "",
                               f"missing key(s) {', '.join(sorted(missing))}" if missing else "") if part))
-    if request_id(content) is None:
+    if reply_id(content) is None:
         raise MessageError(f"{kind}: request_id must be a string or integer of at most 64 characters")
     return kind
 

@@ -180,6 +180,11 @@ _CHECKS = {
 }
 
 
+def argument_problem(name: str, value) -> str:
+    """What is wrong with watch()'s argument `name` (a phrase: "must be ..., e.g. ..."), or ""."""
+    return _CHECKS[name](value)
+
+
 def check_arguments(model, **given) -> None:
     """One line for the first of watch()'s arguments that is wrong, naming it, its value and a valid example:
     TypeError for the model, the keep callable and the scaler, ValueError for the rest."""
@@ -187,7 +192,7 @@ def check_arguments(model, **given) -> None:
         raise TypeError(f"watch(model): model must be an nn.Module, got {type(model).__name__} {shown(model)}; "
                         "e.g. hw.watch(model)")
     for name, value in given.items():
-        problem = _CHECKS[name](value)
+        problem = argument_problem(name, value)
         if problem:
             kind = TypeError if name in ("keep", "scaler") else ValueError
             raise kind(f"watch: {name}={shown(value)} {problem}")
