@@ -49,7 +49,12 @@ class Trace:
 
     `record`: the RunRecord (record/run.py), given as it is or as the Pending one of a run still going (`with
     hw.tracing() as t:`: empty until its block ends). `facts`: analysis's one cache for this trace, made with it
-    (analysis/facts.py)."""
+    (analysis/facts.py).
+
+    A wrong argument of a method raises one line naming it, its value and a valid example: TypeError (not a
+    string, not a Trace), KeyError (no such layer or target: close names first), ValueError (a bad value, a
+    query this trace cannot answer); RuntimeError where the trace cannot do it at all (rerun a hw.tracing block
+    or a step hw.watch kept)."""
 
     def __init__(self, session, record: RunRecord | Pending, applied=()):
         self.session = session
