@@ -247,11 +247,14 @@ def _signature(spec: Kind) -> str:
 def _number(spec: Kind, name: str, value) -> float:
     """A float parameter: finite, or the one infinity that means "no bound" there (grad_clamp's min=-inf)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{spec.name}: {name} must be a number, got {value!r}; e.g. {_example(spec)}")
+        got = " ".join(repr(value).split())  # one line, cut short: a module's repr spans many
+        raise ValueError(f"{spec.name}: {name} must be a number, got {got[:60]}; e.g. {_example(spec)}")
     try:
         number = float(value)
     except OverflowError:
-        raise ValueError(f"{spec.name}: {name} is an integer of {len(str(value))} digits, too large for a float; "
+        # str() of an integer past 4300 digits is refused: its digits are counted from its bits then
+        digits = len(str(value)) if value.bit_length() < 14_000 else f"about {int(value.bit_length() * 0.30103) + 1}"
+        raise ValueError(f"{spec.name}: {name} is an integer of {digits} digits, too large for a float; "
                          f"e.g. {_example(spec)}") from None
     if math.isfinite(number) or number == spec.open_ends.get(name):
         return number

@@ -16,10 +16,11 @@ from dataclasses import fields
 
 from IPython.core.error import UsageError  # IPython prints one line only for this exact class
 from IPython.core.magic import Magics, cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 from torch import nn
 
 from hookwidget.options import Options
+from hookwidget.session import check_filters
 
 
 def _option_flags(func):
@@ -79,6 +80,10 @@ class HookTraceMagics(Magics):
         options = _options(args)
         ns = self.shell.user_ns
         modules, names = _models(args.models, ns)
+        try:
+            check_filters(modules, names, options)  # --include / --exclude that match no module: before the cell
+        except ValueError as e:
+            raise UsageError(f"%%hooktrace: {e}") from None
         code = compile_cell(self.shell, cell)  # a SyntaxError shows before anything runs
         run_cell = cell_runner(code, ns)
 
@@ -105,9 +110,12 @@ class HookTraceMagics(Magics):
         return hookwatch_magic(self.shell, line, cell)
 
 
+HookTraceMagics.hooktrace.parser.allow_abbrev = False  # flags are matched exactly: --budget is not --budget-mb
+
+
 def _parse(line: str):
-    try:
-        return parse_argstring(HookTraceMagics.hooktrace, line)
+    try:  # split as a shell does: --include "blocks.0.*" is the glob blocks.0.*, without its quotes
+        return HookTraceMagics.hooktrace.parser.parse_args(shlex.split(line))
     except Exception as e:  # argparse exits; IPython wraps it
         raise UsageError(f"%%hooktrace {line!r}: {e}; see %%hooktrace? for the options") from None
 
@@ -216,8 +224,18 @@ def _trace(run_cell, modules, options: Options, names, namespace, code, bind):
 
 
 # -- %%hookwatch ---------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises its one-line message (no usage printed, no exit) and matches flags exactly."""
+
+    def __init__(self, **kwargs):
+        super().__init__(add_help=False, exit_on_error=False, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str):
+        raise ValueError(message)
+
+
 def _watch_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="%%hookwatch", add_help=False, exit_on_error=False)
+    p = _Parser(prog="%%hookwatch")
     p.add_argument("model", metavar="MODEL")
     p.add_argument("-o", "--out", default="_hookwatch", metavar="NAME")
     p.add_argument("--every", type=int, default=1)
@@ -232,11 +250,11 @@ def hookwatch_magic(shell, line: str, cell: str):
     every hook is removed whatever happens. In a Jupyter kernel its live explorer is shown above the
     cell's output before the loop starts, and grows while it runs. Returns None (Out[n] would keep the
     watch and its Traces alive); the Watch is in NAME."""
-    from hookwidget.watch import watch
+    from hookwidget.watch import argument_problem, watch
 
     try:
         args = _watch_parser().parse_args(shlex.split(line))
-    except (argparse.ArgumentError, SystemExit, ValueError) as e:
+    except (argparse.ArgumentError, ValueError) as e:
         raise _usage_error(f"%%hookwatch {line!r}: {e}; usage: %%hookwatch MODEL [-o NAME] [--every N] "
                            "[--no-flight-recorder] [--no-widget]") from None
     ns = shell.user_ns
@@ -246,6 +264,9 @@ def hookwatch_magic(shell, line: str, cell: str):
     model = ns[args.model]
     if not isinstance(model, nn.Module):
         raise _usage_error(f"%%hookwatch: {args.model} is a {type(model).__name__}, not an nn.Module")
+    problem = argument_problem("every", args.every)  # before the cell is compiled, as %%hooktrace's options
+    if problem:
+        raise _usage_error(f"%%hookwatch: --every {args.every} {problem}")
     run_cell = cell_runner(compile_cell(shell, cell), ns)
     w = watch(model, every=args.every, flight_recorder=not args.no_flight_recorder)
     ns[args.out] = w

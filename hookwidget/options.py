@@ -90,20 +90,21 @@ def _cache_key(kwargs: dict):
 # -- one check per field: returns the normalized value or raises one line -----------------------
 def _capture(value):
     if value not in CAPTURES:
-        raise ValueError(f"capture={value!r} must be one of {', '.join(map(repr, CAPTURES))}, e.g. capture='summary'")
+        raise ValueError(f"capture={shown(value)} must be one of {', '.join(map(repr, CAPTURES))}, "
+                         "e.g. capture='summary'")
     return value
 
 
 def _budget_mb(value):
     fix = 'must be a number of megabytes >= 0, e.g. budget_mb=512 or budget_mb=float("inf") for no limit'
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"budget_mb={value!r} {fix}")
+        raise ValueError(f"budget_mb={shown(value)} {fix}")
     try:
         mb = float(value)
     except OverflowError:  # an int beyond float's range: use inf for no limit
-        raise ValueError(f"budget_mb is an integer of {len(str(value))} digits, too large for a float; {fix}") from None
+        raise ValueError(f"budget_mb is {shown(value, 20)}, too large for a float; {fix}") from None
     if math.isnan(mb) or mb < 0:
-        raise ValueError(f"budget_mb={value!r} {fix}")
+        raise ValueError(f"budget_mb={shown(value)} {fix}")
     return mb
 
 
@@ -113,7 +114,7 @@ def _globs(name):
             return None
         items = (value,) if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(g, str) for g in items):
-            raise ValueError(f"{name}={value!r} must be a glob on layer names or a list of them, "
+            raise ValueError(f"{name}={shown(value)} must be a glob on layer names or a list of them, "
                              f"e.g. {name}='blocks.*' or {name}=['fc1', 'fc2']")
         return tuple(items) or None  # an empty list filters nothing, like None
 
@@ -123,7 +124,7 @@ def _globs(name):
 def _tristate(name):
     def check(value):
         if value is not None and not isinstance(value, bool):
-            raise ValueError(f"{name}={value!r} must be True, False or None (automatic), e.g. {name}=True")
+            raise ValueError(f"{name}={shown(value)} must be True, False or None (automatic), e.g. {name}=True")
         return value
 
     return check
@@ -132,7 +133,7 @@ def _tristate(name):
 def _flag(name):
     def check(value):
         if not isinstance(value, bool):
-            raise ValueError(f"{name}={value!r} must be True or False, e.g. {name}=True")
+            raise ValueError(f"{name}={shown(value)} must be True or False, e.g. {name}=True")
         return value
 
     return check
@@ -158,6 +159,57 @@ def _restorable(obj: Any) -> bool:
 _CHECKS = {"capture": _capture, "budget_mb": _budget_mb, "include": _globs("include"), "exclude": _globs("exclude"),
            "node_grads": _tristate("node_grads"), "show_hook_nodes": _flag("show_hook_nodes"),
            "backward_hooks": _flag("backward_hooks"), "restore": _restore}
+
+
+def shown(value, limit: int = 60) -> str:
+    """`value` as an error line quotes it: its repr cut to `limit` characters (a 5000-digit integer, a long list or
+    a deep structure stays readable, and no int-to-str limit is hit)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    try:
+        text = " ".join(repr(value).split())  # one line: a module's repr spans several
+    except Exception:  # a broken __repr__, a structure too deep to show
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def suggest(value, names, label: str, k: int = 5) -> str:
+    """A few of `names` for an error line, `label` saying what they are: the close matches to `value` first ("did
+    you mean"), then the first others, cut to `k` and saying how many there are in all."""
+    names = [str(n) for n in names]
+    if not names:
+        return f"there are no {label}"
+    close = difflib.get_close_matches(value, names, n=k, cutoff=0.6) if isinstance(value, str) else []
+    few = [*close, *(n for n in names if n not in close)][:k]
+    more = f" and {len(names) - len(few)} more" if len(names) > len(few) else ""
+    text = ", ".join(map(repr, few)) + more
+    return f"did you mean {text}" if close else f"{label}: {text}"
+
+
+def did_you_mean(value, names) -> str:
+    """"; did you mean 'x'?" for the closest of `names` to a mistyped `value`, or "" where none is close."""
+    close = difflib.get_close_matches(value, [str(n) for n in names], n=1) if isinstance(value, str) else []
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_name(what: str, value, example: str = "'fc1'") -> str:
+    """A name argument (a layer, a target, a kind): a string, else TypeError naming the argument and the value."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, got {type(value).__name__} {shown(value)}; e.g. {what}={example}")
+    return value
+
+
+def check_modules(modules):
+    """`modules=`: None, an nn.Module or a non-empty list of them, as a list (or None); one line otherwise."""
+    if modules is None:
+        return None
+    if isinstance(modules, nn.Module):
+        return [modules]
+    items = list(modules) if isinstance(modules, (list, tuple)) else None
+    if not items or not all(isinstance(m, nn.Module) for m in items):
+        got = "an empty list" if items == [] else f"{type(modules).__name__} {shown(modules)}"
+        raise TypeError(f"modules= takes an nn.Module or a list of them, got {got}; e.g. modules=model")
+    return items
 
 
 def check_callable(fn) -> None:

@@ -18,19 +18,31 @@ from torch import nn
 from hookwidget.analysis import coverage
 from hookwidget.capture.tracer import Tracer
 from hookwidget.interventions import KINDS, Intervention, make
-from hookwidget.options import Options
+from hookwidget.options import Options, check_modules, check_name, did_you_mean, shown, suggest
 from hookwidget.record.assemble import assemble
+from hookwidget.record.naming import name_filter, qualified_names
 from hookwidget.record.run import Pending
 from hookwidget.state import RunState, code_scope, related_objects
 from hookwidget.trace import Trace
 
 log = logging.getLogger("hookwidget")
 
+# The one line for hooks and reruns on a Trace the flight recorder of hw.watch kept (its widget says the same).
+KEPT_BY_WATCH = ("hooks and reruns on a step kept by hw.watch are not available here: trace that step with "
+                 "hw.trace(step_fn) or %%hooktrace to try them")
+
 
 class Session:
-    def __init__(self, fn, modules=None, options=None, names=None, namespace=None, code=None):
-        self.options = options if isinstance(options, Options) else Options.from_kwargs(**(options or {}))
+    """`kept_by`: "hw.watch" for the flight recorder's recordings, which take no hooks and no reruns."""
+
+    def __init__(self, fn, modules=None, options=None, names=None, namespace=None, code=None, kept_by=None):
+        try:  # a wrong option raises from here: the traceback is the user's line, hw.trace's and this one
+            self.options = options if isinstance(options, Options) else Options.from_kwargs(**(options or {}))
+            check_filters(modules, names, self.options)
+        except (TypeError, ValueError) as e:
+            raise e.with_traceback(None) from None
         self.fn = fn
+        self.kept_by = kept_by
         self.modules = modules
         self.names = names  # the user's variable names of `modules` (from the magic)
         scope = code_scope(fn, namespace, code)  # what the code reads by name
@@ -54,9 +66,9 @@ class Session:
     def rerun(self) -> Trace:
         """The same code again from the same starting point, with the interventions on; afterwards
         everything hookwidget put back is as it was before the rerun."""
-        if self.fn is None or self._state is None:
-            raise RuntimeError("rerun needs the code to run again: use hw.trace(fn) or %%hooktrace, "
-                               "not `with hw.tracing()`")
+        refused = self.no_rerun()
+        if refused:
+            raise RuntimeError(refused)
         now = self._state.snapshot()
         try:
             self._state.restore()
@@ -65,6 +77,14 @@ class Session:
         finally:
             now.restore()
         return t
+
+    def no_rerun(self) -> str:
+        """Why this session cannot run its code again (one line), or ""."""
+        if self.kept_by is not None:
+            return KEPT_BY_WATCH
+        if self.fn is None or self._state is None:
+            return "rerun needs the code to run again: use hw.trace(fn) or %%hooktrace, not `with hw.tracing()`"
+        return ""
 
     @contextmanager
     def recording(self, state: RunState | None = None):
@@ -135,6 +155,7 @@ class Session:
     # -- hooks ---------------------------------------------------------------------------------
     def add_hook(self, target: str, kind: str, **params) -> Intervention:
         """Attach an intervention for the next rerun(); the same kind on the same target is replaced."""
+        self._check_hook(target, kind)
         iv = make(target, kind, params)
         iv.anchor = self._resolve(target, kind)
         self._remove(target, kind)
@@ -143,11 +164,24 @@ class Session:
         return iv
 
     def remove_hook(self, target: str, kind: str, missing_ok: bool = False) -> None:
+        self._check_hook(target, kind)
         if self._remove(target, kind):
             self._changed("hooks")
         elif not missing_ok:
-            on = ", ".join(f"{iv.kind.name} on {iv.target!r}" for iv in self.interventions) or "none"
-            raise KeyError(f"no {kind} hook on {target!r} to remove; attached: {on}")
+            on = [f"{iv.kind.name} on {iv.target!r}" for iv in self.interventions]
+            raise KeyError(f"no {kind} hook on {shown(target)} to remove; attached: {_few(on)}")
+
+    def _check_hook(self, target, kind) -> None:
+        """The arguments every hook method takes, checked before anything looks them up."""
+        if self.kept_by is not None:
+            raise ValueError(KEPT_BY_WATCH)
+        check_name("target", target)
+        check_name("kind", kind, "'grad_zero'")
+        if kind not in KINDS:
+            raise ValueError(f"unknown intervention kind {kind[:80]!r}; choose one of: {', '.join(KINDS)}"
+                             + did_you_mean(kind, KINDS))
+        if self.baseline is None and (self.latest is None or not self.latest.record.done):
+            raise RuntimeError("hooks apply to a finished trace: add them after the traced code has run")
 
     def _remove(self, target: str, kind: str) -> bool:
         before = len(self.interventions)
@@ -162,8 +196,27 @@ class Session:
             if KINDS[kind].attach == "out":
                 raise ValueError(f"{kind} replaces a layer's output: give a layer name, not node {target!r}")
             return target
-        raise KeyError(f"unknown target {target!r}: give a layer name ({', '.join(list(t.layers)[:6])}) "
+        raise KeyError(f"unknown target {shown(target)}: give a layer name ({suggest(target, t.layers, 'layers')}) "
                        f"or a graph node id (e.g. {next(iter(t.graph.nodes), 'AddmmBackward0#0')!r})")
+
+
+def _few(items: list, k: int = 4) -> str:
+    return ", ".join(items[:k]) + (f" and {len(items) - k} more" if len(items) > k else "") if items else "none"
+
+
+def check_filters(modules, names, options: Options) -> None:
+    """include= / exclude= that leave none of the given modules are refused before anything runs, naming modules that
+    exist (with no modules given, which modules the code calls is known only once it ran)."""
+    roots = check_modules(modules)
+    if roots is None or (options.include is None and options.exclude is None):
+        return
+    named = list(qualified_names([], roots, names)[0].values())
+    if named and not any(map(name_filter(options.include, options.exclude), named)):
+        given = ", ".join(f"{k}={v[0] if len(v) == 1 else list(v)!r}" for k, v in
+                          (("include", options.include), ("exclude", options.exclude)) if v)
+        pattern = (options.include or ("",))[0]
+        raise ValueError(f"{given} match no module: {suggest(pattern, named, 'modules', 6)}; "
+                         "e.g. include='fc*' (a glob on these names)")
 
 
 def _norms_rule(capture: str):

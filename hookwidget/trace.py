@@ -8,19 +8,41 @@ trace, its reruns and the explorer agree on which hooks are on.
 
 from __future__ import annotations
 
+import functools
+import math
+import numbers
+import os
+
 import networkx as nx
 import torch
 
-from hookwidget.analysis import coverage
+from hookwidget.analysis import coverage, facts
 from hookwidget.analysis import per_sample as ps
 from hookwidget.analysis.facts import Facts, Refusal
 from hookwidget.analysis.generic import generic_rows
 from hookwidget.layers import factors as fx
 from hookwidget.layers import registry
+from hookwidget.options import check_name, shown, suggest
 from hookwidget.record.notes import Note, render
 from hookwidget.record.run import Layer, Pending, RunRecord, Step
 
 __all__ = ["Layer", "Step", "Trace"]
+
+ARGUMENT_ERRORS = (ValueError, KeyError, TypeError)  # what a wrong argument of a Trace method raises: one line
+
+
+def _boundary(method):
+    """A wrong argument raises from the method the user called, whatever checked it: the traceback is their line
+    and this one, not the 5-7 frames of analysis/ and session.py that found it (the message names the fix)."""
+
+    @functools.wraps(method)
+    def entry(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except ARGUMENT_ERRORS as e:
+            raise e.with_traceback(None) from None
+
+    return entry
 
 
 class Trace:
@@ -28,7 +50,12 @@ class Trace:
 
     `record`: the RunRecord (record/run.py), given as it is or as the Pending one of a run still going (`with
     hw.tracing() as t:`: empty until its block ends). `facts`: analysis's one cache for this trace, made with it
-    (analysis/facts.py)."""
+    (analysis/facts.py).
+
+    A wrong argument of a method raises one line naming it, its value and a valid example: TypeError (not a
+    string, not a Trace), KeyError (no such layer or target: close names first), ValueError (a bad value, a
+    query this trace cannot answer); RuntimeError where the trace cannot do it at all (rerun a hw.tracing block
+    or a step hw.watch kept)."""
 
     def __init__(self, session, record: RunRecord | Pending, applied=()):
         self.session = session
@@ -114,28 +141,30 @@ class Trace:
         """The value of the last scalar that backward started from, if any."""
         return self.losses[-1] if self.losses else None
 
+    @_boundary
     def layer(self, name: str) -> Layer:
-        if name not in self.layers:
-            close = [n for n in self.layers if name.lower() in n.lower()][:5] or list(self.layers)[:8]
-            raise KeyError(f"no layer {name!r} in this trace; layers include: {', '.join(close)}")
-        return self.layers[name]
+        return self.layers[check_name("name", name)]  # a missing one: KeyError listing close names (record/run.py)
 
+    @_boundary
     def supports(self, name: str) -> bool:
         """Whether this layer's parameter gradients rebuild: an exact (a, δ) rule, or the generic torch.func
         rule where it passed its check."""
         with registry.memo():
             return ps.supports(self, name)
 
+    @_boundary
     def weight_grad(self, name: str, step: int | None = None) -> torch.Tensor:
         """W.grad of the layer rebuilt from its factors: what backward pass `step` added to .grad, or,
         without step=, what every pass added (one pass, or passes accumulating into .grad)."""
         with registry.memo():
-            return ps.summed_grad(self, name, "weight", step)
+            return ps.summed_grad(self, self.layer(name).name, "weight", self._step(step))
 
+    @_boundary
     def bias_grad(self, name: str, step: int | None = None) -> torch.Tensor:
         with registry.memo():
-            return ps.summed_grad(self, name, "bias", step)
+            return ps.summed_grad(self, self.layer(name).name, "bias", self._step(step))
 
+    @_boundary
     def per_sample_grads(self, name: str, param: str = "weight", loss_reduction: str = "sum",
                          step: int | None = None) -> torch.Tensor:
         """(N, *param.shape): each sample's contribution to the parameter's .grad; under gradient
@@ -143,16 +172,22 @@ class Trace:
 
         They sum to .grad. With a mean-reduced loss pass loss_reduction="mean" to get each
         sample's own gradient (the contributions times B)."""
+        _reduction_scale(loss_reduction, 1)
+        check_name("param", param, "'weight'")
         with registry.memo():
-            g = ps.per_sample_grad(self, name, param, step)
+            g = ps.per_sample_grad(self, self.layer(name).name, param, self._step(step))
         return g * _reduction_scale(loss_reduction, g.shape[0])
 
+    @_boundary
     def per_sample_grad_norms(self, name: str | None = None, loss_reduction: str = "sum",
                               step: int | None = None) -> torch.Tensor:
         """(N,) norms of per-sample gradients over all parameters of one layer, or of every
         supported layer (name=None). A parameter shared by several layers is counted once."""
+        _reduction_scale(loss_reduction, 1)
+        if name is not None:
+            self._trainable(self.layer(name).name)
         with registry.memo():  # a query asks the registry about each layer several times
-            norms = ps.per_sample_norms(self, name, step)
+            norms = ps.per_sample_norms(self, name, self._step(step))
         return norms * _reduction_scale(loss_reduction, norms.shape[0])
 
     @property
@@ -161,8 +196,13 @@ class Trace:
         with registry.memo():
             return ps.factor_layers(self)
 
+    @_boundary
     def storage(self, name: str) -> dict:
         """Floats needed to store W.grad vs its (a, δ) factors (seed 003's figures)."""
+        if not _has_weight(self.layer(name).module):
+            some = [n for n, layer in self.layers.items() if _has_weight(layer.module)]
+            raise ValueError(f"layer {name!r} ({self.layer(name).type}) has no weight matrix to compare its factors "
+                             f"with; {suggest(name, some, 'layers with one')}")
         tokens = 0
         if name in self.factor_layers and not fx.is_generic(self.layer(name).module):
             f = ps.param_factors(self, name, "weight", self.steps[-1].index if not self.accumulates else None)[0]
@@ -170,10 +210,12 @@ class Trace:
         return fx.storage(self.layer(name).module, tokens)
 
     # -- changing it (through the session) -----------------------------------------------------
+    @_boundary
     def add_hook(self, target: str, kind: str, **params):
         """Attach an intervention for the next rerun(); the same kind on the same target is replaced."""
         return self.session.add_hook(target, kind, **params)
 
+    @_boundary
     def remove_hook(self, target: str, kind: str, missing_ok: bool = False) -> None:
         self.session.remove_hook(target, kind, missing_ok=missing_ok)
 
@@ -181,19 +223,36 @@ class Trace:
         """Run the same code again with the interventions on, as a what-if: parameters, buffers,
         optimizer and scheduler state, .grad and every RNG are put back first, and put back as
         they are now afterwards, so the interventions are the only change and nothing stays changed."""
+        refused = self.session.no_rerun()
+        if refused:
+            raise RuntimeError(refused)  # raised here: the traceback is the user's line and this one
         return self.session.rerun()
 
+    @_boundary
     def diff(self, before: Trace | None = None):
         """What changed from `before` (default: the hook-free first run) to this trace: grads per
         parameter, loss, δ per layer."""
         from hookwidget.analysis.diff import diff
 
+        if before is None and self.session.baseline is None:
+            raise ValueError("this trace has no hook-free first run to compare with (`with hw.tracing()` runs once): "
+                             "pass one, e.g. t2.diff(t1)")
+        if before is not None and not isinstance(before, Trace):
+            raise TypeError(f"diff(before) takes a Trace, got {type(before).__name__} {shown(before)}; "
+                            "e.g. t.rerun().diff(t)")
         return diff(before if before is not None else self.session.baseline, self)
 
+    @_boundary
     def health(self, **thresholds):
         """NaN/Inf, vanishing and exploding gradients per node and per layer."""
         from hookwidget.analysis.health import health
 
+        for key, value in thresholds.items():
+            if key not in ("vanishing", "exploding"):
+                raise TypeError(f"health() takes vanishing= and exploding=, got {shown(key)}; "
+                                "e.g. t.health(exploding=1e4)")
+            if not _positive(value):
+                raise ValueError(f"health: {key}={shown(value)} must be a number > 0, e.g. {key}=1e-7")
         return health(self, **thresholds)
 
     # -- showing it ----------------------------------------------------------------------------
@@ -202,9 +261,13 @@ class Trace:
 
         return HookWidget(self)
 
+    @_boundary
     def to_html(self, path) -> None:
         from hookwidget.views.export import to_html
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"to_html(path) takes a file path, got {type(path).__name__} {shown(path)}; "
+                            "e.g. t.to_html('trace.html')")
         return to_html(self, path)
 
     def _repr_mimebundle_(self, **kwargs):
@@ -272,6 +335,22 @@ class Trace:
                         "copy: keep it with t.save(path), read it back with hw.load(path)")
 
 
+    def _step(self, step):
+        """step=: None or the index of one of t.steps (negative from the end), else one line."""
+        n = len(self.steps)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or not -n <= step < n):
+            raise ValueError(f"step={shown(step, 30)}: this trace has {n} step(s); pass step=0..{n - 1} or None "
+                             "(t.steps lists them)")
+        return step
+
+    def _trainable(self, name: str) -> None:
+        """A layer asked for per-sample gradients holds a parameter that requires grad; else one line naming some."""
+        if not facts.owned_params(self, name):
+            some = [n for n in self.layers if n != name and facts.owned_params(self, n)]
+            raise ValueError(f"layer {name!r} has no trainable parameters (requires_grad=False, e.g. a frozen or LoRA "
+                             f"base layer): no per-sample gradients; {suggest(name, some, 'layers with some')}")
+
+
 # -- helpers -----------------------------------------------------------------------------------
 def _kept(t: Trace) -> dict:
     """What a saved trace keeps of analysis's answers that would need the code again: coverage (its notes, what
@@ -289,8 +368,20 @@ def _kept(t: Trace) -> dict:
                             for pn, g in r.items()}))
     return {"notes": found.notes, "left_out": found.left_out, "rows": rows}
 
+def _positive(value) -> bool:
+    """A finite number > 0 (not a bool; an integer past float's range is not one)."""
+    try:
+        return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < float(value) < math.inf
+    except OverflowError:
+        return False
+
+
+def _has_weight(module) -> bool:
+    w = getattr(module, "weight", None)
+    return isinstance(w, torch.Tensor) and w.dim() >= 1
+
 
 def _reduction_scale(loss_reduction: str, batch: int) -> float:
     if loss_reduction not in ("sum", "mean"):
-        raise ValueError(f"loss_reduction={loss_reduction!r}: use 'sum' or 'mean' (the reduction of your loss)")
+        raise ValueError(f"loss_reduction={shown(loss_reduction)}: use 'sum' or 'mean' (the reduction of your loss)")
     return float(batch) if loss_reduction == "mean" else 1.0

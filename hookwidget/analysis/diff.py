@@ -47,12 +47,23 @@ class Diff:
 
 
 def diff(before, after) -> Diff:
+    _check_related(before, after)
     out = Diff(loss_before=before.loss, loss_after=after.loss)
     for name in dict.fromkeys([*before.param_grads, *after.param_grads]):
         out.params.append(_change(name, before.param_grads.get(name), after.param_grads.get(name)))
     for name in dict.fromkeys([*before.layers, *after.layers]):
         out.layers[name] = (_delta_norm(before.layers.get(name)), _delta_norm(after.layers.get(name)))
     return out
+
+
+def _check_related(before, after) -> None:
+    """Two traces of unrelated models (no parameter of the same name and shape) are refused in one line: every
+    parameter would read as changed, like a hook's effect."""
+    p0, p1 = before.params, after.params
+    if p0 and p1 and not any(n in p1 and tuple(p.shape) == tuple(p1[n].shape) for n, p in p0.items()):
+        few = ", ".join(list(p0)[:2]), ", ".join(list(p1)[:2])
+        raise ValueError(f"these traces share no parameter (before: {few[0]}, ...; after: {few[1]}, ...): diff "
+                         "compares two runs of the same code, e.g. t.rerun().diff(t)")
 
 
 def _change(name, g0, g1) -> ParamChange:

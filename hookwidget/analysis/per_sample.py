@@ -22,6 +22,7 @@ from hookwidget.analysis.facts import Refusal, allclose_grad, owned_params, para
 from hookwidget.analysis.generic import generic_rows
 from hookwidget.layers import factors as fx
 from hookwidget.layers import generic
+from hookwidget.record.notes import refusal
 
 
 def call_groups(trace, name: str, step: int | None) -> list[list]:
@@ -29,9 +30,11 @@ def call_groups(trace, name: str, step: int | None) -> list[list]:
     layer = trace.layer(name)
     reason = fx.unsupported_reason(layer.module)
     if reason:
-        supported = ", ".join(fx.supported_types())
-        raise ValueError(f"layer {name!r}: {reason}; supported types: {supported} (and, with capture='full', "
-                         "the generic torch.func rule for other modules with parameters)")
+        types = fx.supported_types()  # a few of them: the line stays short
+        few = [t for t in ("Linear", "Conv2d", "Embedding", "LayerNorm") if t in types] or types[:4]
+        raise ValueError(f"layer {name!r}: {reason}; supported types: {', '.join(few)} and {len(types) - len(few)} "
+                         "more (and, with capture='full', the generic torch.func rule for other modules with "
+                         "parameters)")
     if trace.record.no_factors:
         raise ValueError(f"layer {name!r}: {trace.record.no_factors}")
     is_generic = fx.is_generic(layer.module)
@@ -124,7 +127,7 @@ def per_sample_norms(trace, name: str | None, step: int | None) -> torch.Tensor:
             if sq is not None:
                 rows.append(sq)
         if not rows:
-            raise ValueError("no per-sample norms in this trace: " + ("; ".join(trace.notes) or "no backward ran"))
+            raise ValueError(refusal(trace.note_records, "no per-sample norms in this trace", "no backward ran"))
         return torch.cat(rows).sqrt()
     if name is not None:
         check_batched(trace, name, step)
@@ -137,8 +140,8 @@ def per_sample_norms(trace, name: str | None, step: int | None) -> torch.Tensor:
         if trace.session.options.capture == "summary":
             raise ValueError("capture='summary' keeps statistics, not (a, δ): trace with capture='norms' (or 'full') "
                              "for per-sample gradient norms")
-        raise ValueError("no layer with (a, δ) factors in this trace: " + ("; ".join(trace.notes) or
-                         "run a backward inside the trace"))
+        raise ValueError(refusal(trace.note_records, "no layer with (a, δ) factors in this trace",
+                                 "run a backward inside the trace"))
     return torch.cat(rows).sqrt()
 
 

@@ -104,3 +104,31 @@ TEXT: dict[str, Callable[..., str]] = {
         f"per-sample gradient norms leave out {len(reasons)} parameters ({lost:,} of {total:,} gradient elements): "
         + _pairs(reasons, "; ")),
 }
+
+# id -> the short line that starts a refusal a note explains (`count`: the parameters it leaves out); `refusal`
+REFUSAL: dict[str, Callable[..., str]] = {
+    "compiled": lambda count, **_: f"{count} parameters of a compiled model: trace the model before torch.compile",
+    "script_module": lambda count, **_: f"{count} parameters inside TorchScript: trace the module before "
+                                        "torch.jit.script",
+    "torch_func": lambda count, **_: f"{count} parameters reached inside torch.func transforms: trace a plain "
+                                     "forward and backward",
+    "no_grads": lambda **_: "the code ran no backward: call loss.backward() inside the trace",
+}
+
+
+def refusal(notes, what: str, otherwise: str, limit: int = 240) -> str:
+    """One line for a query refused for what the notes say (its details stay in t.notes): the first note that
+    has a REFUSAL line, counting the parameters left out, else the first note's text cut to `limit`, else
+    `otherwise`."""
+    notes = list(notes)
+    left = next((len(n.fields["reasons"]) for n in notes if n.id == "params_left_out"), None)
+    count = "all" if left is None else f"{left:,}"
+    for n in notes:
+        if n.id in REFUSAL:
+            return f"{what}: {REFUSAL[n.id](count=count)} (t.notes has the details)"
+    if not notes:
+        return f"{what}: {otherwise}"
+    text = render(notes[0])
+    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    more = f" and {len(notes) - 1} more note(s)" if len(notes) > 1 else ""
+    return f"{what}: {text} (t.notes{more})"

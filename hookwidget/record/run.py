@@ -14,6 +14,7 @@ import networkx as nx
 import torch
 from torch import nn
 
+from hookwidget.options import check_name, shown, suggest
 from hookwidget.record import graph as graph_mod
 from hookwidget.stats import TensorSummary
 
@@ -77,6 +78,19 @@ class Step:
         return after - before
 
 
+class Layers(dict):
+    """Layer name -> Layer; a missing name is a KeyError of one line that lists the close names ("did you mean"),
+    a name that is not a string (a list) a TypeError of one line."""
+
+    def __getitem__(self, name):
+        try:
+            return super().__getitem__(name)
+        except (KeyError, TypeError):  # missing, or unhashable (a list)
+            pass
+        check_name("layer name", name)
+        raise KeyError(f"no layer {shown(name)} in this trace; {suggest(name, self, 'layers')}")
+
+
 class LazyGraph:
     """The networkx graph of a walk, built on first use (many traces are never drawn); the walk, which holds
     autograd's nodes, is let go once it is built."""
@@ -110,7 +124,7 @@ class RunRecord:
     per-step (squared per-sample norms, modules left out), else None. `answers`: the layer registry's answers
     at each module's first call (registry.memo)."""
 
-    layers: dict = field(default_factory=dict)
+    layers: dict = field(default_factory=Layers)  # a Layers: a missing name's KeyError lists close ones
     steps: list = field(default_factory=list)
     param_grads: dict = field(default_factory=dict)  # .grad as the last backward pass left it (copies)
     params: dict = field(default_factory=dict)
@@ -124,6 +138,10 @@ class RunRecord:
     answers: dict = field(default_factory=dict, repr=False)
     graph: LazyGraph = field(default_factory=LazyGraph, repr=False)
     done: bool = False  # False: the empty record of a run still going
+
+    def __post_init__(self):
+        if type(self.layers) is not Layers:
+            object.__setattr__(self, "layers", Layers(self.layers))
 
 
 class Pending:

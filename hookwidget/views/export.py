@@ -18,7 +18,7 @@ import secrets
 from hookwidget.views import payload
 
 STATIC = pathlib.Path(__file__).resolve().parents[1] / "static"
-DETAIL_BUDGET = 8 * 2**20  # bytes of tensor detail inlined; layers past it are listed as not exported
+DETAIL_BUDGET = 8 * 2**20  # bytes of detail written (base64 buffers and their JSON); layers past it are listed
 DETAIL_SIDE = 64  # heatmap cells per side on the page (the live widget sends up to payload.MAX_SIDE)
 DETAIL_LIMIT = 200  # layers and parameter nodes with inlined detail (a 10,000-layer chain stays quick to export)
 
@@ -65,7 +65,8 @@ def standalone_page(bundle: str, data: dict, title: str) -> str:
 
 
 def details(trace) -> dict:
-    """Detail of every layer and parameter node, base64 buffers, within DETAIL_BUDGET bytes."""
+    """Detail of every layer and parameter node, base64 buffers, within DETAIL_BUDGET bytes as written to the page
+    (the base64 text, a third larger than the buffers, and the JSON of its meta)."""
     out, used, skipped, memo = {}, 0, [], {}
     params = [n for n, d in trace.graph.nodes(data=True) if d.get("param")]
     for target in [*trace.layers, *params]:
@@ -73,7 +74,7 @@ def details(trace) -> dict:
             skipped.append(target)
             continue
         meta, buffers = payload.detail(trace, target, max_side=DETAIL_SIDE, memo=memo)
-        size = sum(len(b) for b in buffers)
+        size = sum(4 * -(-len(b) // 3) for b in buffers) + len(json_for_script(meta))  # base64: 4 per 3 bytes
         if used + size > DETAIL_BUDGET:
             skipped.append(target)
             continue

@@ -19,7 +19,7 @@ import anywidget
 import torch
 import traitlets
 
-from hookwidget.views.widget import HookWidget, MessageError, _one_line, check_envelope, request_keys
+from hookwidget.views.widget import HookWidget, MessageError, _one_line, check_envelope, reply_id, request_keys
 
 log = logging.getLogger("hookwidget")
 
@@ -158,8 +158,7 @@ class WatchWidget(anywidget.AnyWidget):
 
     # -- from the front-end ----------------------------------------------------------------------
     def _on_msg(self, _widget, content, buffers) -> None:
-        rid = content.get("request_id") if isinstance(content, dict) else None
-        rid = rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) and len(str(rid)) <= 64 else None
+        rid = reply_id(content)
         try:
             msg = validate(content)
             getattr(self, "_do_" + msg["type"])(msg)

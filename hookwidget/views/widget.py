@@ -33,6 +33,10 @@ def request_keys(widget: str) -> dict:
 
 SCHEMA = request_keys("explorer")
 MAX_TEXT = 1000  # longest accepted target / kind / request_id
+# Bounds of any message the schema allows, checked before anything reads it: {"params": {"factor": 1.0}} is the
+# deepest (2); the most keys any carries is 5. A message past them (a 100,000-deep nesting, a megabyte string,
+# an integer of 5,000 digits) is rejected in a few hundred steps, with no recursion.
+MAX_DEPTH, MAX_ITEMS, MAX_STRING, MAX_INT_BITS = 4, 64, 4 * MAX_TEXT, 256
 ESM = pathlib.Path(__file__).resolve().parents[1] / "static" / "widget.js"  # built from js/ by `npm run build`
 # Shown instead of the explorer when the bundle was never built (a source checkout without npm).
 NOT_BUILT = ('export default { render({ el }) { el.textContent = "hookwidget: the front-end is not built '
@@ -109,8 +113,7 @@ class HookWidget(anywidget.AnyWidget):
             self.sync()
 
     def _on_msg(self, _widget, content, buffers) -> None:
-        rid = content.get("request_id") if isinstance(content, dict) else None
-        rid = rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) and len(str(rid)) <= 64 else None
+        rid = reply_id(content)
         try:
             msg = validate(content)
         except MessageError as e:
@@ -195,12 +198,48 @@ class HookWidget(anywidget.AnyWidget):
         self.send({"type": "status", "request_id": request_id, "state": state, "text": text})
 
 
+def reply_id(content):
+    """The message's request_id to answer with, where it is a sane one (a string or integer of at most 64
+    characters), else None: read before the message is validated, so an error reply can still name it."""
+    rid = content.get("request_id") if isinstance(content, dict) else None
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        return None
+    if isinstance(rid, int) and rid.bit_length() > 256:  # too long anyway, and str() of it may be refused
+        return None
+    return rid if len(str(rid)) <= 64 else None
+
+
+def check_bounds(content) -> None:
+    """MessageError for a message deeper, longer or larger than any the schema allows (MAX_DEPTH, MAX_ITEMS,
+    MAX_STRING, MAX_INT_BITS), walked with a stack, not recursion, and stopped at the first item past a bound."""
+    stack, seen = [(content, 0)], 0
+    while stack:
+        obj, depth = stack.pop()
+        seen += 1
+        if depth > MAX_DEPTH or seen > MAX_ITEMS:
+            raise MessageError(f"message too {'deep' if depth > MAX_DEPTH else 'large'}: no message nests more "
+                               f"than {MAX_DEPTH} levels or holds more than {MAX_ITEMS} items")
+        if isinstance(obj, dict):
+            if len(obj) > MAX_ITEMS:
+                raise MessageError(f"message too large: an object of {len(obj):,} keys (at most {MAX_ITEMS})")
+            stack += [(k, depth + 1) for k in obj] + [(v, depth + 1) for v in obj.values()]
+        elif isinstance(obj, (list, tuple)):
+            if len(obj) > MAX_ITEMS:
+                raise MessageError(f"message too large: a list of {len(obj):,} items (at most {MAX_ITEMS})")
+            stack += [(v, depth + 1) for v in obj]
+        elif isinstance(obj, (str, bytes, bytearray, memoryview)) and len(obj) > MAX_STRING:
+            raise MessageError(f"message too large: a text of {len(obj):,} characters (at most {MAX_STRING})")
+        elif isinstance(obj, int) and obj.bit_length() > MAX_INT_BITS:
+            raise MessageError(f"message too large: an integer of {obj.bit_length():,} bits")
+
+
 def check_envelope(content, schema: dict) -> str:
     """The message's type if it is an object with exactly the keys `schema` gives its type (plus type and
     request_id) and a sane request_id, else MessageError naming what is wrong (front-end messages of every
-    widget go through it)."""
+    widget go through it). Its bounds are checked first (check_bounds)."""
     if not isinstance(content, dict):
         raise MessageError(f"expected an object, got {type(content).__name__}")
+    check_bounds(content)
     kind = content.get("type")
     if not isinstance(kind, str) or kind not in schema:
         raise MessageError(f"unknown type {str(kind)[:80]!r}; expected one of {', '.join(schema)}")
@@ -210,8 +249,7 @@ def check_envelope(content, schema: dict) -> str:
         raise MessageError(f"{kind}: " + "; ".join(
             part for part in (f"unknown key(s) {', '.join(sorted(map(str, extra)))[:200]}" if extra else "",
                               f"missing key(s) {', '.join(sorted(missing))}" if missing else "") if part))
-    rid = content["request_id"]
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or len(str(rid)) > 64:
+    if reply_id(content) is None:
         raise MessageError(f"{kind}: request_id must be a string or integer of at most 64 characters")
     return kind
 

@@ -9,6 +9,13 @@ hook_output, the backward stand-in), layers, stats and _torch, and views only la
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
+
+from torch import nn
+
+from hookwidget.options import shown
 from hookwidget.watch.core import Watch
 from hookwidget.watch.detect import Anomaly
 from hookwidget.watch.reduce import STAT_NAMES, STEP_STAT_NAMES
@@ -119,6 +126,73 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
       `step/grad_norm`, x = step; the anomalies as text at close); w.to_tensorboard(log_dir) writes what
       was recorded so far. Needs the extra: pip install hookwidget[tensorboard].
     """
+    check_arguments(model=model, every=every, spike=spike, window=window, keep=keep, flight_recorder=flight_recorder,
+                    max_kept=max_kept, batch=batch, trace_budget_mb=trace_budget_mb, scaler=scaler,
+                    tensorboard=tensorboard, per_sample=per_sample)
     return Watch(model, every=every, spike=spike, window=window, keep=keep, flight_recorder=flight_recorder,
                  max_kept=max_kept, batch=batch, trace_budget_mb=trace_budget_mb, scaler=scaler,
                  tensorboard=tensorboard, per_sample=per_sample).open()
+
+
+# -- watch()'s arguments, checked where the user gave them (%%hookwatch checks its flags with these too) -----------
+_MOST = 10**9  # counts of steps past it are mistakes (and past 2**63 Python's containers refuse them)
+
+
+def _integer(least: int, example: str, what: str):
+    def check(value) -> str:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not least <= value <= _MOST:
+            return f"must be an integer >= {least} ({what}, at most {_MOST:,}), e.g. {example}"
+        return ""
+
+    return check
+
+
+def _number(least: float, example: str, what: str, inf: bool = False):
+    def check(value) -> str:
+        try:
+            number = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+        except OverflowError:  # an integer past float's range
+            number = math.nan
+        if math.isnan(number) or number < least or number == math.inf and not inf:
+            return f"must be a number >= {least:g} ({what}), e.g. {example}"
+        return ""
+
+    return check
+
+
+def _flag(name: str):
+    return lambda value: "" if isinstance(value, bool) else f"must be True or False, e.g. {name}=True"
+
+
+_CHECKS = {
+    "every": _integer(1, "every=10", "record every N-th step"),
+    "spike": _number(0, "spike=6.0", "standard deviations above the mean", inf=True),
+    "window": _integer(2, "window=20", "recorded steps a spike is judged against"),
+    "max_kept": _integer(0, "max_kept=8", "anomalous steps' Traces to keep"),
+    "batch": _integer(1, "batch=64", "steps moved to the host at a time"),
+    "trace_budget_mb": _number(0, "trace_budget_mb=256", "megabytes per kept Trace", inf=True),
+    "flight_recorder": _flag("flight_recorder"), "per_sample": _flag("per_sample"),
+    "keep": lambda v: "" if v is None or callable(v) else "must be a function keep(step, stats) -> bool, or None",
+    "scaler": lambda v: "" if v is None or callable(getattr(v, "scale", None)) else
+    "must be a torch.amp.GradScaler (or None: found when the loop calls scaler.scale)",
+    "tensorboard": lambda v: "" if v is None or isinstance(v, (str, os.PathLike)) else
+    "must be a log directory, e.g. tensorboard='runs/watch'",
+}
+
+
+def argument_problem(name: str, value) -> str:
+    """What is wrong with watch()'s argument `name` (a phrase: "must be ..., e.g. ..."), or ""."""
+    return _CHECKS[name](value)
+
+
+def check_arguments(model, **given) -> None:
+    """One line for the first of watch()'s arguments that is wrong, naming it, its value and a valid example:
+    TypeError for the model, the keep callable and the scaler, ValueError for the rest."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"watch(model): model must be an nn.Module, got {type(model).__name__} {shown(model)}; "
+                        "e.g. hw.watch(model)")
+    for name, value in given.items():
+        problem = argument_problem(name, value)
+        if problem:
+            kind = TypeError if name in ("keep", "scaler") else ValueError
+            raise kind(f"watch: {name}={shown(value)} {problem}")

@@ -18,7 +18,7 @@ class FlightRecorder:
         from hookwidget.session import Session
 
         self.hooks, self.max_kept = hooks, max_kept  # the watch's StepHooks (hooks.py)
-        self.session = Session(None, model, {"capture": "full", "budget_mb": budget_mb})
+        self.session = Session(None, model, {"capture": "full", "budget_mb": budget_mb}, kept_by="hw.watch")
         self._rec = None  # the open recording's context manager and Trace
         self.latest = None  # (step, Trace) of the latest completed step, not decided yet
         self.kept: dict = {}
