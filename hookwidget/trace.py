@@ -334,7 +334,6 @@ class Trace:
         raise TypeError("a Trace holds the live model and the code that made it, which pickle and deepcopy do not "
                         "copy: keep it with t.save(path), read it back with hw.load(path)")
 
-
     def _step(self, step):
         """step=: None or the index of one of t.steps (negative from the end), else one line."""
         n = len(self.steps)
@@ -349,7 +348,6 @@ class Trace:
             some = [n for n in self.layers if n != name and facts.owned_params(self, n)]
             raise ValueError(f"layer {name!r} has no trainable parameters (requires_grad=False, e.g. a frozen or LoRA "
                              f"base layer): no per-sample gradients; {suggest(name, some, 'layers with some')}")
-
 
 # -- helpers -----------------------------------------------------------------------------------
 def _kept(t: Trace) -> dict:
@@ -375,11 +373,9 @@ def _positive(value) -> bool:
     except OverflowError:
         return False
 
-
 def _has_weight(module) -> bool:
     w = getattr(module, "weight", None)
     return isinstance(w, torch.Tensor) and w.dim() >= 1
-
 
 def _reduction_scale(loss_reduction: str, batch: int) -> float:
     if loss_reduction not in ("sum", "mean"):

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import struct
+import time
 
 import pytest
 import torch
@@ -26,8 +27,19 @@ def offline(tmp_path, monkeypatch):
     return tmp_path
 
 
-def records(run):
-    """The records of an offline run's .wandb file: a 7-byte header, then 32 KiB blocks of chunks
+def records(run, timeout=30.0):
+    """The records of an offline run's .wandb file, once W&B's own process has written all of them (up to its exit
+    record: run.finish() can return before the file is complete)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = list(_records(run))
+        if any(r.WhichOneof("record_type") == "exit" for r in found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _records(run):
+    """The records of an offline run's .wandb file as it is now: a 7-byte header, then 32 KiB blocks of chunks
     (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) holding protobuf Records."""
     (path,) = glob.glob(f"{os.path.dirname(run.dir)}/run-*.wandb")
     data = open(path, "rb").read()
