@@ -1,0 +1,187 @@
+"""The explorer and the watch view in a real marimo notebook: examples/marimo_explorer.py served by `marimo edit`
+and driven in Debian's chromium. The watch view grows while the training cell runs; in the explorer a click
+on a layer shows its detail and a ticked hook reruns the step and shows the diff; a kept step of the watch
+opens in the explorer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from lab_server import free_port
+
+pytestmark = pytest.mark.browser
+pytest.importorskip("marimo")
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+NOTEBOOK = REPO / "examples" / "marimo_explorer.py"
+STEPS = 40  # the notebook's loop with HOOKWIDGET_SMOKE=1
+
+
+@contextlib.contextmanager
+def marimo_edit(root: pathlib.Path, notebook: pathlib.Path):
+    """`marimo edit` on a copy of `notebook` in `root` (127.0.0.1, a random port and token, its own config and
+    state directories: every cell runs when the page opens); yields the page's URL; killed on exit."""
+    shutil.copy(notebook, root / notebook.name)
+    xdg = {name: root / name.lower() for name in ("XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME",
+                                                  "XDG_DATA_HOME")}
+    (xdg["XDG_CONFIG_HOME"] / "marimo").mkdir(parents=True)
+    (xdg["XDG_CONFIG_HOME"] / "marimo" / "marimo.toml").write_text("[runtime]\nauto_instantiate = true\n")
+    port, token = free_port(), secrets.token_hex(16)
+    env = {**os.environ, **{k: str(v) for k, v in xdg.items()}, "PYTHONPATH": str(REPO), "HOOKWIDGET_SMOKE": "1"}
+    exe = pathlib.Path(sys.executable).parent / "marimo"
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(
+        [str(exe), "edit", notebook.name, "--headless", "--host", "127.0.0.1", f"--port={port}",
+         f"--token-password={token}", "--skip-update-check", "--no-sandbox"],
+        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except Exception:
+                if proc.poll() is not None or time.time() > deadline:
+                    pytest.fail("marimo edit did not start: " + (root / "server.log").read_text()[-2000:])
+                time.sleep(0.3)
+        yield f"{base}/?access_token={token}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+# Installed before marimo's page loads: every 50 ms, the step count of the watch's heatmap (inside the shadow
+# root of marimo's anywidget element) with whether the training cell is running then, each time it changes.
+OBSERVE = """
+window.__growth = [];
+let last = null;
+setInterval(() => {
+  let heat = null;
+  for (const host of document.querySelectorAll('marimo-anywidget')) {
+    heat = host.shadowRoot && host.shadowRoot.querySelector('[data-testid=watch-heatmap]');
+    if (heat) break;
+  }
+  const n = heat ? Number(heat.dataset.steps) : null;
+  if (n === last) return;
+  last = n;
+  const cell = document.querySelector('[data-cell-name=train]');
+  const running = !!(cell && cell.querySelector('.cell-status-icon.running'));
+  window.__growth.push([n, running ? 'running' : 'idle', Math.round(performance.now())]);
+}, 50);
+"""
+
+
+@pytest.fixture(scope="module")
+def notebook(browser, tmp_path_factory):
+    """The example notebook open in marimo, every cell run from the page's load; the page's errors in `.errors`."""
+    root = tmp_path_factory.mktemp("marimo")
+    with marimo_edit(root, NOTEBOOK) as url:
+        ctx = browser.new_context(viewport={"width": 1500, "height": 1600})
+        page = ctx.new_page()
+        page.set_default_timeout(30_000)
+        page.errors = []
+        page.on("pageerror", lambda e: page.errors.append(f"pageerror: {e}"))
+        page.on("console", lambda m: page.errors.append(f"console: {m.text}") if m.type == "error" else None)
+        page.add_init_script(OBSERVE)
+        page.goto(url)
+        try:
+            yield page
+        finally:
+            ctx.close()
+
+
+def _failure_shot(page, img_dir, name):
+    with contextlib.suppress(Exception):
+        page.screenshot(path=str(img_dir / f"marimo_failure_{name}.png"))
+
+
+def test_watch_view_grows_while_the_training_cell_runs(notebook, img_dir):
+    page = notebook
+    try:
+        watch = page.locator('[data-testid="watch"]')
+        watch.wait_for(timeout=90_000)
+        # While the training cell runs (marimo's running mark on it): some rows, not all.
+        page.wait_for_function(f"window.__growth.some(([n, r, _t]) => n > 0 && n < {STEPS} && r === 'running')",
+                               timeout=60_000, polling=100)
+        assert watch.locator('[data-testid="watch-state"]').inner_text() == "recording"
+        watch.screenshot(path=str(img_dir / "marimo_watch_running.png"), animations="allow", timeout=5_000)
+        page.wait_for_function(f"window.__growth.some(([n, _r, _t]) => n === {STEPS})", timeout=60_000, polling=100)
+        watch.locator('[data-testid="watch-state"]', has_text="closed").wait_for(timeout=30_000)
+        growth = page.evaluate("window.__growth")
+        during = sorted({n for n, r, _t in growth if r == "running" and 0 < n < STEPS})
+        assert len(during) >= 2, growth  # it grew at least twice while the cell ran
+        summary = watch.locator('[data-testid="watch-summary"]').inner_text()
+        assert summary.startswith(f"2 layers · {STEPS} steps recorded"), summary
+        assert watch.locator(".hw-w-label").all_inner_texts() == ["fc1", "fc2"]
+        watch.screenshot(path=str(img_dir / "marimo_watch_done.png"))
+        assert not page.errors, page.errors
+    except Exception:
+        _failure_shot(page, img_dir, "watch")
+        print("page errors:", page.errors, "growth:", page.evaluate("window.__growth || null"))
+        raise
+
+
+def test_explorer_click_a_layer_toggle_a_hook_and_see_the_rerun(notebook, img_dir):
+    page = notebook
+    try:
+        # The explorer is the notebook's first widget (the watch view holds its own, once a step is opened).
+        live = page.locator("marimo-anywidget").first.locator(".hw-root")
+        live.locator('[data-module="fc1"]').first.wait_for(timeout=90_000)
+        live.locator('[data-module="fc1"]').first.click()
+        # The kernel answers once it is idle (after the training cell).
+        live.locator('[data-testid="detail"] [data-testid="maxdiff"]').wait_for(timeout=90_000)
+        assert live.locator('[data-testid="shape-a"]').inner_text().startswith("(5, 6, 4)")
+        assert float(live.locator('[data-testid="detail"] [data-testid="grad-norm"]').inner_text()) > 0
+        live.locator('[data-hook="grad_zero"]').click()
+        status = live.locator('[data-testid="status"]')
+        done = "el => el.getAttribute('data-state') === 'done' && el.textContent.includes('rerun done')"
+        page.wait_for_function(done, arg=status.element_handle(), timeout=60_000)
+        assert "loss" in status.inner_text()
+        after = live.locator('[data-testid="diff"] [data-param="fc1.weight"] [data-testid="after"]')
+        assert after.inner_text() == "0"
+        assert live.locator('[data-testid="diff"] [data-param="fc2.weight"]').get_attribute("class") == ""
+        assert live.locator('[data-module="fc1"]').first.get_attribute("class").split().count("changed") == 1
+        assert live.locator('[data-hook="grad_zero"]').is_checked()
+        live.screenshot(path=str(img_dir / "marimo_explorer_rerun.png"))
+        assert not page.errors, page.errors
+    except Exception:
+        _failure_shot(page, img_dir, "explorer")
+        print("page errors:", page.errors)
+        raise
+
+
+def test_a_kept_step_of_the_watch_opens_in_the_explorer(notebook, img_dir):
+    page = notebook
+    try:
+        watch = page.locator('[data-testid="watch"]')
+        watch.locator('[data-testid="watch-state"]', has_text="closed").wait_for(timeout=120_000)
+        kept = watch.locator("[data-kept-step]")
+        assert [k.get_attribute("data-kept-step") for k in kept.all()][:1] == ["0"]
+        kept.first.click()
+        opened = watch.locator('[data-testid="watch-trace"] .hw-root')
+        opened.locator('[data-module="fc1"]').first.wait_for(timeout=60_000)
+        assert "step 0" in watch.locator('[data-testid="watch-status"]').inner_text()
+        opened.locator('[data-module="fc1"]').first.click()
+        opened.locator('[data-testid="detail"] [data-testid="maxdiff"]').wait_for(timeout=60_000)
+        assert opened.locator('[data-testid="shape-a"]').inner_text().startswith("(6, 4)")
+        watch.screenshot(path=str(img_dir / "marimo_watch_trace.png"))
+        assert not page.errors, page.errors
+    except Exception:
+        _failure_shot(page, img_dir, "kept_step")
+        print("page errors:", page.errors)
+        raise
