@@ -185,3 +185,66 @@ def test_a_kept_step_of_the_watch_opens_in_the_explorer(notebook, img_dir):
         _failure_shot(page, img_dir, "kept_step")
         print("page errors:", page.errors)
         raise
+
+
+class FakeContext:
+    """marimo's runtime context as hookwidget reads it: the running cell, and with_cell_id."""
+
+    def __init__(self, cell_id):
+        self.cell_id, self.entered = cell_id, []
+
+    @contextlib.contextmanager
+    def with_cell_id(self, cell_id):
+        old, self.cell_id = self.cell_id, cell_id
+        self.entered.append(cell_id)
+        try:
+            yield
+        finally:
+            self.cell_id = old
+
+
+def _watched():
+    import torch
+
+    import hookwidget as hw
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    with hw.watch(model) as w:
+        model(torch.randn(4, 3)).sum().backward()
+    return w
+
+
+def test_a_kept_step_opened_by_a_click_is_made_in_the_watch_widgets_cell(monkeypatch):
+    """In marimo a front-end message runs in no cell: the kept step's explorer is made as part of the cell that
+    made the watch's widget (the browser test above opens one for real)."""
+    import types
+
+    from hookwidget.views import watch_widget as ww
+
+    ctx = FakeContext("cell-a")
+    monkeypatch.setitem(sys.modules, "marimo._runtime.context",
+                        types.SimpleNamespace(safe_get_context=lambda: ctx))
+    w = _watched()
+    wid = w.widget()  # made while cell-a runs
+    ctx.cell_id = None  # a click, handled between cells
+    made_in, init = [], ww.KeptTraceWidget.__init__
+
+    def spy(self, t):
+        made_in.append(ctx.cell_id)
+        init(self, t)
+
+    monkeypatch.setattr(ww.KeptTraceWidget, "__init__", spy)
+    wid._on_msg(wid, {"type": "open", "step": 0, "request_id": "r1"}, [])
+    assert made_in == ["cell-a"] and ctx.entered == ["cell-a"] and ctx.cell_id is None
+    assert wid.trace_step == 0 and wid.trace_model == wid._trace_widget.model_id
+
+
+def test_in_a_marimo_notebook_the_watch_shows_as_its_widget(monkeypatch):
+    import types
+
+    w = _watched()
+    assert w._repr_mimebundle_() == {"text/plain": repr(w)}  # no kernel, no marimo notebook: text
+    monkeypatch.setitem(sys.modules, "marimo", types.SimpleNamespace(running_in_notebook=lambda: True))
+    data, _metadata = w._repr_mimebundle_()
+    assert data["text/plain"] == repr(w)
+    assert data["application/vnd.jupyter.widget-view+json"]["model_id"] == w.widget().model_id
