@@ -1,7 +1,7 @@
 """The explorer and the watch view in a real marimo notebook: examples/marimo_explorer.py served by `marimo edit`
-and driven in Debian's chromium. The watch view grows while the training cell runs; in the explorer a click
-on a layer shows its detail and a ticked hook reruns the step and shows the diff; a kept step of the watch
-opens in the explorer."""
+(the notebook) and by `marimo run` (the app), driven in Debian's chromium. The watch view grows while the
+training cell runs; in the explorer a click on a layer shows its detail and a ticked hook reruns the step and
+shows the diff; a kept step of the watch opens in the explorer."""
 
 from __future__ import annotations
 
@@ -27,21 +27,23 @@ STEPS = 40  # the notebook's loop with HOOKWIDGET_SMOKE=1
 
 
 @contextlib.contextmanager
-def marimo_edit(root: pathlib.Path, notebook: pathlib.Path):
-    """`marimo edit` on a copy of `notebook` in `root` (127.0.0.1, a random port and token, its own config and
-    state directories: every cell runs when the page opens); yields the page's URL; killed on exit."""
+def marimo_server(root: pathlib.Path, notebook: pathlib.Path, mode: str = "edit"):
+    """`marimo edit` or `marimo run` on a copy of `notebook` in `root` (127.0.0.1, a random port and token, its
+    own config and state directories: every cell runs when the page opens); yields the page's URL; killed on
+    exit."""
     shutil.copy(notebook, root / notebook.name)
     xdg = {name: root / name.lower() for name in ("XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME",
                                                   "XDG_DATA_HOME")}
     (xdg["XDG_CONFIG_HOME"] / "marimo").mkdir(parents=True)
     (xdg["XDG_CONFIG_HOME"] / "marimo" / "marimo.toml").write_text("[runtime]\nauto_instantiate = true\n")
     port, token = free_port(), secrets.token_hex(16)
-    env = {**os.environ, **{k: str(v) for k, v in xdg.items()}, "PYTHONPATH": str(REPO), "HOOKWIDGET_SMOKE": "1"}
+    env = {**os.environ, **{k: str(v) for k, v in xdg.items()}, "PYTHONPATH": str(REPO), "HOOKWIDGET_SMOKE": "1",
+           "MARIMO_SKIP_UPDATE_CHECK": "1"}
     exe = pathlib.Path(sys.executable).parent / "marimo"
     log = open(root / "server.log", "w")
     proc = subprocess.Popen(
-        [str(exe), "edit", notebook.name, "--headless", "--host", "127.0.0.1", f"--port={port}",
-         f"--token-password={token}", "--skip-update-check", "--no-sandbox"],
+        [str(exe), mode, notebook.name, "--headless", "--host", "127.0.0.1", f"--port={port}",
+         f"--token-password={token}", "--no-sandbox"],
         cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -52,7 +54,7 @@ def marimo_edit(root: pathlib.Path, notebook: pathlib.Path):
                 break
             except Exception:
                 if proc.poll() is not None or time.time() > deadline:
-                    pytest.fail("marimo edit did not start: " + (root / "server.log").read_text()[-2000:])
+                    pytest.fail(f"marimo {mode} did not start: " + (root / "server.log").read_text()[-2000:])
                 time.sleep(0.3)
         yield f"{base}/?access_token={token}"
     finally:
@@ -66,7 +68,8 @@ def marimo_edit(root: pathlib.Path, notebook: pathlib.Path):
 
 
 # Installed before marimo's page loads: every 50 ms, the step count of the watch's heatmap (inside the shadow
-# root of marimo's anywidget element) with whether the training cell is running then, each time it changes.
+# root of marimo's anywidget element) each time it changes, with whether the training cell is running then
+# ("running" / "idle"; the app view never marks it) and the time in ms.
 OBSERVE = """
 window.__growth = [];
 let last = null;
@@ -86,15 +89,16 @@ setInterval(() => {
 """
 
 
-@pytest.fixture(scope="module")
-def notebook(browser, tmp_path_factory):
-    """The example notebook open in marimo, every cell run from the page's load; the page's errors in `.errors`."""
-    root = tmp_path_factory.mktemp("marimo")
-    with marimo_edit(root, NOTEBOOK) as url:
+@pytest.fixture(scope="module", params=["edit", "run"])
+def notebook(browser, tmp_path_factory, request):
+    """The example notebook open in marimo, every cell run from the page's load; the page's errors in `.errors`,
+    the server's mode in `.mode`."""
+    root = tmp_path_factory.mktemp(f"marimo_{request.param}")
+    with marimo_server(root, NOTEBOOK, request.param) as url:
         ctx = browser.new_context(viewport={"width": 1500, "height": 1600})
         page = ctx.new_page()
         page.set_default_timeout(30_000)
-        page.errors = []
+        page.errors, page.mode = [], request.param
         page.on("pageerror", lambda e: page.errors.append(f"pageerror: {e}"))
         page.on("console", lambda m: page.errors.append(f"console: {m.text}") if m.type == "error" else None)
         page.add_init_script(OBSERVE)
@@ -107,7 +111,7 @@ def notebook(browser, tmp_path_factory):
 
 def _failure_shot(page, img_dir, name):
     with contextlib.suppress(Exception):
-        page.screenshot(path=str(img_dir / f"marimo_failure_{name}.png"))
+        page.screenshot(path=str(img_dir / f"marimo_{page.mode}_failure_{name}.png"))
 
 
 def test_watch_view_grows_while_the_training_cell_runs(notebook, img_dir):
@@ -115,20 +119,26 @@ def test_watch_view_grows_while_the_training_cell_runs(notebook, img_dir):
     try:
         watch = page.locator('[data-testid="watch"]')
         watch.wait_for(timeout=90_000)
-        # While the training cell runs (marimo's running mark on it): some rows, not all.
-        page.wait_for_function(f"window.__growth.some(([n, r, _t]) => n > 0 && n < {STEPS} && r === 'running')",
+        # While the training cell runs (in the notebook view, marimo's running mark on it; the app view shows
+        # no such mark): some rows, not all.
+        running = "r === 'running'" if page.mode == "edit" else "true"
+        page.wait_for_function(f"window.__growth.some(([n, r, _t]) => n > 0 && n < {STEPS} && {running})",
                                timeout=60_000, polling=100)
         assert watch.locator('[data-testid="watch-state"]').inner_text() == "recording"
-        watch.screenshot(path=str(img_dir / "marimo_watch_running.png"), animations="allow", timeout=5_000)
+        watch.screenshot(path=str(img_dir / f"marimo_{page.mode}_watch_running.png"), animations="allow",
+                         timeout=5_000)
         page.wait_for_function(f"window.__growth.some(([n, _r, _t]) => n === {STEPS})", timeout=60_000, polling=100)
         watch.locator('[data-testid="watch-state"]', has_text="closed").wait_for(timeout=30_000)
         growth = page.evaluate("window.__growth")
-        during = sorted({n for n, r, _t in growth if r == "running" and 0 < n < STEPS})
-        assert len(during) >= 2, growth  # it grew at least twice while the cell ran
+        during = [(n, t) for n, r, t in growth if 0 < n < STEPS and (r == "running" or page.mode == "run")]
+        assert len({n for n, _t in during}) >= 2, growth  # it grew at least twice while the cell ran
+        # ... spread over the loop, not delivered at its end: the 40 steps take 4 s or more.
+        end = next(t for n, _r, t in growth if n == STEPS)
+        assert end - during[0][1] >= 1000, growth
         summary = watch.locator('[data-testid="watch-summary"]').inner_text()
         assert summary.startswith(f"2 layers · {STEPS} steps recorded"), summary
         assert watch.locator(".hw-w-label").all_inner_texts() == ["fc1", "fc2"]
-        watch.screenshot(path=str(img_dir / "marimo_watch_done.png"))
+        watch.screenshot(path=str(img_dir / f"marimo_{page.mode}_watch_done.png"))
         assert not page.errors, page.errors
     except Exception:
         _failure_shot(page, img_dir, "watch")
@@ -157,7 +167,7 @@ def test_explorer_click_a_layer_toggle_a_hook_and_see_the_rerun(notebook, img_di
         assert live.locator('[data-testid="diff"] [data-param="fc2.weight"]').get_attribute("class") == ""
         assert live.locator('[data-module="fc1"]').first.get_attribute("class").split().count("changed") == 1
         assert live.locator('[data-hook="grad_zero"]').is_checked()
-        live.screenshot(path=str(img_dir / "marimo_explorer_rerun.png"))
+        live.screenshot(path=str(img_dir / f"marimo_{page.mode}_explorer_rerun.png"))
         assert not page.errors, page.errors
     except Exception:
         _failure_shot(page, img_dir, "explorer")
@@ -179,7 +189,7 @@ def test_a_kept_step_of_the_watch_opens_in_the_explorer(notebook, img_dir):
         opened.locator('[data-module="fc1"]').first.click()
         opened.locator('[data-testid="detail"] [data-testid="maxdiff"]').wait_for(timeout=60_000)
         assert opened.locator('[data-testid="shape-a"]').inner_text().startswith("(6, 4)")
-        watch.screenshot(path=str(img_dir / "marimo_watch_trace.png"))
+        watch.screenshot(path=str(img_dir / f"marimo_{page.mode}_watch_trace.png"))
         assert not page.errors, page.errors
     except Exception:
         _failure_shot(page, img_dir, "kept_step")
