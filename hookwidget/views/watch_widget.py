@@ -5,7 +5,8 @@ The watch calls `_on_watch` each time rows reach the host (it never syncs the de
 new rows are sent at most every `interval` seconds, as binary float64 buffers, so a loop pays a
 time.monotonic() check per step and one small message per interval. A view that missed rows (it
 rendered late, or the page was reloaded) asks for them with a `sync` message. Clicking a kept step
-opens its Trace in the trace explorer (a HookWidget, drawn by the same front-end code).
+opens its Trace in the trace explorer (a HookWidget, drawn by the same front-end code). In marimo the widget
+is a UI element (`mo.ui.anywidget(w.widget())`, or `w` as a cell's last expression); the rows stream there too.
 """
 
 from __future__ import annotations
@@ -230,7 +231,8 @@ def _kernel_shell():
 
 
 def _marimo_context():
-    """marimo's runtime context when this runs in a marimo kernel, else None (marimo is never imported here)."""
+    """marimo's runtime context when this runs in a marimo kernel, else None. It is marimo's own module, not its
+    public API: read only when marimo is already loaded (never imported here), and any failure reads as None."""
     context = sys.modules.get("marimo._runtime.context")
     try:
         return context.safe_get_context() if context is not None else None
@@ -239,6 +241,7 @@ def _marimo_context():
 
 
 def _marimo_cell():
+    """The marimo cell running now (None between cells, and outside marimo)."""
     ctx = _marimo_context()
     return getattr(ctx, "cell_id", None)
 
@@ -266,6 +269,7 @@ def widget_of(watch) -> WatchWidget:
 
 
 def _in_marimo_notebook() -> bool:
+    """Whether a marimo notebook (edit or app view) runs this: widgets render there as in a Jupyter kernel."""
     mo = sys.modules.get("marimo")  # imported by the notebook itself when it runs in marimo
     try:
         return mo is not None and bool(mo.running_in_notebook())
