@@ -5,13 +5,16 @@ The watch calls `_on_watch` each time rows reach the host (it never syncs the de
 new rows are sent at most every `interval` seconds, as binary float64 buffers, so a loop pays a
 time.monotonic() check per step and one small message per interval. A view that missed rows (it
 rendered late, or the page was reloaded) asks for them with a `sync` message. Clicking a kept step
-opens its Trace in the trace explorer (a HookWidget, drawn by the same front-end code).
+opens its Trace in the trace explorer (a HookWidget, drawn by the same front-end code). In marimo the widget
+is a UI element (`mo.ui.anywidget(w.widget())`, or `w` as a cell's last expression); the rows stream there too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pathlib
+import sys
 import time
 import weakref
 
@@ -72,6 +75,7 @@ class WatchWidget(anywidget.AnyWidget):
         self._last_push = time.monotonic()  # the first push after one interval: the front-end is listening by then
         self._trace = self._trace_widget = None  # the opened step's Trace and its HookWidget
         self.pushes = 0  # messages with rows sent (tests, and a cheap look at the throttle)
+        self._cell = _marimo_cell()  # in marimo: the cell that made this widget, for the explorers it opens
         if len(watch.steps):  # rows recorded before the widget existed (public reads: one flush, outside the loop)
             self._add(watch.stats, watch.step_stats, watch.steps)
         watch._listeners.append(self._on_watch)
@@ -182,7 +186,9 @@ class WatchWidget(anywidget.AnyWidget):
     def _do_open(self, msg: dict) -> None:
         step = msg["step"]
         t = self.watch.trace(step)  # KeyError names the kept steps
-        old, self._trace_widget = self._trace_widget, KeptTraceWidget(t)
+        with _in_marimo_cell(self._cell):
+            kept = KeptTraceWidget(t)
+        old, self._trace_widget = self._trace_widget, kept
         self._trace = t  # the Trace on screen stays alive while it is shown, even once the recorder drops it
         self.trace_step, self.trace_model = step, self._trace_widget.model_id
         if old is not None:
@@ -223,6 +229,36 @@ def _kernel_shell():
     return ip if ip is not None and getattr(ip, "kernel", None) is not None else None
 
 
+def _marimo_context():
+    """marimo's runtime context when this runs in a marimo kernel, else None. It is marimo's own module, not its
+    public API: read only when marimo is already loaded (never imported here), and any failure reads as None."""
+    context = sys.modules.get("marimo._runtime.context")
+    try:
+        return context.safe_get_context() if context is not None else None
+    except Exception:  # another marimo version: no context means the plain path
+        return None
+
+
+def _marimo_cell():
+    """The marimo cell running now (None between cells, and outside marimo)."""
+    ctx = _marimo_context()
+    return getattr(ctx, "cell_id", None)
+
+
+@contextlib.contextmanager
+def _in_marimo_cell(cell_id):
+    """Make a widget as part of marimo cell `cell_id`. marimo serves each new widget's code as a file owned by
+    the running cell, and a front-end message (the click that opens a kept step) runs in no cell: there,
+    making the step's explorer fails (an AssertionError in marimo's virtual files). The explorer then belongs
+    to the cell that made the watch's widget and goes when that cell reruns. Elsewhere nothing changes."""
+    ctx = _marimo_context()
+    if cell_id is None or ctx is None or ctx.cell_id is not None or not hasattr(ctx, "with_cell_id"):
+        yield
+        return
+    with ctx.with_cell_id(cell_id):
+        yield
+
+
 def widget_of(watch) -> WatchWidget:
     """The one widget of `watch` (made on first use; several displays are views of it)."""
     wid = watch.__dict__.get("_live_widget")
@@ -231,9 +267,19 @@ def widget_of(watch) -> WatchWidget:
     return wid
 
 
+def _in_marimo_notebook() -> bool:
+    """Whether a marimo notebook (edit or app view) runs this: widgets render there as in a Jupyter kernel."""
+    mo = sys.modules.get("marimo")  # imported by the notebook itself when it runs in marimo
+    try:
+        return mo is not None and bool(mo.running_in_notebook())
+    except Exception:
+        return False
+
+
 def mimebundle(watch, include=None, exclude=None) -> dict:
+    """The live view where widgets render (a Jupyter kernel, a marimo notebook), else the plain-text repr."""
     text = repr(watch)
-    if _kernel_shell() is None:
+    if _kernel_shell() is None and not _in_marimo_notebook():
         return {"text/plain": text}
     out = widget_of(watch)._repr_mimebundle_(include=include, exclude=exclude)
     data, metadata = out if isinstance(out, tuple) else (out or {}, {})  # anywidget: (data, metadata)
