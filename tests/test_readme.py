@@ -36,7 +36,7 @@ def test_the_user_install_comes_first_then_the_developer_set_up():
     assert "tensorboard" in extras
     for extra in extras:
         assert f"[{extra}]" in install, f"the extra [{extra}] is not in the README's install section"
-    assert "JupyterLab 4 and Notebook 7" in install  # the front-ends the browser tests drive
+    assert "JupyterLab 4, Notebook 7 and marimo" in install  # the front-ends the browser tests drive
     assert second.startswith("Developer set-up")
     assert re.findall(r"```bash\n(.*?)\n```", setup, flags=re.S) == ["bash scripts/install.sh", "bash scripts/test.sh"]
     assert "The main example: `.venv/bin/jupyter lab examples/01_hooks_explained.ipynb`" in setup
