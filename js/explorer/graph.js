@@ -125,7 +125,7 @@ export function createGraphView({ onSelect, onStatus }) {
     for (const item of vis.items.values()) {
       const sub = item.kind === "module" ? boxSub(item) : "";
       const [w, hgt] = item.kind === "module"
-        ? [Math.max(100, 7.4 * Math.min(40, Math.max(item.label.length, 0.85 * Math.min(44, sub.length))) + 34), 42]
+        ? [Math.max(100, 7.4 * Math.min(40, Math.max(item.label.length, 0.95 * Math.min(44, sub.length))) + 34), 42]
         : [Math.max(60, 7 * Math.min(28, (item.role === "param" ? summary.graph.param[item.index] || item.label : item.label).length) + 16), 24];
       g.setNode(item.key, { width: w, height: hgt });
       if (item.frame) g.setParent(item.key, item.frame);
@@ -157,7 +157,8 @@ export function createGraphView({ onSelect, onStatus }) {
     const gl = g.graph();
     state.bounds = { width: gl.width || 100, height: gl.height || 100 };
     info.textContent = `${summary.graph.id.length} autograd nodes · ${vis.items.size} shown · layout ${state.layoutMs.toFixed(0)} ms`;
-    dirButton.textContent = state.forward ? "edges: forward ↑" : "edges: gradient flow ↓";
+    dirButton.textContent = state.forward ? "forward ↑" : "gradient ↓";
+    dirButton.title = state.forward ? "edges point the forward way (input → loss): click for gradient flow" : "edges follow gradient flow (loss → inputs): click for the forward direction";
     applyMarks();
     applyView();
   }
@@ -185,7 +186,7 @@ export function createGraphView({ onSelect, onStatus }) {
 
   function opNode(item, n) {
     const i = item.index, G = state.summary.graph;
-    const el = s("g", { class: `hw-node role-${item.role}`, "data-node-id": item.id, transform: `translate(${n.x - n.width / 2},${n.y - n.height / 2})` },
+    const el = s("g", { class: `hw-node role-${item.role}`, "data-node-id": item.id, "data-key": item.key, transform: `translate(${n.x - n.width / 2},${n.y - n.height / 2})` },
       s("title", { text: `${item.id}\nrole: ${G.role[i]}${G.module[i] ? `\nmodule: ${G.module[i]}` : ""}${G.param[i] ? `\nparameter: ${G.param[i]}` : ""}\nshape: ${fmtShape(G.shape[i])}\n|grad|: ${fmt(G.grad_norm[i])}` }),
       s("rect", { width: n.width, height: n.height, rx: item.role === "input" || item.role === "param" || item.role === "leaf" ? 2 : 12, class: "hw-node-rect" }),
       s("text", { x: n.width / 2, y: 16.5, class: "hw-node-label", text: clip(G.param[i] || item.label, 28) }));
@@ -238,7 +239,7 @@ export function createGraphView({ onSelect, onStatus }) {
   function runSearch(q, jump) {
     const r = search(state.summary.graph, state.summary.modules, q);
     const G = state.summary.graph;
-    state.matches = [...r.nodes.map((i) => G.id[i]), ...r.modules.map((m) => `m:${m}`)];
+    state.matches = [...r.modules.map((m) => `m:${m}`), ...r.nodes.map((i) => G.id[i])]; // a module's box before its ops
     applyMarks();
     info.textContent = q ? `${r.modules.length} module(s), ${r.nodes.length} node(s) match “${q}”` : info.textContent;
     if (jump && (r.modules.length || r.nodes.length)) {

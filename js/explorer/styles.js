@@ -10,12 +10,15 @@ export const CSS = `
   color: var(--hw-fg); background: var(--hw-bg);
   display: grid; grid-template-columns: var(--hw-left-w) minmax(0, 1fr) var(--hw-side-w);
   --hw-left-w: clamp(300px, 40%, 480px); --hw-side-w: minmax(280px, 360px);
-  grid-template-rows: auto minmax(0, 1fr) auto auto;
+  grid-template-rows: auto 600px auto auto; /* the diff adds its own height below: it never takes the graph's */
   grid-template-areas: "banner banner banner" "tree graph side" "diff diff diff" "status status status";
-  height: 680px; column-gap: 6px; row-gap: 6px; border: 1px solid var(--hw-border); border-radius: 6px; padding: 6px; box-sizing: border-box;
+  height: auto; column-gap: 6px; row-gap: 6px; border: 1px solid var(--hw-border); border-radius: 6px; padding: 6px; box-sizing: border-box;
 }
 /* Panes (panes.js): a closed one takes no room; a narrow output stacks them below the full-width graph. */
 .hw-root:has(> .hw-left:not(.layers)) { --hw-left-w: fit-content(clamp(220px, 30%, 420px)); } /* the tree: as wide as its names */
+/* A mid-width output with the detail open: both side panes narrower, the graph keeps ~40% (the layer table drops
+   its less important columns). */
+.hw-root.hw-mid:not(.hw-side-closed) { --hw-left-w: clamp(260px, 30%, 360px); --hw-side-w: minmax(260px, 300px); }
 .hw-root.hw-left-closed { --hw-left-w: 0px; } .hw-root.hw-side-closed { --hw-side-w: 0px; }
 .hw-root.hw-left-closed > .hw-left, .hw-root.hw-side-closed > .hw-side { display: none; }
 .hw-root.hw-narrow { grid-template-columns: minmax(0, 1fr); height: auto;
@@ -29,7 +32,7 @@ export const CSS = `
   body.hw-page { background: #111827; }
 }
 .hw-root * { box-sizing: border-box; }
-.hw-standalone .hw-root, .hw-root.hw-fill { height: calc(100vh - 16px); }
+.hw-standalone .hw-root:not(.hw-narrow), .hw-root.hw-fill:not(.hw-narrow) { height: calc(100vh - 16px); grid-template-rows: auto minmax(0, 1fr) auto auto; }
 body.hw-page { margin: 8px; }
 .hw-banner { grid-area: banner; display: flex; flex-direction: column; gap: 2px; }
 .hw-banner[hidden] { display: none; }
@@ -66,7 +69,7 @@ body.hw-page { margin: 8px; }
 /* One line whatever the width: the legend gives way first (clipped; each item says itself in its title). */
 .hw-toolbar { display: flex; flex-wrap: nowrap; gap: 4px; align-items: center; padding: 4px; border-bottom: 1px solid var(--hw-border); white-space: nowrap; min-width: 0; overflow: hidden; }
 .hw-toolbar > * { flex: 0 0 auto; }
-.hw-toolbar .hw-search { width: 14ch; min-width: 8ch; flex: 0 1 auto; }
+.hw-toolbar .hw-search { width: 14ch; min-width: 7ch; flex: 0 1 auto; }
 .hw-toolbar .hw-legend { flex: 1 1 0; min-width: 0; overflow: hidden; }
 .hw-pane-toggle[aria-pressed="true"] { border-color: var(--hw-selected) !important; }
 .hw-pane-toggle[data-pane-toggle="side"] { margin-left: auto; }
@@ -93,11 +96,11 @@ body.hw-page { margin: 8px; }
 .hw-chunk .hw-box-rect { stroke-dasharray: 4 3; }
 .hw-box-param { fill: var(--hw-param); }
 .hw-box-label { fill: var(--hw-fg); font-weight: 600; font-size: 12px; pointer-events: none; }
-.hw-box-sub { fill: var(--hw-dim); font-size: 11px; pointer-events: none; }
+.hw-box-sub { fill: var(--hw-dim); font-size: 12px; pointer-events: none; }
 .hw-expand rect { fill: var(--hw-bg2); stroke: var(--hw-border); } .hw-expand text { fill: var(--hw-fg); text-anchor: middle; font-size: 12px; pointer-events: none; }
 .hw-expand { cursor: pointer; }
 .hw-cluster { fill: color-mix(in srgb, var(--hw-op) 4%, transparent); stroke: var(--hw-border); stroke-dasharray: 3 3; }
-.hw-cluster-tab { cursor: pointer; } .hw-cluster-tab > rect { fill: var(--hw-bg2); stroke: var(--hw-border); } .hw-cluster-tab > text { fill: var(--hw-fg); font-size: 11px; }
+.hw-cluster-tab { cursor: pointer; } .hw-cluster-tab > rect { fill: var(--hw-bg2); stroke: var(--hw-border); } .hw-cluster-tab > text { fill: var(--hw-fg); font-size: 12px; }
 .selected > rect:first-of-type, .hw-node.selected .hw-node-rect { stroke: var(--hw-selected); stroke-width: 3; }
 .changed > rect:first-of-type, .hw-node.changed .hw-node-rect { stroke: var(--hw-changed); stroke-width: 3; }
 .match > rect:first-of-type { stroke: var(--hw-match); stroke-width: 3; }
