@@ -267,7 +267,16 @@ export function createGraphView({ onSelect, onStatus }) {
   }
 
   const size = () => [svg.clientWidth || 800, svg.clientHeight || 500];
-  const setView = (k, x, y) => d3select(svg).call(zoomer.transform, zoomIdentity.translate(x, y).scale(k));
+  let known = null; // the pane's size the view was last placed for
+  const setView = (k, x, y) => { known = size(); d3select(svg).call(zoomer.transform, zoomIdentity.translate(x, y).scale(k)); };
+  // A pane opening or closing beside the graph (or the output resizing) keeps what was at the centre there.
+  function followResize() {
+    const now = size();
+    if (!known || !state.bounds || (now[0] === known[0] && now[1] === known[1])) { known = now; return; }
+    const { k, x, y } = state.view;
+    setView(k, ...clampView(k, x + (now[0] - known[0]) / 2, y));
+  }
+  if (globalThis.ResizeObserver) new ResizeObserver(followResize).observe(svg);
 
   /** Bring an element of the graph fully into view (at a readable scale): no move if it already is, else
    * centred on it; one larger than the pane shows from its top-left corner. */
@@ -276,6 +285,7 @@ export function createGraphView({ onSelect, onStatus }) {
     if (!m) return;
     const r = el.querySelector("rect");
     const bx = +m[1], by = +m[2], bw = +(r?.getAttribute("width") || 80), bh = +(r?.getAttribute("height") || 24);
+    followResize(); // a pane that just opened beside the graph: first keep the centre, then look
     const [w, hgt] = size();
     const k = Math.max(state.view.k, minK);
     const inside = k === state.view.k && bx * k + state.view.x >= 4 && by * k + state.view.y >= 4

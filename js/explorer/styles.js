@@ -18,7 +18,7 @@ export const CSS = `
 .hw-root:has(> .hw-left:not(.layers)) { --hw-left-w: fit-content(clamp(220px, 30%, 420px)); } /* the tree: as wide as its names */
 /* A mid-width output with the detail open: both side panes narrower, the graph keeps ~40% (the layer table drops
    its less important columns). */
-.hw-root.hw-mid:not(.hw-side-closed) { --hw-left-w: clamp(260px, 30%, 360px); --hw-side-w: minmax(260px, 300px); }
+.hw-root.hw-mid:not(.hw-side-closed):has(> .hw-left.layers) { --hw-left-w: clamp(260px, 30%, 360px); --hw-side-w: minmax(260px, 300px); }
 .hw-root.hw-left-closed { --hw-left-w: 0px; } .hw-root.hw-side-closed { --hw-side-w: 0px; }
 .hw-root.hw-left-closed > .hw-left, .hw-root.hw-side-closed > .hw-side { display: none; }
 .hw-root.hw-narrow { grid-template-columns: minmax(0, 1fr); height: auto;
