@@ -48,6 +48,14 @@ MEASURE = """(root) => {
           toolbarH: tb.height, width: [...root.classList].find(c => ['hw-wide', 'hw-mid', 'hw-narrow'].includes(c))};
 }"""
 
+def _shot(page, el, path):
+    """What the user sees with `el`'s top at the top of the notebook: the whole window (an element screenshot of an
+    output taller than the window comes out clipped under JupyterLab's toolbars)."""
+    el.evaluate("e => e.scrollIntoView({block: 'start'})")
+    page.wait_for_timeout(200)
+    page.screenshot(path=str(path))
+
+
 def _open(browser, url, width):
     ctx = browser.new_context(viewport={"width": width, "height": 900})
     page = ctx.new_page()
@@ -68,6 +76,9 @@ def _open(browser, url, width):
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
     page.locator(".hw-root").nth(1).locator(".hw-nodes > g").first.wait_for(timeout=180_000)
     page.locator(".hw-root").nth(0).locator('[data-testid="diff"] tr[data-param]').first.wait_for(timeout=120_000)
+    news = page.get_by_role("button", name="No", exact=True)  # JupyterLab's "notified about news?" toast
+    if news.count():
+        news.first.click()
     page.wait_for_timeout(500)
     return ctx, page
 
@@ -77,27 +88,35 @@ def _scroll_reach(page, root):
     (down, then right, then left), starting from the view as it is."""
     seen = set()
     svg = root.locator(".hw-svg")
-    box = svg.bounding_box()
-    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    svg.scroll_into_view_if_needed()
     for dx, dy in [(0, 0)] + [(0, 200)] * 40 + [(200, 0)] * 20 + [(-200, 0)] * 40:
         if dx or dy:
+            box = svg.bounding_box()  # at its end the wheel scrolls the notebook on: follow the pane
+            page.mouse.move(box["x"] + box["width"] / 2, box["y"] + min(box["height"] / 2, 100))
             page.mouse.wheel(dx, dy)
             page.wait_for_timeout(20)
         seen |= {b["key"] for b in root.evaluate(MEASURE)["boxes"] if b["inside"]}
     return seen
 
 
-def _check_graph(page, root, name, width, img_dir):
+def _first_view(page, root, name, width, img_dir):
+    """The view as the explorer opens (before anything scrolls or clicks): the graph's share, one-line toolbar,
+    labels ≥ 11 px."""
     m = root.evaluate(MEASURE)
     print(f"{name} at {width} px: {m['width']}, graph {m['graphW']:.0f} of {m['outW']:.0f} px "
           f"({m['graphW'] / m['outW']:.0%}), scale {m['k']:.2f}, smallest label {min(m['labels']):.1f} px, "
           f"{len(m['boxes'])} boxes, {sum(b['inside'] for b in m['boxes'])} in view, toolbar {m['toolbarH']:.0f} px")
-    root.screenshot(path=str(img_dir / f"notebook_{name}_{width}.png"))
+    _shot(page, root, img_dir / f"notebook_{name}_{width}.png")
     # The graph is the main view: most of the output's width; a toolbar of one line.
     assert m["graphW"] >= 0.55 * m["outW"], m
     assert m["toolbarH"] <= 36, m["toolbarH"]
-    # Labels ≥ 11 px at the first view, and after "fit".
     assert min(m["labels"]) >= 11, sorted(m["labels"])[:5]
+    top = min(b["y"] for b in m["boxes"])
+    assert any(b["inside"] and b["y"] == top for b in m["boxes"])  # it opens where gradient flow starts (the loss)
+
+
+def _check_graph(page, root):
+    """After "fit": labels still ≥ 11 px, every box in view or reachable by scrolling, no edge pointing back up."""
     root.locator('[data-testid="fit"]').click()
     fitted = root.evaluate(MEASURE)
     assert min(fitted["labels"]) >= 11, sorted(fitted["labels"])[:5]
@@ -116,9 +135,11 @@ def test_explorer_in_jupyterlab(browser, lab, width, img_dir):
     ctx, page = _open(browser, lab, width)
     try:
         cnn, gpt2 = page.locator(".hw-root").nth(0), page.locator(".hw-root").nth(1)
+        _first_view(page, cnn, "cnn", width, img_dir)
+        _first_view(page, gpt2, "gpt2", width, img_dir)
         # --- the CNN with a pool called after conv1 and after conv2
         cnn.scroll_into_view_if_needed()
-        m = _check_graph(page, cnn, "cnn", width, img_dir)
+        m = _check_graph(page, cnn)
         pools = [b for b in m["boxes"] if b["module"] == "pool"]
         assert sorted(b["part"] for b in pools) == ["1", "2"], pools  # one box per call
         conv2 = next(b for b in m["boxes"] if b["module"] == "conv2")
@@ -132,7 +153,7 @@ def test_explorer_in_jupyterlab(browser, lab, width, img_dir):
         c2 = cnn.locator('.hw-nodes [data-module="conv2"] rect').first.bounding_box()
         for f in frames:
             assert not (f["left"] <= c2["x"] + c2["width"] / 2 <= f["right"] and f["top"] <= c2["y"] + c2["height"] / 2 <= f["bottom"])
-        cnn.screenshot(path=str(img_dir / f"notebook_cnn_pool_expanded_{width}.png"))
+        _shot(page, cnn, img_dir / f"notebook_cnn_pool_expanded_{width}.png")
         # The diff: a real change first; conv1.bias (BatchNorm-fed: float noise) marked noise, last, no cosine.
         rows = cnn.locator('[data-testid="diff"] tr[data-param]')
         names = [r.get_attribute("data-param") for r in rows.all()]
@@ -141,8 +162,7 @@ def test_explorer_in_jupyterlab(browser, lab, width, img_dir):
         noise = cnn.locator('[data-testid="diff"] [data-param="conv1.bias"]')
         assert noise.locator('[data-testid="impact"]').inner_text() == "noise"
         assert noise.locator('[data-testid="cosine"]').inner_text() == "–"
-        cnn.locator('[data-testid="diff"]').scroll_into_view_if_needed()
-        cnn.screenshot(path=str(img_dir / f"notebook_cnn_diff_{width}.png"))
+        _shot(page, cnn.locator('[data-testid="diff"]'), img_dir / f"notebook_cnn_diff_{width}.png")
         # Search brings the match fully into view.
         cnn.locator('[data-testid="search"]').fill("conv1")
         cnn.locator('[data-testid="search"]').press("Enter")
@@ -152,7 +172,7 @@ def test_explorer_in_jupyterlab(browser, lab, width, img_dir):
         # --- the 12-block GPT-2
         gpt2.scroll_into_view_if_needed()
         page.wait_for_timeout(300)
-        _check_graph(page, gpt2, "gpt2", width, img_dir)
+        _check_graph(page, gpt2)
         assert gpt2.locator(".hw-nodes .hw-chunk", has_text="h.0 … h.11").count() == 1
         # The layer table keeps name, ‖δ‖₂, ‖W.grad‖₂ and health in view.
         ov = gpt2.locator('[data-testid="overview"]')
@@ -167,7 +187,7 @@ def test_explorer_in_jupyterlab(browser, lab, width, img_dir):
         gpt2.locator('[data-testid="detail-target"]', has_text="transformer.h.7.mlp.c_fc").wait_for()
         page.wait_for_timeout(300)
         _fully_in_view(gpt2, '.hw-nodes [data-module="transformer.h.7.mlp.c_fc"] rect')
-        gpt2.screenshot(path=str(img_dir / f"notebook_gpt2_selected_{width}.png"))
+        _shot(page, gpt2, img_dir / f"notebook_gpt2_selected_{width}.png")
         # A pane closed stays closed: remembered for the next explorer (localStorage).
         gpt2.locator('[data-pane-toggle="left"]').click()
         assert not ov.is_visible()
