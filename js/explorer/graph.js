@@ -115,6 +115,7 @@ export function createGraphView({ onSelect, onStatus }) {
     if (!summary) return;
     const t0 = performance.now();
     const vis = visibleGraph(summary.graph, groups, state.expanded);
+    state.items = vis.items;
     const g = new dagre.graphlib.Graph({ multigraph: false, compound: true });
     g.setGraph({ rankdir: state.forward ? "BT" : "TB", nodesep: 18, ranksep: 36, marginx: 10, marginy: 10 });
     g.setDefaultEdgeLabel(() => ({}));
@@ -223,12 +224,19 @@ export function createGraphView({ onSelect, onStatus }) {
     }
   }
 
+  /** A box is changed when one of its ops is; one call of a module called several times only then. */
+  function boxChanged(key, mod) {
+    const item = key ? state.items?.get(key) : null;
+    if (item?.part) return item.nodes.some((i) => state.changed.nodes.has(state.summary.graph.id[i]));
+    return state.changed.modules.has(mod);
+  }
+
   function applyMarks() {
     for (const el of viewport.querySelectorAll("[data-node-id], [data-module]")) {
       const id = el.getAttribute("data-node-id"), mod = el.getAttribute("data-module");
       const sel = state.selected && ((state.selected.kind === "node" && id === state.selected.target) || (state.selected.kind === "module" && mod === state.selected.target));
       el.classList.toggle("selected", Boolean(sel));
-      el.classList.toggle("changed", id !== null ? state.changed.nodes.has(id) : state.changed.modules.has(mod));
+      el.classList.toggle("changed", id !== null ? state.changed.nodes.has(id) : boxChanged(el.getAttribute("data-key"), mod));
     }
     const m = new Set(state.matches);
     for (const el of viewport.querySelectorAll("[data-node-id], [data-module]")) {

@@ -36,13 +36,15 @@ MEASURE = """(root) => {
   const k = root.querySelector('.hw-viewport').getCTM().a;
   const labels = [...root.querySelectorAll('.hw-nodes text, .hw-cluster-tab > text')]
     .map(t => parseFloat(getComputedStyle(t).fontSize) * k);
-  const inside = (r) => r.left >= s.left - 0.5 && r.right <= s.right + 0.5 && r.top >= s.top - 0.5 && r.bottom <= s.bottom + 0.5;
+  const inside = (r) => r.left >= s.left - 0.5 && r.right <= s.right + 0.5
+    && r.top >= s.top - 0.5 && r.bottom <= s.bottom + 0.5;
   const boxes = [...root.querySelectorAll('.hw-nodes > g')].map(g => {
     const r = g.querySelector('rect').getBoundingClientRect();
     return {key: g.getAttribute('data-key'), module: g.getAttribute('data-module'),
             part: g.getAttribute('data-part'), y: r.top, x: r.left, inside: inside(r)};
   });
-  const edges = [...root.querySelectorAll('.hw-edge')].map(e => [e.getAttribute('data-from'), e.getAttribute('data-to')]);
+  const edges = [...root.querySelectorAll('.hw-edge')]
+    .map(e => [e.getAttribute('data-from'), e.getAttribute('data-to')]);
   const tb = root.querySelector('.hw-toolbar').getBoundingClientRect();
   return {graphW: s.width, graphH: s.height, outW: out.getBoundingClientRect().width, k, labels, boxes, edges,
           toolbarH: tb.height, width: [...root.classList].find(c => ['hw-wide', 'hw-mid', 'hw-narrow'].includes(c))};
@@ -148,11 +150,13 @@ def test_explorer_in_jupyterlab(browser, lab, width, img_dir):
         assert p2["y"] < conv2["y"] < p1["y"]  # in layout order: pool (2nd call), …, conv2, pool (1st call)
         # Expanded, each call has its own frame and conv2 is inside neither.
         cnn.locator('.hw-nodes [data-module="pool"] .hw-expand').first.dispatch_event("click")
-        frames = cnn.evaluate("""(root) => [...root.querySelectorAll('.hw-cluster[data-cluster="pool"]')].map(r => r.getBoundingClientRect().toJSON())""")
+        frames = cnn.evaluate("""(root) => [...root.querySelectorAll('.hw-cluster[data-cluster="pool"]')]
+            .map(r => r.getBoundingClientRect().toJSON())""")
         assert len(frames) == 2
         c2 = cnn.locator('.hw-nodes [data-module="conv2"] rect').first.bounding_box()
         for f in frames:
-            assert not (f["left"] <= c2["x"] + c2["width"] / 2 <= f["right"] and f["top"] <= c2["y"] + c2["height"] / 2 <= f["bottom"])
+            cx, cy = c2["x"] + c2["width"] / 2, c2["y"] + c2["height"] / 2
+            assert not (f["left"] <= cx <= f["right"] and f["top"] <= cy <= f["bottom"]), (f, c2)
         _shot(page, cnn, img_dir / f"notebook_cnn_pool_expanded_{width}.png")
         # The diff: a real change first; conv1.bias (BatchNorm-fed: float noise) marked noise, last, no cosine.
         rows = cnn.locator('[data-testid="diff"] tr[data-param]')
@@ -180,7 +184,7 @@ def test_explorer_in_jupyterlab(browser, lab, width, img_dir):
         obox = ov.bounding_box()
         for col in ("name", "delta", "grad", "flags"):
             b = ov.locator(f'[data-layer-sort="{col}"]').bounding_box()
-            assert b and obox["x"] - 0.5 <= b["x"] and b["x"] + b["width"] <= obox["x"] + obox["width"] + 0.5, (col, b, obox)
+            assert b and obox["x"] - 0.5 <= b["x"] <= b["x"] + b["width"] <= obox["x"] + obox["width"] + 0.5, (col, b)
         assert ov.locator('tr[data-layer-row] [data-col="flags"]').first.is_visible()
         # Selecting a layer (a row of the table) brings its box fully into view, detail beside it.
         ov.locator('tr[data-layer-row="transformer.h.7.mlp.c_fc"]').click()
