@@ -191,6 +191,9 @@ def test_explorer_in_jupyterlab(browser, lab, width, img_dir):
         gpt2.locator('[data-testid="detail-target"]', has_text="transformer.h.7.mlp.c_fc").wait_for()
         page.wait_for_timeout(300)
         _fully_in_view(gpt2, '.hw-nodes [data-module="transformer.h.7.mlp.c_fc"] rect')
+        for col in ("name", "delta", "grad", "flags"):  # the detail open beside it: the table still shows these
+            b, obox = ov.locator(f'[data-layer-sort="{col}"]').bounding_box(), ov.bounding_box()
+            assert b and obox["x"] - 0.5 <= b["x"] <= b["x"] + b["width"] <= obox["x"] + obox["width"] + 0.5, (col, b)
         _shot(page, gpt2, img_dir / f"notebook_gpt2_selected_{width}.png")
         # A pane closed stays closed: remembered for the next explorer (localStorage).
         gpt2.locator('[data-pane-toggle="left"]').click()
