@@ -24,10 +24,11 @@ export function createPanes(root, shell, { onResize } = {}) {
   const prefs = load(); // {left: "open"|"closed", side: "open"|"closed"}: only what the user chose
   let width = "mid";
   let selected = false;
-  const button = (pane, text, title) => h("button", { type: "button", class: "hw-pane-toggle", "data-pane-toggle": pane, title, text,
-    onclick: () => { prefs[pane] = isOpen(pane) ? "closed" : "open"; save(prefs); apply(); } });
-  const leftButton = button("left", "◧ layers", "show or hide the layers / tree pane (remembered)");
-  const sideButton = button("side", "detail ◨", "show or hide the detail and hooks pane (remembered)");
+  const button = (pane, parts, title) => h("button", { type: "button", class: "hw-pane-toggle", "data-pane-toggle": pane, title, "aria-label": title,
+    onclick: () => { prefs[pane] = isOpen(pane) ? "closed" : "open"; save(prefs); apply(); } },
+  ...parts.map((p) => (p.length > 1 ? h("span", { class: "hw-pane-label", text: p }) : p))); // the word goes when the toolbar is short
+  const leftButton = button("left", ["◧", " layers"], "show or hide the layers / tree pane (remembered)");
+  const sideButton = button("side", ["detail ", "◨"], "show or hide the detail and hooks pane (remembered)");
 
   function isOpen(pane) {
     if (prefs[pane]) return prefs[pane] === "open";

@@ -71,6 +71,8 @@ body.hw-page { margin: 8px; }
 .hw-toolbar > * { flex: 0 0 auto; }
 .hw-toolbar .hw-search { width: 14ch; min-width: 7ch; flex: 0 1 auto; }
 .hw-toolbar .hw-legend { flex: 1 1 0; min-width: 0; overflow: hidden; }
+.hw-graph { container-type: inline-size; } /* a short toolbar drops its legend and the panes' words */
+@container (max-width: 460px) { .hw-toolbar .hw-legend, .hw-toolbar .hw-pane-label { display: none; } .hw-toolbar .hw-search { width: 9ch; } }
 .hw-pane-toggle[aria-pressed="true"] { border-color: var(--hw-selected) !important; }
 .hw-pane-toggle[data-pane-toggle="side"] { margin-left: auto; }
 .hw-toolbar button, .hw-toolbar input { font: inherit; color: var(--hw-fg); background: var(--hw-bg2); border: 1px solid var(--hw-border); border-radius: 3px; padding: 1px 6px; }
@@ -151,7 +153,8 @@ body.hw-page { margin: 8px; }
    ‖a‖₂ go first, in that order, as the pane narrows. */
 @container (max-width: 519px) { .hw-ov-table [data-col="cls"], .hw-ov-table [data-layer-sort="cls"] { display: none; } }
 @container (max-width: 399px) { .hw-ov-table [data-col="index"], .hw-ov-table [data-layer-sort="index"] { display: none; } }
-@container (max-width: 339px) { .hw-ov-table [data-col="a"], .hw-ov-table [data-layer-sort="a"] { display: none; } }
+@container (max-width: 339px) { .hw-ov-table [data-col="a"], .hw-ov-table [data-layer-sort="a"] { display: none; }
+  .hw-ov-name { max-width: 112px; } /* names clip from the left: their ends (attn.c_proj) stay */ }
 .hw-ov-norm.nonfinite { background: var(--hw-error); color: #fff; font-weight: 600; }
 .hw-status { grid-area: status; padding: 3px 6px; border-radius: 3px; background: var(--hw-bg2); white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .hw-status[data-state="error"] { color: var(--hw-error); }
