@@ -157,7 +157,7 @@ export function createGraphView({ onSelect, onStatus }) {
     drawFrames(clusterLayer, vis, g);
     const gl = g.graph();
     state.bounds = { width: gl.width || 100, height: gl.height || 100 };
-    info.textContent = `${summary.graph.id.length} autograd nodes · ${vis.items.size} shown · layout ${state.layoutMs.toFixed(0)} ms`;
+    info.textContent = `${summary.graph.id.length} autograd nodes · ${vis.items.size} shown · layout ${state.layoutMs.toFixed(0)} ms · wheel scrolls, ctrl + wheel zooms`;
     dirButton.textContent = state.forward ? "forward ↑" : "gradient ↓";
     dirButton.title = state.forward ? "edges point the forward way (input → loss): click for gradient flow" : "edges follow gradient flow (loss → inputs): click for the forward direction";
     applyMarks();
