@@ -116,3 +116,17 @@ def html_unescape_cells(text):
     import html
 
     return [html.unescape(c) for c in re.findall(r"<tr><td>(.*?)</td>", text)]
+
+
+def test_a_page_with_a_diff_carries_its_ranking_and_noise_marks(seed_mlp):
+    """Issue 25: the standalone page shows the same honest diff as the widget (the same payload, the same JS):
+    rows ranked by impact, each with its change, impact and noise mark, and the model's gradient scale."""
+    t = hw.trace(seed_mlp[3])
+    t.add_hook("fc1", "grad_scale", factor=0.5)
+    t2 = t.rerun()
+    d = payload.diff(t, t2)
+    shown = _data(export.page(t2, diff=d))["diff"]
+    assert shown == json.loads(json.dumps(d))
+    assert shown["grad_scale"] > 0 and {"change", "impact", "noise"} <= set(shown["params"][0])
+    impacts = [p["impact"] for p in shown["params"] if not p["noise"]]
+    assert impacts == sorted(impacts, reverse=True)

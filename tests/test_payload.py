@@ -339,3 +339,49 @@ def test_a_tensor_the_graph_reduced_is_not_reduced_again_and_a_changed_one_is(tr
     with torch.inference_mode():  # no version counter: reduced every time, never remembered
         z = torch.tensor([6.0, 8.0])
     assert stats.l2_norms([z]) == [pytest.approx(10.0)] and stats.known_l2(z) is None
+
+
+class _ReusedPoolCNN(torch.nn.Module):
+    """Issue 25's CNN: biases that feed a BatchNorm (their exact gradient is 0) and one pool called twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.BatchNorm2d(16)
+        self.pool, self.fc = torch.nn.MaxPool2d(2), torch.nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = self.pool(torch.relu(self.bn1(self.conv1(x))))
+        x = self.pool(torch.relu(self.bn2(self.conv2(x))))
+        return self.fc(x.flatten(1))
+
+
+def test_diff_ranks_real_changes_first_and_marks_float_noise():
+    """Issue 25: under grad_scale(0.1) on conv2 the BatchNorm-fed conv1.bias (gradient ~1e-7, pure rounding) changes
+    by a 'relative' 0.97: it is noise, ranked last, no cosine, not changed; the first row is a real change."""
+    torch.manual_seed(0)
+    model, x, y = _ReusedPoolCNN(), torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+
+    def step():
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+
+    t = hw.trace(step)
+    t.add_hook("conv2", "grad_scale", factor=0.1)
+    t2 = t.rerun()
+    d = payload.diff(t, t2)
+    json.dumps(d, allow_nan=False)
+    rows = {p["name"]: p for p in d["params"]}
+    for bias in ("conv1.bias", "conv2.bias"):
+        assert rows[bias]["noise"] and rows[bias]["cosine"] is None and rows[bias]["rel_change"] > 0.5
+    first = d["params"][0]
+    assert first["name"] in ("conv2.weight", "conv1.weight") and not first["noise"]
+    assert abs(first["rel_change"] - 0.9) < 1e-4 and abs(first["cosine"] - 1) < 1e-6
+    assert [p["noise"] for p in d["params"]][-2:] == [True, True]
+    impacts = [p["impact"] for p in d["params"] if not p["noise"]]
+    assert impacts == sorted(impacts, reverse=True) and d["grad_scale"] > 0
+    assert abs(rows["conv1.weight"]["impact"] - rows["conv1.weight"]["change"] / d["grad_scale"]) < 1e-12
+    assert not [n for n in d["changed_nodes"] if t2.graph.nodes[n].get("param") == "conv1.bias"]
+    pd = t2.diff(t)
+    assert "conv1.bias" not in pd.changed and pd.ranked[0].name == first["name"]
+    assert "noise" in repr(pd)

@@ -1,10 +1,22 @@
-"""What changed between two traces of the same code: grads, loss, δ per layer."""
+"""What changed between two traces of the same code: grads, loss, δ per layer.
+
+An honest diff ranks what matters: each parameter's change ‖g₁−g₀‖₂ is weighed against the model's gradient
+scale (`Diff.scale`, the larger of the two runs' whole-model gradient norms), so a big relative change of a tiny
+gradient does not come first. A gradient is only known to float precision: a change below `NOISE_ULPS` units of
+rounding of the magnitudes it was summed from (the largest gradient norm in its module, and the module's ‖δ‖₂,
+in either run) is rounding noise (`noise`), ranked last, and where either vector is that small its direction
+means nothing (`cosine` is None). A bias feeding a BatchNorm is the classic case: its exact gradient is 0, its
+computed one ~1e-7 of its weight's.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+NOISE_ULPS = 16  # rounding error of a float sum grows ~√n ulps; below this many ulps of its scale, a change is noise
 
 
 @dataclass(frozen=True)
@@ -13,7 +25,10 @@ class ParamChange:
     before: float | None  # grad norm
     after: float | None
     rel_change: float | None  # ‖after - before‖ / ‖before‖
-    cosine: float | None
+    cosine: float | None  # None where a vector is missing, zero or at rounding level (noise)
+    change: float | None = None  # ‖after - before‖₂
+    impact: float | None = None  # change / the model's gradient scale (Diff.scale): how much it matters
+    noise: bool = False  # the change is below the float precision of this gradient
 
 
 @dataclass
@@ -22,6 +37,7 @@ class Diff:
     loss_before: float | None = None
     loss_after: float | None = None
     layers: dict = field(default_factory=dict)  # layer name -> (δ norm before, δ norm after)
+    scale: float | None = None  # the model's gradient scale: max over the two runs of ‖all parameter grads‖₂
 
     def param(self, name: str) -> ParamChange:
         for p in self.params:
@@ -31,28 +47,47 @@ class Diff:
 
     @property
     def changed(self) -> list[str]:
-        return [p.name for p in self.params if p.rel_change is None or p.rel_change != 0.0]
+        """Parameters whose gradient changed by more than float noise (or appeared, or went)."""
+        return [p.name for p in self.params if (p.rel_change is None or p.rel_change != 0.0) and not p.noise]
+
+    @property
+    def ranked(self) -> list[ParamChange]:
+        """The params by how much their change matters: appeared gradients first, then impact, noise last."""
+        return sorted(self.params, key=rank_key)
 
     def __repr__(self) -> str:
         lines = []
         if self.loss_before is not None or self.loss_after is not None:
             lines.append(f"loss: {_f(self.loss_before)} -> {_f(self.loss_after)}")
         width = max((len(p.name) for p in self.params), default=4)
-        header = ("parameter", "|grad| before", "|grad| after", "rel.change", "cosine")
-        lines.append(f"{header[0]:<{width}}  {header[1]:>13}  {header[2]:>13}  {header[3]:>10}  {header[4]:>7}")
-        for p in self.params:
+        header = ("parameter", "|grad| before", "|grad| after", "rel.change", "cosine", "impact")
+        lines.append(f"{header[0]:<{width}}  {header[1]:>13}  {header[2]:>13}  {header[3]:>10}  {header[4]:>7}  "
+                     f"{header[5]:>8}")
+        for p in self.ranked:
             lines.append(f"{p.name:<{width}}  {_f(p.before):>13}  {_f(p.after):>13}  {_f(p.rel_change):>10}  "
-                         f"{_f(p.cosine):>7}")
+                         f"{_f(p.cosine):>7}  {'noise' if p.noise else _f(p.impact):>8}")
         return "\n".join(lines)
+
+
+def rank_key(p: ParamChange) -> tuple:
+    """Sort key of the ranking: a gradient that appeared from zero first, then by impact, noise and unknowns last
+    (the same order as js/explorer/diffview.js's rankRows)."""
+    appeared = p.rel_change == math.inf
+    return (p.noise, not appeared, -(p.impact if p.impact is not None else -1.0), p.name)
 
 
 def diff(before, after) -> Diff:
     _check_related(before, after)
-    out = Diff(loss_before=before.loss, loss_after=after.loss)
-    for name in dict.fromkeys([*before.param_grads, *after.param_grads]):
-        out.params.append(_change(name, before.param_grads.get(name), after.param_grads.get(name)))
-    for name in dict.fromkeys([*before.layers, *after.layers]):
-        out.layers[name] = (_delta_norm(before.layers.get(name)), _delta_norm(after.layers.get(name)))
+    names = list(dict.fromkeys([*before.param_grads, *after.param_grads]))
+    g0s, g1s = [before.param_grads.get(n) for n in names], [after.param_grads.get(n) for n in names]
+    n0s, n1s = [_norm(g) for g in g0s], [_norm(g) for g in g1s]
+    scale = max(_total(n0s), _total(n1s))
+    deltas = {name: (_delta_norm(before.layers.get(name)), _delta_norm(after.layers.get(name)))
+              for name in dict.fromkeys([*before.layers, *after.layers])}
+    floors = _noise_floors(names, g0s, g1s, n0s, n1s, deltas)
+    out = Diff(loss_before=before.loss, loss_after=after.loss, layers=deltas, scale=scale or None)
+    for k, name in enumerate(names):
+        out.params.append(_change(name, g0s[k], g1s[k], n0s[k], n1s[k], scale, floors[k]))
     return out
 
 
@@ -66,15 +101,42 @@ def _check_related(before, after) -> None:
                          "compares two runs of the same code, e.g. t.rerun().diff(t)")
 
 
-def _change(name, g0, g1) -> ParamChange:
-    n0 = None if g0 is None else float(torch.linalg.vector_norm(g0.double()))
-    n1 = None if g1 is None else float(torch.linalg.vector_norm(g1.double()))
+def _change(name, g0, g1, n0, n1, scale, floor) -> ParamChange:
     if g0 is None or g1 is None or g0.shape != g1.shape:
         return ParamChange(name, n0, n1, None, None)
     a, b = g0.double().flatten(), g1.double().flatten()
-    rel = float(torch.linalg.vector_norm(b - a) / n0) if n0 else (0.0 if not n1 else float("inf"))
-    cos = float(a @ b / (n0 * n1)) if n0 and n1 else None
-    return ParamChange(name, n0, n1, rel, cos)
+    change = float(torch.linalg.vector_norm(b - a))
+    rel = change / n0 if n0 else (0.0 if not n1 else float("inf"))
+    noise = change <= floor and change > 0
+    # A direction needs a vector above rounding level: a noise-level gradient's cosine is a random number.
+    cos = float(a @ b / (n0 * n1)) if n0 and n1 and min(n0, n1) > floor else None
+    return ParamChange(name, n0, n1, rel, cos, change, change / scale if scale else None, noise)
+
+
+def _noise_floors(names, g0s, g1s, n0s, n1s, deltas) -> list[float]:
+    """Per parameter: NOISE_ULPS units of rounding (of its dtype) of the magnitudes its gradient was summed from:
+    the largest gradient norm among its module's parameters and that module's ‖δ‖₂ (first call), in either run."""
+    module_scale: dict = {}
+    for name, n0, n1 in zip(names, n0s, n1s):
+        mod = name.rpartition(".")[0]
+        module_scale[mod] = max(module_scale.get(mod, 0.0), n0 or 0.0, n1 or 0.0)
+    out = []
+    for name, g0, g1 in zip(names, g0s, g1s):
+        mod = name.rpartition(".")[0]
+        ref = max(module_scale[mod], *(v for v in deltas.get(mod, ()) if v is not None and math.isfinite(v)), 0.0)
+        g = g0 if g0 is not None else g1
+        eps = torch.finfo(g.dtype).eps if g is not None and g.is_floating_point() else 0.0
+        out.append(NOISE_ULPS * eps * ref if math.isfinite(ref) else 0.0)
+    return out
+
+
+def _norm(g) -> float | None:
+    return None if g is None else float(torch.linalg.vector_norm(g.double()))
+
+
+def _total(norms) -> float:
+    finite = [v for v in norms if v is not None and math.isfinite(v)]
+    return math.sqrt(sum(v * v for v in finite))
 
 
 def _delta_norm(layer) -> float | None:

@@ -118,21 +118,64 @@ export function keyOf(groups, graph, expanded, i, cache = new Map()) {
   return k ?? `n:${i}`;
 }
 
-/** Visible items and edges: {items: Map(key -> item), edges: [[ku, kv]], clusters: [group keys expanded and shown]} */
+/** Visible items and edges: {items: Map(key -> item), edges: [[ku, kv]], clusters: [group keys expanded and shown],
+ * frames: Map(frame key -> {key, group, parent frame key or null, part, parts})}.
+ *
+ * A module called several times (a pool after conv1 and after conv2) holds ops that a path leaves and comes back
+ * to: drawn as one box, that path would be an edge back up into it (a false cycle), and its frame, expanded, would
+ * enclose what lies between its calls. So a group whose ops a path re-enters is split into parts, one per entry
+ * (entries(): the most times a path from the loss has entered it), which for a module called in sequence is one
+ * part per call: boxes and frames are drawn per part and the drawn graph stays acyclic. Items and frames of a
+ * split group carry {part, parts} (part 1 = the first in forward order). */
 export function visibleGraph(graph, groups, expanded) {
   const n = graph.id.length;
   const cache = new Map();
   const keys = new Array(n);
+  const chains = new Map(); // module -> visible groups on its chain, outermost first (expanded ones, then the box)
+  const chainOf = (i) => {
+    const mod = graph.module[i];
+    if (!mod || !groups.has(mod)) return [];
+    let c = chains.get(mod);
+    if (!c) {
+      c = [];
+      for (const g of chain(groups, mod)) { c.push(g); if (!expanded.has(g)) break; }
+      chains.set(mod, c);
+    }
+    return c;
+  };
+  const members = new Map(); // visible group -> its nodes
+  for (let i = 0; i < n; i++) {
+    keys[i] = keyOf(groups, graph, expanded, i, cache);
+    for (const g of chainOf(i)) { let m = members.get(g); if (!m) members.set(g, (m = [])); m.push(i); }
+  }
+  const split = new Map(); // group -> {parts, of(node) -> its part} (only groups a path re-enters)
+  for (const [g, nodes] of members) { const e = entries(graph, nodes); if (e) split.set(g, e); }
+  const frames = new Map();
   const items = new Map();
   for (let i = 0; i < n; i++) {
-    const k = (keys[i] = keyOf(groups, graph, expanded, i, cache));
+    const c = chainOf(i);
+    let frame = null, suffix = "";
+    const partAt = (g) => (split.has(g) ? split.get(g).of(i) : 0);
+    for (const g of c) {
+      if (!expanded.has(g)) break;
+      const part = partAt(g);
+      if (part) suffix += `@${part}`;
+      const fk = g + suffix;
+      if (!frames.has(fk)) frames.set(fk, { key: fk, group: g, parent: frame, part: part || null, parts: part ? split.get(g).parts : null });
+      frame = fk;
+    }
+    let k = keys[i];
+    const box = k.startsWith("m:") ? k.slice(2) : null;
+    const part = box !== null ? partAt(box) : 0;
+    if (k.startsWith("m:") && (suffix || part)) k = keys[i] = k + suffix + (part ? `@${part}` : "");
     let item = items.get(k);
     if (!item) {
-      if (k.startsWith("m:")) {
-        const g = groups.get(k.slice(2));
-        item = { key: k, kind: "module", group: g.key, module: g.name, label: g.label, cls: g.cls, chunk: g.chunk, nodes: [], roles: new Set() };
+      if (box !== null) {
+        const g = groups.get(box);
+        item = { key: k, kind: "module", group: g.key, module: g.name, label: g.label, cls: g.cls, chunk: g.chunk, nodes: [], roles: new Set(),
+          frame, part: part || null, parts: part ? split.get(box).parts : null };
       } else {
-        item = { key: k, kind: "node", index: i, id: graph.id[i], label: graph.name[i], role: graph.role[i], module: graph.module[i], nodes: [], roles: new Set() };
+        item = { key: k, kind: "node", index: i, id: graph.id[i], label: graph.name[i], role: graph.role[i], module: graph.module[i], nodes: [], roles: new Set(), frame };
       }
       items.set(k, item);
     }
@@ -155,7 +198,61 @@ export function visibleGraph(graph, groups, expanded) {
     const start = item.kind === "module" ? groups.get(item.group).parent : graph.module[item.index] && groups.has(graph.module[item.index]) ? graph.module[item.index] : null;
     for (let p = start; p !== null && p !== undefined; p = groups.get(p).parent) clusters.add(p);
   }
-  return { items, edges, clusters: [...clusters], keys };
+  return { items, edges, clusters: [...clusters], frames, keys };
+}
+
+const TOPO = new WeakMap();
+
+/** Each node's position in a topological order of the graph (gradient flow: the loss first), and successor lists. */
+function topology(graph) {
+  let t = TOPO.get(graph);
+  if (t) return t;
+  const n = graph.id.length, E = graph.edges;
+  const indeg = new Int32Array(n), start = new Int32Array(n + 1), succ = new Int32Array(E.length / 2);
+  for (let j = 0; j < E.length; j += 2) { indeg[E[j + 1]]++; start[E[j] + 1]++; }
+  for (let i = 0; i < n; i++) start[i + 1] += start[i];
+  const fill = start.slice(0, n);
+  for (let j = 0; j < E.length; j += 2) succ[fill[E[j]]++] = E[j + 1];
+  const order = [], pos = new Int32Array(n);
+  for (let i = 0; i < n; i++) if (!indeg[i]) order.push(i);
+  for (let k = 0; k < order.length; k++) {
+    const u = order[k];
+    pos[u] = k;
+    for (let s = start[u]; s < start[u + 1]; s++) if (--indeg[succ[s]] === 0) order.push(succ[s]);
+  }
+  for (let i = 0; i < n; i++) if (indeg[i] > 0) pos[i] = order.length; // a cycle (not an autograd graph): left out
+  t = { order, pos, start, succ };
+  TOPO.set(graph, t);
+  return t;
+}
+
+/** For a node set a path leaves and re-enters: each node's part: {parts, of(node)}, from its entry count (the most times a path
+ * from the loss has entered the set on reaching it); part 1 = the first call in forward order (the last entered).
+ * null when no path re-enters (one box is acyclic). Walks only the topological span of the set. */
+export function entries(graph, nodes) {
+  if (nodes.length < 2) return null;
+  const { order, pos, start, succ } = topology(graph);
+  const inS = new Set(nodes);
+  let lo = Infinity, hi = -1;
+  for (const i of nodes) { if (pos[i] < lo) lo = pos[i]; if (pos[i] > hi) hi = pos[i]; }
+  if (hi >= order.length) return null;
+  const best = new Map();
+  const e = new Map();
+  let max = 0;
+  for (let k = lo; k <= hi; k++) {
+    const u = order[k], su = inS.has(u);
+    const v = Math.max(best.get(u) ?? 0, su ? 1 : 0);
+    if (su) { e.set(u, v); if (v > max) max = v; }
+    for (let s = start[u]; s < start[u + 1]; s++) {
+      const w = succ[s];
+      if (pos[w] > hi) continue;
+      const c = v + (inS.has(w) && !su ? 1 : 0);
+      if (c > (best.get(w) ?? 0)) best.set(w, c);
+    }
+  }
+  if (max < 2) return null;
+  const part = new Map(nodes.map((i) => [i, max - e.get(i) + 1])); // gradient flow meets the last call first
+  return { parts: max, of: (i) => part.get(i) };
 }
 
 /** Expanded set for the first view: non-leaf groups down to the deepest level that keeps at most `limit` boxes.

@@ -10,6 +10,7 @@ import { createDetailPanel } from "./detail.js";
 import { createDiffView } from "./diffview.js";
 import { createGraphView } from "./graph.js";
 import { createLeftPane, createOverview } from "./overview.js";
+import { createPanes } from "./panes.js";
 import { createStatusLine } from "./status.js";
 import { installStyles } from "./styles.js";
 import { createTreeView } from "./tree.js";
@@ -42,8 +43,13 @@ export function render({ model, el, nonce }) {
   const root = h("div", { class: "hw-root" + (readonly ? " hw-readonly" : "") },
     banner, left.el, graph.el, h("div", { class: "hw-side" }, detail.el, controls.el), diffView.el, status.el);
   installStyles(root, nonce);
-  // The shell is a size container: in a narrow output (the watch's kept Trace, a side pane) the panels stack.
-  el.replaceChildren(h("div", { class: "hw-shell" }, root));
+  // The shell is measured (panes.js): in a narrow output (a notebook beside its file browser, the watch's kept
+  // Trace) the panes stack below the graph instead of squeezing it; either pane closes, remembered.
+  const shell = h("div", { class: "hw-shell" }, root);
+  el.replaceChildren(shell);
+  const panes = createPanes(root, shell);
+  graph.toolbar.prepend(panes.leftButton);
+  graph.toolbar.append(panes.sideButton);
   root.addEventListener("keydown", (e) => { if (e.key === "Escape" && !e.target.closest?.("input")) clear(); });
 
   graph.setSummary(summary);
@@ -57,7 +63,7 @@ export function render({ model, el, nonce }) {
   // A view restored from a notebook's saved widget state has no comm: ipywidgets marks its element disconnected.
   const marked = () => Boolean(el.closest?.(".jupyter-widgets-disconnected"));
   if (marked()) setDisconnected(true);
-  requestAnimationFrame?.(() => { graph.defaultView(); if (marked()) setDisconnected(true); });
+  requestAnimationFrame?.(() => { panes.measure(); graph.defaultView(); if (marked()) setDisconnected(true); });
   globalThis.performance?.mark?.("hookwidget:render-end");
 
   function idleText() { return `loss ${fmt(summary.loss)} · ${fmt(summary.modules.length)} modules`; }
@@ -108,6 +114,7 @@ export function render({ model, el, nonce }) {
 
   function clear() {
     selected = null;
+    panes.select(false);
     graph.select(null);
     tree.select(null);
     overview.select(null);
@@ -117,6 +124,7 @@ export function render({ model, el, nonce }) {
 
   async function select(sel) {
     selected = sel;
+    panes.select(true);
     graph.select(sel);
     tree.select(sel);
     overview.select(sel);

@@ -12,11 +12,13 @@ let instances = 0;
 const MAX_BOXES = 800;
 const LABEL_PX = 12; // font size of box and node labels (styles.js); the default view keeps them ≥ 11 px on screen
 const MIN_READABLE = 11; // dagre needs seconds past ~500 boxes in a deep chain and overflows its stack near 2,000
+const K_READABLE = MIN_READABLE / LABEL_PX + 0.005; // the smallest scale any view goes to by itself ("fit" included)
+const SCROLL_MARGIN = 12;
 
 export function createGraphView({ onSelect, onStatus }) {
   const uid = `hw${++instances}`;
   const state = { summary: null, groups: null, expanded: new Set(), forward: false, selected: null,
-    changed: { nodes: new Set(), modules: new Set() }, matches: [], matchAt: -1, view: { k: 1, x: 0, y: 0 }, bounds: null, layoutMs: 0 };
+    changed: { nodes: new Set(), modules: new Set() }, calls: new Map(), matches: [], matchAt: -1, view: { k: 1, x: 0, y: 0 }, bounds: null, layoutMs: 0 };
 
   const searchBox = h("input", { type: "search", placeholder: "search name…", class: "hw-search", "data-testid": "search",
     onkeydown: (e) => { if (e.key === "Enter") runSearch(searchBox.value, true); },
@@ -36,16 +38,43 @@ export function createGraphView({ onSelect, onStatus }) {
   const info = h("div", { class: "hw-dim hw-graph-info" });
   const el = h("div", { class: "hw-graph" }, toolbar, svg, info);
   // An explicit extent: d3-zoom's default reads the SVG's width attribute, which fails for a relative
-  // width before layout (JupyterLab renders into a detached node first).
-  const zoomer = d3zoom().scaleExtent([0.02, 4]).extent(() => [[0, 0], [svg.clientWidth || 800, svg.clientHeight || 500]])
-    .filter((e) => (e.type === "wheel" || e.button === 0 || e.type.startsWith("touch")) && !e.target.closest?.(".hw-expand"))
+  // width before layout (JupyterLab renders into a detached node first). The wheel scrolls (a notebook's
+  // gesture: at the graph's end the page scrolls on); ctrl/⌘ + wheel or a pinch zooms; drag pans.
+  const zoomer = d3zoom().scaleExtent([0.02, 4]).extent(() => [[0, 0], size()])
+    .filter((e) => (e.type === "wheel" ? e.ctrlKey || e.metaKey : e.button === 0 || e.type.startsWith("touch")) && !e.target.closest?.(".hw-expand"))
     .on("zoom", (e) => { const t = e.transform; state.view = { k: t.k, x: t.x, y: t.y }; viewport.setAttribute("transform", t.toString()); });
   d3select(svg).call(zoomer).on("dblclick.zoom", null);
+  svg.addEventListener("wheel", (e) => {
+    if (e.ctrlKey || e.metaKey) return;
+    const before = { ...state.view };
+    const unit = e.deltaMode === 1 ? 16 : e.deltaMode === 2 ? size()[1] : 1;
+    const [dx, dy] = e.shiftKey && !e.deltaX ? [e.deltaY * unit, 0] : [e.deltaX * unit, e.deltaY * unit];
+    scrollBy(dx, dy);
+    if (before.x !== state.view.x || before.y !== state.view.y) e.preventDefault(); // at the end: the page scrolls
+  }, { passive: false });
+
+  /** Pan by (dx, dy) screen pixels, kept so that the graph never leaves the pane (SCROLL_MARGIN beyond its ends). */
+  function scrollBy(dx, dy) {
+    const { k, x, y } = state.view;
+    const [nx, ny] = clampView(k, x - dx, y - dy);
+    if (nx !== x || ny !== y) setView(k, nx, ny);
+  }
+
+  /** The translation nearest (x, y) that keeps the laid-out graph in the pane: centred where it fits, else its
+   * ends no further in than SCROLL_MARGIN. */
+  function clampView(k, x, y) {
+    const [w, hgt] = size();
+    const b = state.bounds || { width: 100, height: 100 };
+    const axis = (t, extent, room) => (extent * k + 2 * SCROLL_MARGIN <= room ? Math.min(Math.max(t, SCROLL_MARGIN), room - extent * k - SCROLL_MARGIN)
+      : Math.min(SCROLL_MARGIN, Math.max(t, room - extent * k - SCROLL_MARGIN)));
+    return [axis(x, b.width, w), axis(y, b.height, hgt)];
+  }
 
   function setSummary(summary, { keepView = false } = {}) {
     const first = !state.summary;
     state.summary = summary;
     state.groups = buildHierarchy(summary.modules);
+    state.calls = new Map(summary.modules.map((m) => [m.name, m.calls]));
     if (first) state.expanded = initialExpanded(summary.graph, state.groups);
     else state.expanded = new Set([...state.expanded].filter((k) => state.groups.has(k)));
     draw();
@@ -86,15 +115,21 @@ export function createGraphView({ onSelect, onStatus }) {
     if (!summary) return;
     const t0 = performance.now();
     const vis = visibleGraph(summary.graph, groups, state.expanded);
-    const g = new dagre.graphlib.Graph({ multigraph: false });
+    state.items = vis.items;
+    const g = new dagre.graphlib.Graph({ multigraph: false, compound: true });
     g.setGraph({ rankdir: state.forward ? "BT" : "TB", nodesep: 18, ranksep: 36, marginx: 10, marginy: 10 });
     g.setDefaultEdgeLabel(() => ({}));
+    // Frames are dagre clusters: a frame encloses its members and nothing else (a module never drawn inside one
+    // it is not part of).
+    for (const f of vis.frames.values()) g.setNode(f.key, {});
+    for (const f of vis.frames.values()) if (f.parent !== null) g.setParent(f.key, f.parent);
     for (const item of vis.items.values()) {
-      const sub = item.kind === "module" ? (item.chunk ? item.cls : `${item.cls} · ${item.nodes.length} ops`) : "";
+      const sub = item.kind === "module" ? boxSub(item) : "";
       const [w, hgt] = item.kind === "module"
-        ? [Math.max(100, 7.4 * Math.min(40, Math.max(item.label.length, 0.85 * Math.min(44, sub.length))) + 34), 42]
+        ? [Math.max(100, 7.4 * Math.min(40, Math.max(item.label.length, 0.95 * Math.min(44, sub.length))) + 34), 42]
         : [Math.max(60, 7 * Math.min(28, (item.role === "param" ? summary.graph.param[item.index] || item.label : item.label).length) + 16), 24];
       g.setNode(item.key, { width: w, height: hgt });
+      if (item.frame) g.setParent(item.key, item.frame);
     }
     for (const [u, v] of vis.edges) g.setEdge(u, v);
     try {
@@ -111,7 +146,7 @@ export function createGraphView({ onSelect, onStatus }) {
     for (const e of g.edges()) {
       const pts = g.edge(e).points;
       const d = "M" + pts.map((p) => `${p.x.toFixed(1)},${p.y.toFixed(1)}`).join(" L");
-      edgeLayer.append(s("path", { d, class: "hw-edge", [state.forward ? "marker-start" : "marker-end"]: `url(#${uid}-arrow)` }));
+      edgeLayer.append(s("path", { d, class: "hw-edge", "data-from": e.v, "data-to": e.w, [state.forward ? "marker-start" : "marker-end"]: `url(#${uid}-arrow)` }));
     }
     const boxes = new Map();
     for (const item of vis.items.values()) {
@@ -119,11 +154,12 @@ export function createGraphView({ onSelect, onStatus }) {
       boxes.set(item.key, n);
       nodeLayer.append(item.kind === "module" ? moduleBox(item, n) : opNode(item, n));
     }
-    drawClusters(clusterLayer, vis, boxes);
+    drawFrames(clusterLayer, vis, g);
     const gl = g.graph();
     state.bounds = { width: gl.width || 100, height: gl.height || 100 };
-    info.textContent = `${summary.graph.id.length} autograd nodes · ${vis.items.size} shown · layout ${state.layoutMs.toFixed(0)} ms`;
-    dirButton.textContent = state.forward ? "edges: forward ↑" : "edges: gradient flow ↓";
+    info.textContent = `${summary.graph.id.length} autograd nodes · ${vis.items.size} shown · layout ${state.layoutMs.toFixed(0)} ms · wheel scrolls, ctrl + wheel zooms`;
+    dirButton.textContent = state.forward ? "forward ↑" : "gradient ↓";
+    dirButton.title = state.forward ? "edges point the forward way (input → loss): click for gradient flow" : "edges follow gradient flow (loss → inputs): click for the forward direction";
     applyMarks();
     applyView();
   }
@@ -131,9 +167,10 @@ export function createGraphView({ onSelect, onStatus }) {
   function moduleBox(item, n) {
     const x = n.x - n.width / 2, y = n.y - n.height / 2;
     const hasParams = item.roles.has("param");
-    const attrs = { class: "hw-box" + (item.chunk ? " hw-chunk" : ""), transform: `translate(${x},${y})` };
+    const attrs = { class: "hw-box" + (item.chunk ? " hw-chunk" : ""), transform: `translate(${x},${y})`, "data-key": item.key };
     if (item.chunk) attrs["data-group"] = item.group; else attrs["data-module"] = item.module;
-    const sub = item.chunk ? item.cls : `${item.cls} · ${item.nodes.length} op${item.nodes.length === 1 ? "" : "s"}`;
+    if (item.part) attrs["data-part"] = item.part;
+    const sub = boxSub(item);
     const el = s("g", attrs,
       s("title", { text: `${item.chunk ? "group" : "module"} ${item.label}\n${sub}\nclick: details · double-click or +: expand` }),
       s("rect", { width: n.width, height: n.height, rx: 6, class: "hw-box-rect" }),
@@ -150,7 +187,7 @@ export function createGraphView({ onSelect, onStatus }) {
 
   function opNode(item, n) {
     const i = item.index, G = state.summary.graph;
-    const el = s("g", { class: `hw-node role-${item.role}`, "data-node-id": item.id, transform: `translate(${n.x - n.width / 2},${n.y - n.height / 2})` },
+    const el = s("g", { class: `hw-node role-${item.role}`, "data-node-id": item.id, "data-key": item.key, transform: `translate(${n.x - n.width / 2},${n.y - n.height / 2})` },
       s("title", { text: `${item.id}\nrole: ${G.role[i]}${G.module[i] ? `\nmodule: ${G.module[i]}` : ""}${G.param[i] ? `\nparameter: ${G.param[i]}` : ""}\nshape: ${fmtShape(G.shape[i])}\n|grad|: ${fmt(G.grad_norm[i])}` }),
       s("rect", { width: n.width, height: n.height, rx: item.role === "input" || item.role === "param" || item.role === "leaf" ? 2 : 12, class: "hw-node-rect" }),
       s("text", { x: n.width / 2, y: 16.5, class: "hw-node-label", text: clip(G.param[i] || item.label, 28) }));
@@ -158,41 +195,40 @@ export function createGraphView({ onSelect, onStatus }) {
     return el;
   }
 
-  function drawClusters(layer, vis, boxes) {
-    const groups = state.groups;
-    const bbox = new Map();
-    const grow = (key, b) => {
-      const c = bbox.get(key) || { x0: Infinity, y0: Infinity, x1: -Infinity, y1: -Infinity };
-      c.x0 = Math.min(c.x0, b.x0); c.y0 = Math.min(c.y0, b.y0); c.x1 = Math.max(c.x1, b.x1); c.y1 = Math.max(c.y1, b.y1);
-      bbox.set(key, c);
-    };
-    const byDepth = vis.clusters.map((k) => groups.get(k)).sort((a, b) => b.depth - a.depth);
-    for (const item of vis.items.values()) {
-      const parent = item.kind === "module" ? groups.get(item.group).parent : groups.has(item.module) ? item.module : null;
-      if (parent === null || parent === undefined) continue;
-      const n = boxes.get(item.key);
-      grow(parent, { x0: n.x - n.width / 2, y0: n.y - n.height / 2, x1: n.x + n.width / 2, y1: n.y + n.height / 2 });
-    }
-    const out = [];
-    for (const grp of byDepth) {
-      const b = bbox.get(grp.key);
-      if (!b) continue;
-      const pad = { x0: b.x0 - 8, y0: b.y0 - 22, x1: b.x1 + 8, y1: b.y1 + 8 };
-      if (grp.parent !== null && grp.parent !== undefined) grow(grp.parent, pad);
-      out.push([grp, pad]);
-    }
-    for (const [grp, b] of out.reverse()) {
+  /** A box's second line: class, which call (a module called several times: one box per call), op count. */
+  function boxSub(item) {
+    if (item.chunk) return item.cls;
+    const calls = state.calls.get(item.module) || 1;
+    const which = item.part ? ` · call ${item.part}/${item.parts}` : calls > 1 ? ` · ×${calls} calls` : "";
+    return `${item.cls}${which} · ${item.nodes.length} op${item.nodes.length === 1 ? "" : "s"}`;
+  }
+
+  /** Expanded groups' frames where dagre laid them out (one per call of a module called several times), outer first. */
+  function drawFrames(layer, vis, g) {
+    const depth = (f) => { let d = 0; for (let p = f.parent; p !== null; p = vis.frames.get(p).parent) d++; return d; };
+    for (const f of [...vis.frames.values()].sort((p, q) => depth(p) - depth(q))) {
+      const grp = state.groups.get(f.group), n = g.node(f.key);
+      if (!n || !Number.isFinite(n.width)) continue;
+      const b = { x0: n.x - n.width / 2, y0: n.y - n.height / 2, x1: n.x + n.width / 2, y1: n.y + n.height / 2 };
       const attrs = { class: "hw-cluster-tab", transform: `translate(${b.x0},${b.y0})` };
       if (grp.chunk) attrs["data-group"] = grp.key; else attrs["data-module"] = grp.name;
+      const label = `${grp.label}${grp.chunk || grp.cls === grp.label ? "" : ` · ${grp.cls}`}${f.part ? ` · call ${f.part}/${f.parts}` : ""}`;
       const tab = s("g", attrs,
-        s("title", { text: `${grp.label} (${grp.cls}) — click: details · −: collapse` }),
-        s("rect", { width: Math.min(b.x1 - b.x0, 7 * Math.min(40, grp.label.length) + 34), height: 16, rx: 3 }),
-        s("text", { x: 20, y: 12, text: clip(`${grp.label}${grp.chunk || grp.cls === grp.label ? "" : ` · ${grp.cls}`}`, 40) }),
+        s("title", { text: `${grp.label} (${grp.cls})${f.part ? `, call ${f.part} of ${f.parts}` : ""} — click: details · −: collapse` }),
+        s("rect", { width: Math.min(b.x1 - b.x0, 7 * Math.min(40, label.length) + 34), height: 16, rx: 3 }),
+        s("text", { x: 20, y: 12, text: clip(label, 40) }),
         s("g", { class: "hw-expand", "data-collapse": grp.key, transform: "translate(2,1)", onclick: (e) => { e.stopPropagation(); toggle(grp.key); } },
           s("rect", { width: 14, height: 14, rx: 3 }), s("text", { x: 7, y: 11, text: "−" })));
       tab.addEventListener("click", () => (grp.chunk ? toggle(grp.key) : onSelect({ kind: "module", target: grp.name })));
-      layer.append(s("rect", { class: "hw-cluster", "data-cluster": grp.key, x: b.x0, y: b.y0, width: b.x1 - b.x0, height: b.y1 - b.y0, rx: 8 }), tab);
+      layer.append(s("rect", { class: "hw-cluster", "data-cluster": grp.key, "data-frame": f.key, x: b.x0, y: b.y0, width: b.x1 - b.x0, height: b.y1 - b.y0, rx: 8 }), tab);
     }
+  }
+
+  /** A box is changed when one of its ops is; one call of a module called several times only then. */
+  function boxChanged(key, mod) {
+    const item = key ? state.items?.get(key) : null;
+    if (item?.part) return item.nodes.some((i) => state.changed.nodes.has(state.summary.graph.id[i]));
+    return state.changed.modules.has(mod);
   }
 
   function applyMarks() {
@@ -200,7 +236,7 @@ export function createGraphView({ onSelect, onStatus }) {
       const id = el.getAttribute("data-node-id"), mod = el.getAttribute("data-module");
       const sel = state.selected && ((state.selected.kind === "node" && id === state.selected.target) || (state.selected.kind === "module" && mod === state.selected.target));
       el.classList.toggle("selected", Boolean(sel));
-      el.classList.toggle("changed", id !== null ? state.changed.nodes.has(id) : state.changed.modules.has(mod));
+      el.classList.toggle("changed", id !== null ? state.changed.nodes.has(id) : boxChanged(el.getAttribute("data-key"), mod));
     }
     const m = new Set(state.matches);
     for (const el of viewport.querySelectorAll("[data-node-id], [data-module]")) {
@@ -211,7 +247,7 @@ export function createGraphView({ onSelect, onStatus }) {
   function runSearch(q, jump) {
     const r = search(state.summary.graph, state.summary.modules, q);
     const G = state.summary.graph;
-    state.matches = [...r.nodes.map((i) => G.id[i]), ...r.modules.map((m) => `m:${m}`)];
+    state.matches = [...r.modules.map((m) => `m:${m}`), ...r.nodes.map((i) => G.id[i])]; // a module's box before its ops
     applyMarks();
     info.textContent = q ? `${r.modules.length} module(s), ${r.nodes.length} node(s) match “${q}”` : info.textContent;
     if (jump && (r.modules.length || r.nodes.length)) {
@@ -239,36 +275,51 @@ export function createGraphView({ onSelect, onStatus }) {
   }
 
   const size = () => [svg.clientWidth || 800, svg.clientHeight || 500];
-  const setView = (k, x, y) => d3select(svg).call(zoomer.transform, zoomIdentity.translate(x, y).scale(k));
+  let known = null; // the pane's size the view was last placed for
+  const setView = (k, x, y) => { known = size(); d3select(svg).call(zoomer.transform, zoomIdentity.translate(x, y).scale(k)); };
+  // A pane opening or closing beside the graph (or the output resizing) keeps what was at the centre there.
+  function followResize() {
+    const now = size();
+    if (!known || !state.bounds || (now[0] === known[0] && now[1] === known[1])) { known = now; return; }
+    const { k, x, y } = state.view;
+    setView(k, ...clampView(k, x + (now[0] - known[0]) / 2, y));
+  }
+  if (globalThis.ResizeObserver) new ResizeObserver(followResize).observe(svg);
 
-  /** Centre the view on an element of the graph (its translate), zooming in to a readable scale if needed. */
+  /** Bring an element of the graph fully into view (at a readable scale): no move if it already is, else
+   * centred on it; one larger than the pane shows from its top-left corner. */
   function centerOn(el, minK = 0) {
     const m = /translate\(([-\d.e]+),([-\d.e]+)\)/.exec(el.getAttribute("transform") || "");
     if (!m) return;
     const r = el.querySelector("rect");
-    const bw = +(r?.getAttribute("width") || 80), bh = +(r?.getAttribute("height") || 24);
+    const bx = +m[1], by = +m[2], bw = +(r?.getAttribute("width") || 80), bh = +(r?.getAttribute("height") || 24);
+    followResize(); // a pane that just opened beside the graph: first keep the centre, then look
     const [w, hgt] = size();
     const k = Math.max(state.view.k, minK);
-    setView(k, w / 2 - (+m[1] + bw / 2) * k, hgt / 2 - (+m[2] + bh / 2) * k);
+    const inside = k === state.view.k && bx * k + state.view.x >= 4 && by * k + state.view.y >= 4
+      && (bx + bw) * k + state.view.x <= w - 4 && (by + bh) * k + state.view.y <= hgt - 4;
+    if (inside) return;
+    const x = bw * k <= w - 16 ? w / 2 - (bx + bw / 2) * k : 8 - bx * k;
+    const y = bh * k <= hgt - 16 ? hgt / 2 - (by + bh / 2) * k : 8 - by * k;
+    setView(k, x, y);
   }
 
+  /** The whole graph if it fits at a readable scale; else the readable scale, from where gradient flow starts
+   * (the loss), the rest a scroll away: "fit" never shrinks labels below MIN_READABLE px. */
   function fit() {
     const [w, hgt] = size();
     const b = state.bounds || { width: 100, height: 100 };
-    const k = Math.min(1.25, Math.max(0.02, Math.min(w / b.width, hgt / b.height) * 0.95));
-    setView(k, (w - b.width * k) / 2, Math.max(4, (hgt - b.height * k) / 2));
+    const kFit = Math.min(1.25, Math.min(w / b.width, hgt / b.height) * 0.95);
+    if (kFit >= K_READABLE) { setView(kFit, (w - b.width * kFit) / 2, Math.max(4, (hgt - b.height * kFit) / 2)); return; }
+    const k = Math.min(1, Math.max(K_READABLE, Math.min(w / b.width, 1) * 0.98));
+    const x = b.width * k <= w ? (w - b.width * k) / 2 : w / 2 - (rootX() ?? b.width / 2) * k;
+    const y = state.forward ? hgt - b.height * k - SCROLL_MARGIN : SCROLL_MARGIN;
+    const [cx, cy] = clampView(k, x, y);
+    setView(k, cx, cy);
   }
 
-  /** The first view: the whole graph when its labels stay ≥ 11 px, else readable labels from the top (the loss). */
-  function defaultView() {
-    const [w, hgt] = size();
-    const b = state.bounds || { width: 100, height: 100 };
-    const kFit = Math.min(1.25, Math.min(w / b.width, hgt / b.height) * 0.95);
-    if (kFit * LABEL_PX >= MIN_READABLE) { fit(); return; }
-    const k = Math.min(1.25, Math.max(MIN_READABLE / LABEL_PX + 0.02, 1));
-    const x = b.width * k <= w ? (w - b.width * k) / 2 : w / 2 - (rootX() ?? b.width / 2) * k;
-    setView(k, x, state.forward ? hgt - b.height * k - 6 : 6);
-  }
+  /** The first view: fit (whole graph, or readable from the top). */
+  function defaultView() { fit(); }
 
   /** x of the first root-like box (where gradient flow starts), to open the view there. */
   function rootX() {
@@ -296,7 +347,7 @@ export function createGraphView({ onSelect, onStatus }) {
   }
 
   return {
-    el, setSummary, fit, defaultView, focus, toggle,
+    el, toolbar, setSummary, fit, defaultView, focus, toggle,
     select(sel) { state.selected = sel; applyMarks(); },
     setChanged(nodes, modules) { state.changed = { nodes: new Set(nodes), modules: new Set(modules) }; applyMarks(); },
     expandTo(moduleName) {

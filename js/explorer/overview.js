@@ -97,9 +97,9 @@ export function createOverview({ onSelect, onClear }) {
     const bodyRows = table.sorted(rows).map((r) => {
       const tr = h("tr", { class: "hw-ov-row", "data-layer-row": r.name, tabindex: "-1", title: `${r.name || "(root)"} · ${r.cls}`,
         onclick: () => onSelect({ kind: "module", target: r.name }) },
-      h("td", { class: "hw-dim", text: String(r.index + 1) }),
-      h("td", { class: "hw-ov-name" }, h("span", { class: "hw-ov-clip", dir: "rtl" }, h("bdi", { dir: "ltr", text: r.name || "(root)" }))),
-      h("td", { class: "hw-ov-cls", text: r.cls }),
+      h("td", { class: "hw-dim", "data-col": "index", text: String(r.index + 1) }),
+      h("td", { class: "hw-ov-name", "data-col": "name" }, h("span", { class: "hw-ov-clip", dir: "rtl" }, h("bdi", { dir: "ltr", text: r.name || "(root)" }))),
+      h("td", { class: "hw-ov-cls", "data-col": "cls", text: r.cls }),
       cell(r, "delta"), cell(r, "grad"), cell(r, "a"),
       h("td", { class: r.flags.length ? "hw-flag" : "hw-dim", "data-col": "flags", text: r.flags.length ? r.flags.join(" ") : "ok" }));
       trs.set(r.name, tr);

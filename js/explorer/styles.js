@@ -8,32 +8,38 @@ export const CSS = `
   --hw-changed: #f97316; --hw-selected: #2563eb; --hw-match: #eab308; --hw-error: #dc2626;
   font: 12px/1.4 var(--jp-ui-font-family, system-ui, sans-serif);
   color: var(--hw-fg); background: var(--hw-bg);
-  display: grid; grid-template-columns: minmax(160px, max-content) minmax(300px, 1fr) minmax(280px, min(380px, 28vw));
-  grid-template-rows: auto minmax(0, 1fr) auto auto;
+  display: grid; grid-template-columns: var(--hw-left-w) minmax(0, 1fr) var(--hw-side-w);
+  --hw-left-w: clamp(300px, 40%, 480px); --hw-side-w: minmax(280px, 360px);
+  grid-template-rows: auto 600px auto auto; /* the diff adds its own height below: it never takes the graph's */
   grid-template-areas: "banner banner banner" "tree graph side" "diff diff diff" "status status status";
-  height: 680px; gap: 6px; border: 1px solid var(--hw-border); border-radius: 6px; padding: 6px; box-sizing: border-box;
+  height: auto; column-gap: 6px; row-gap: 6px; border: 1px solid var(--hw-border); border-radius: 6px; padding: 6px; box-sizing: border-box;
 }
-.hw-shell { container-type: inline-size; }
-/* Narrower than its three columns need (160 + 300 + 280 px and gaps): the detail panel goes below the graph. */
-@container (max-width: 820px) {
-  .hw-root { grid-template-columns: minmax(140px, max-content) minmax(0, 1fr); height: auto;
-    grid-template-rows: auto 560px auto auto auto;
-    grid-template-areas: "banner banner" "tree graph" "side side" "diff diff" "status status"; }
-  .hw-side { max-height: 560px; }
-}
+/* Panes (panes.js): a closed one takes no room; a narrow output stacks them below the full-width graph. */
+.hw-root:has(> .hw-left:not(.layers)) { --hw-left-w: fit-content(clamp(220px, 30%, 420px)); } /* the tree: as wide as its names */
+/* A mid-width output with the detail open: both side panes narrower, the graph keeps ~40% (the layer table drops
+   its less important columns). */
+.hw-root.hw-mid:not(.hw-side-closed):has(> .hw-left.layers) { --hw-left-w: clamp(260px, 30%, 360px); --hw-side-w: minmax(260px, 300px); }
+.hw-root.hw-left-closed { --hw-left-w: 0px; } .hw-root.hw-side-closed { --hw-side-w: 0px; }
+.hw-root.hw-left-closed > .hw-left, .hw-root.hw-side-closed > .hw-side { display: none; }
+.hw-root.hw-narrow { grid-template-columns: minmax(0, 1fr); height: auto;
+  grid-template-rows: auto 560px auto auto auto auto;
+  grid-template-areas: "banner" "graph" "tree" "side" "diff" "status"; }
+.hw-root.hw-narrow > .hw-left { max-height: 420px; max-width: none; }
+.hw-root.hw-narrow > .hw-side { max-height: 560px; }
+.hw-root.hw-narrow .hw-pane-toggle[data-pane-toggle="left"] { order: 0; }
 @media (prefers-color-scheme: dark) {
   .hw-standalone { ${DARK_VARS} }
   body.hw-page { background: #111827; }
 }
 .hw-root * { box-sizing: border-box; }
-.hw-standalone .hw-root, .hw-root.hw-fill { height: calc(100vh - 16px); }
+.hw-standalone .hw-root:not(.hw-narrow), .hw-root.hw-fill:not(.hw-narrow) { height: calc(100vh - 16px); grid-template-rows: auto minmax(0, 1fr) auto auto; }
 body.hw-page { margin: 8px; }
 .hw-banner { grid-area: banner; display: flex; flex-direction: column; gap: 2px; }
 .hw-banner[hidden] { display: none; }
 .hw-banner-main { padding: 4px 8px; border-radius: 4px; border: 1px solid var(--hw-changed); background: color-mix(in srgb, var(--hw-changed) 12%, var(--hw-bg)); font-weight: 600; }
 .hw-banner-notes summary { cursor: pointer; color: var(--hw-dim); }
 .hw-banner-notes ul { margin: 2px 0; padding-left: 18px; max-height: 96px; overflow: auto; }
-.hw-tree { grid-area: tree; max-width: min(420px, 26vw); } .hw-graph { grid-area: graph; } .hw-side { grid-area: side; }
+.hw-tree { grid-area: tree; } .hw-graph { grid-area: graph; } .hw-side { grid-area: side; }
 .hw-tree-row:focus { outline: 2px dotted var(--hw-selected); }
 .hw-tree-legend { font-weight: normal; }
 .hw-tree-toggle { flex: 0 0 1em; color: var(--hw-dim); text-align: center; }
@@ -60,11 +66,19 @@ body.hw-page { margin: 8px; }
 .hw-tree-num { color: var(--hw-dim); flex: 0 0 auto; }
 .hw-flag { color: var(--hw-error); }
 .hw-graph { display: flex; flex-direction: column; min-width: 0; min-height: 0; border: 1px solid var(--hw-border); border-radius: 4px; }
-.hw-toolbar { display: flex; flex-wrap: wrap; gap: 4px; align-items: center; padding: 4px; border-bottom: 1px solid var(--hw-border); }
+/* One line whatever the width: the legend gives way first (clipped; each item says itself in its title). */
+.hw-toolbar { display: flex; flex-wrap: nowrap; gap: 4px; align-items: center; padding: 4px; border-bottom: 1px solid var(--hw-border); white-space: nowrap; min-width: 0; overflow: hidden; }
+.hw-toolbar > * { flex: 0 0 auto; }
+.hw-toolbar .hw-search { width: 14ch; min-width: 7ch; flex: 0 1 auto; }
+.hw-toolbar .hw-legend { flex: 1 1 0; min-width: 0; overflow: hidden; }
+.hw-graph { container-type: inline-size; } /* a short toolbar drops its legend and the panes' words */
+@container (max-width: 460px) { .hw-toolbar .hw-legend, .hw-toolbar .hw-pane-label { display: none; } .hw-toolbar .hw-search { width: 9ch; } }
+.hw-pane-toggle[aria-pressed="true"] { border-color: var(--hw-selected) !important; }
+.hw-pane-toggle[data-pane-toggle="side"] { margin-left: auto; }
 .hw-toolbar button, .hw-toolbar input { font: inherit; color: var(--hw-fg); background: var(--hw-bg2); border: 1px solid var(--hw-border); border-radius: 3px; padding: 1px 6px; }
 .hw-svg { flex: 1; width: 100%; min-height: 0; cursor: grab; user-select: none; }
 .hw-graph-info { padding: 2px 4px; }
-.hw-legend { display: inline-flex; gap: 8px; flex-wrap: wrap; margin-left: 4px; }
+.hw-legend { display: inline-flex; gap: 8px; flex-wrap: nowrap; margin-left: 4px; }
 .hw-legend-item { display: inline-flex; gap: 3px; align-items: center; }
 .hw-swatch { width: 11px; height: 11px; border-radius: 2px; display: inline-block; }
 .hw-swatch.role-input { background: var(--hw-input); } .hw-swatch.role-param { background: var(--hw-param); }
@@ -84,11 +98,11 @@ body.hw-page { margin: 8px; }
 .hw-chunk .hw-box-rect { stroke-dasharray: 4 3; }
 .hw-box-param { fill: var(--hw-param); }
 .hw-box-label { fill: var(--hw-fg); font-weight: 600; font-size: 12px; pointer-events: none; }
-.hw-box-sub { fill: var(--hw-dim); font-size: 11px; pointer-events: none; }
+.hw-box-sub { fill: var(--hw-dim); font-size: 12px; pointer-events: none; }
 .hw-expand rect { fill: var(--hw-bg2); stroke: var(--hw-border); } .hw-expand text { fill: var(--hw-fg); text-anchor: middle; font-size: 12px; pointer-events: none; }
 .hw-expand { cursor: pointer; }
 .hw-cluster { fill: color-mix(in srgb, var(--hw-op) 4%, transparent); stroke: var(--hw-border); stroke-dasharray: 3 3; }
-.hw-cluster-tab { cursor: pointer; } .hw-cluster-tab > rect { fill: var(--hw-bg2); stroke: var(--hw-border); } .hw-cluster-tab > text { fill: var(--hw-fg); font-size: 11px; }
+.hw-cluster-tab { cursor: pointer; } .hw-cluster-tab > rect { fill: var(--hw-bg2); stroke: var(--hw-border); } .hw-cluster-tab > text { fill: var(--hw-fg); font-size: 12px; }
 .selected > rect:first-of-type, .hw-node.selected .hw-node-rect { stroke: var(--hw-selected); stroke-width: 3; }
 .changed > rect:first-of-type, .hw-node.changed .hw-node-rect { stroke: var(--hw-changed); stroke-width: 3; }
 .match > rect:first-of-type { stroke: var(--hw-match); stroke-width: 3; }
@@ -112,8 +126,8 @@ body.hw-page { margin: 8px; }
 .hw-param input { width: 64px; font: inherit; color: var(--hw-fg); background: var(--hw-bg2); border: 1px solid var(--hw-border); }
 .hw-param input.invalid { border-color: var(--hw-error); }
 .hw-note { color: var(--hw-dim); font-style: italic; margin: 2px 0 4px; }
-.hw-left { grid-area: tree; display: flex; flex-direction: column; min-height: 0; min-width: 0; max-width: min(420px, 26vw); gap: 4px; }
-.hw-left.layers { max-width: min(600px, 40vw); }
+.hw-left { grid-area: tree; display: flex; flex-direction: column; min-height: 0; min-width: 0; gap: 4px; }
+.hw-left.layers { container-type: inline-size; } /* the layer table's columns follow the pane's width */
 .hw-left > .hw-tree { max-width: none; flex: 1 1 auto; }
 .hw-left > [hidden] { display: none; }
 .hw-tabs { display: flex; gap: 2px; border-bottom: 1px solid var(--hw-border); }
@@ -132,10 +146,15 @@ body.hw-page { margin: 8px; }
 .hw-ov-row.selected td { box-shadow: inset 0 2px 0 var(--hw-selected), inset 0 -2px 0 var(--hw-selected); }
 .hw-ov-row:focus { outline: 2px dotted var(--hw-selected); }
 .hw-ov-name { max-width: 150px; }
-@media (min-width: 1400px) { .hw-ov-name { max-width: 230px; } }
+@container (min-width: 460px) { .hw-ov-name { max-width: 210px; } }
 .hw-ov-clip { display: block; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; text-align: left; }
 .hw-ov-cls { max-width: 66px; overflow: hidden; text-overflow: ellipsis; color: var(--hw-dim); }
-@media (max-width: 1299px) { .hw-ov-cls, .hw-ov-table th[data-layer-sort="cls"] { display: none; } } /* in the row's title: the health column stays in view */
+/* Columns by importance: name, ‖δ‖₂, ‖W.grad‖₂ and health stay; class (also in the row's title), call order and
+   ‖a‖₂ go first, in that order, as the pane narrows. */
+@container (max-width: 519px) { .hw-ov-table [data-col="cls"], .hw-ov-table [data-layer-sort="cls"] { display: none; } }
+@container (max-width: 399px) { .hw-ov-table [data-col="index"], .hw-ov-table [data-layer-sort="index"] { display: none; } }
+@container (max-width: 339px) { .hw-ov-table [data-col="a"], .hw-ov-table [data-layer-sort="a"] { display: none; }
+  .hw-ov-name { max-width: 112px; } /* names clip from the left: their ends (attn.c_proj) stay */ }
 .hw-ov-norm.nonfinite { background: var(--hw-error); color: #fff; font-weight: 600; }
 .hw-status { grid-area: status; padding: 3px 6px; border-radius: 3px; background: var(--hw-bg2); white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .hw-status[data-state="error"] { color: var(--hw-error); }

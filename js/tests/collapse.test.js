@@ -72,3 +72,74 @@ describe("collapse to modules", () => {
     expect(n).toBeLessThanOrEqual(300);
   });
 });
+
+/** Issue 25's CNN, as its grad_fn graph: a pool called after conv1 and after conv2 (nodes in gradient flow order). */
+function reusedPool() {
+  const modules = ["conv1:Conv2d", "bn1:BatchNorm2d", "pool:MaxPool2d", "conv2:Conv2d", "bn2:BatchNorm2d", "fc:Linear"]
+    .map((x) => ({ name: x.split(":")[0], cls: x.split(":")[1], parent: "CNN" }));
+  modules.unshift({ name: "CNN", cls: "CNN", parent: null });
+  const nodes = [["NllLossBackward0", ""], ["AddmmBackward0", "fc"], ["MaxPool2DWithIndicesBackward0", "pool"], ["ReluBackward0", "CNN"],
+    ["NativeBatchNormBackward0", "bn2"], ["ConvolutionBackward0", "conv2"], ["MaxPool2DWithIndicesBackward0", "pool"], ["ReluBackward0", "CNN"],
+    ["NativeBatchNormBackward0", "bn1"], ["ConvolutionBackward0", "conv1"]];
+  const graph = { id: nodes.map(([n], i) => `${n}#${i}`), name: nodes.map(([n]) => n), role: nodes.map((_, i) => (i ? "op" : "root")),
+    module: nodes.map(([, m]) => m), param: nodes.map(() => ""), shape: nodes.map(() => null), grad_norm: nodes.map(() => null), edges: [] };
+  for (let i = 0; i + 1 < nodes.length; i++) graph.edges.push(i, i + 1);
+  return { modules, graph };
+}
+
+/** Kahn's algorithm on the drawn edges: true when they have no cycle. */
+function acyclic(items, edges) {
+  const indeg = new Map([...items.keys()].map((k) => [k, 0]));
+  for (const [, v] of edges) indeg.set(v, indeg.get(v) + 1);
+  const queue = [...indeg].filter(([, d]) => d === 0).map(([k]) => k);
+  let seen = 0;
+  while (queue.length) {
+    const u = queue.pop();
+    seen++;
+    for (const [a, b] of edges) if (a === u) { indeg.set(b, indeg.get(b) - 1); if (!indeg.get(b)) queue.push(b); }
+  }
+  return seen === items.size;
+}
+
+describe("modules called several times", () => {
+  it("a pool used after conv1 and after conv2 is one box per call, with no edge back up into it", () => {
+    const { modules, graph } = reusedPool();
+    const groups = buildHierarchy(modules);
+    const vis = visibleGraph(graph, groups, new Set(["CNN"]));
+    const pools = [...vis.items.values()].filter((it) => it.module === "pool");
+    expect(pools.map((p) => [p.part, p.parts, p.nodes]).sort()).toEqual([[1, 2, [6]], [2, 2, [2]]]);
+    expect(acyclic(vis.items, vis.edges)).toBe(true);
+    const key = (m, part) => [...vis.items.values()].find((it) => it.module === m && (part === undefined || it.part === part)).key;
+    expect(vis.edges).toContainEqual([key("conv2"), key("pool", 1)]);
+    expect(vis.edges).toContainEqual([key("pool", 2), "n:3"]);
+    expect(vis.edges.some(([u, v]) => u === key("conv2") && v === key("pool", 2))).toBe(false);
+  });
+
+  it("expanded, each call has its own frame: conv2 is inside none of the pool's", () => {
+    const { modules, graph } = reusedPool();
+    const groups = buildHierarchy(modules);
+    const vis = visibleGraph(graph, groups, new Set(["CNN", "pool"]));
+    const poolFrames = [...vis.frames.values()].filter((f) => f.group === "pool");
+    expect(poolFrames.map((f) => f.part).sort()).toEqual([1, 2]);
+    expect(poolFrames.every((f) => f.parent === "CNN")).toBe(true);
+    const inFrame = (f) => [...vis.items.values()].filter((it) => it.frame === f.key).map((it) => it.id ?? it.module);
+    expect(poolFrames.map(inFrame).sort()).toEqual([["MaxPool2DWithIndicesBackward0#2"], ["MaxPool2DWithIndicesBackward0#6"]]);
+    expect(vis.items.get("m:conv2").frame).toBe("CNN");
+    expect(acyclic(vis.items, vis.edges)).toBe(true);
+  });
+
+  it("a module called twice in parallel (a shared encoder) stays one box: no path re-enters it", () => {
+    const { modules, graph } = seedSummaryLike();
+    const vis = visibleGraph(graph, buildHierarchy(modules), new Set(["Net"]));
+    expect([...vis.items.values()].filter((it) => it.module === "enc").length).toBe(1);
+    expect(acyclic(vis.items, vis.edges)).toBe(true);
+  });
+});
+
+/** loss -> add -> enc(x1) and enc(x2): two calls side by side. */
+function seedSummaryLike() {
+  const modules = [{ name: "Net", cls: "Net", parent: null }, { name: "enc", cls: "Linear", parent: "Net" }];
+  const graph = { id: ["Sum#0", "Add#0", "Mm#0", "Mm#1"], name: ["Sum", "Add", "Mm", "Mm"], role: ["root", "op", "op", "op"],
+    module: ["", "Net", "enc", "enc"], param: ["", "", "", ""], shape: [null, null, null, null], grad_norm: [null, null, null, null], edges: [0, 1, 1, 2, 1, 3] };
+  return { modules, graph };
+}
