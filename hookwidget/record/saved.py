@@ -70,9 +70,16 @@ class ReadOnly:
     def baseline(self, trace) -> None:
         self._baseline = trace
 
+    def refusal(self, what: str) -> str:
+        return (f"this Trace was loaded from {self.path}: {what} needs the code that made it; run that code under "
+                "hw.trace to get a live Trace")
+
     def refuse(self, what: str):
-        raise RuntimeError(f"this Trace was loaded from {self.path}: {what} needs the code that made it; run that "
-                           "code under hw.trace to get a live Trace")
+        raise RuntimeError(self.refusal(what))
+
+    def no_rerun(self) -> str:
+        """Why this session cannot run its code again (Session.no_rerun's question): it has no code."""
+        return self.refusal("rerun")
 
     def rerun(self):
         self.refuse("rerun")
