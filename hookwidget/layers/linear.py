@@ -23,21 +23,22 @@ def linear_norm_sq(fs: list, x_gram=None) -> torch.Tensor | None:
 
 @register(nn.Linear, norm_sq=linear_norm_sq, tokens=True)
 def linear(m: nn.Linear, a, delta, state=None):
-    B = a.shape[0]
-    A, D = a.reshape(B, -1, a.shape[-1]), delta.reshape(B, -1, delta.shape[-1])
-    out = [Factor("weight", "outer", D, A, tuple(m.weight.shape))]
-    if m.bias is not None:
-        out.append(Factor("bias", "sum", D, None, tuple(m.bias.shape)))
-    return out
+    return _token_factors(m, a, delta, transposed=False)
 
 
 @register("transformers.pytorch_utils.Conv1D", tokens=True)
 def hf_conv1d(m, a, delta, state=None):
     """GPT-2's Conv1D: W.grad = Σ_t a_t δ_tᵀ, shape (in, out): an outer factor with the roles of a and δ
     swapped (so no transformers import is needed)."""
+    return _token_factors(m, a, delta, transposed=True)
+
+
+def _token_factors(m, a, delta, transposed: bool) -> list:
+    """A dense layer's factors over tokens (every dim between the batch and the features): W.grad = Σ_t δ_t a_tᵀ
+    (an (out, in) weight; (in, out) where `transposed`), bias.grad = Σ_t δ_t."""
     B = a.shape[0]
     A, D = a.reshape(B, -1, a.shape[-1]), delta.reshape(B, -1, delta.shape[-1])
-    out = [Factor("weight", "outer", A, D, tuple(m.weight.shape))]
+    out = [Factor("weight", "outer", *((A, D) if transposed else (D, A)), tuple(m.weight.shape))]
     if m.bias is not None:
         out.append(Factor("bias", "sum", D, None, tuple(m.bias.shape)))
     return out
