@@ -1,17 +1,17 @@
 """`hw.watch`: hooks on across a whole training loop, a few statistics per step and layer, a flight recorder.
 
-core.py the Watch handle (layers, lifecycle, what users read); hooks.py the per-step hook sweep; host.py the rows
-on their way to the host; reduce.py the statistics reduced on device; amp.py, compiled.py, gather.py GradScaler,
-torch.compile and distributed; detect.py anomalies; flight.py the kept Traces.
-Floor: below magic and api; imports session (the flight recorder's recordings), capture (first_tensor,
-hook_output, the backward stand-in), layers, stats and _torch, and views only lazily, for display.
+core.py the Watch handle (layers, lifecycle, what users read) on the one tracer with the keep strategy "stats"
+(capture/step_stats.py: the hooks and the statistics); host.py the rows on their way to the host; amp.py,
+compiled.py, gather.py GradScaler, torch.compile and distributed; detect.py anomalies; flight.py the kept Traces.
+Floor: below magic and api; imports session (the flight recorder's recordings), capture (the tracer and its
+"stats" strategy, the backward stand-in), _torch, and views only lazily, for display.
 """
 
 from __future__ import annotations
 
+from hookwidget.capture.stat_rows import STAT_NAMES, STEP_STAT_NAMES
 from hookwidget.watch.core import Watch
 from hookwidget.watch.detect import Anomaly
-from hookwidget.watch.reduce import STAT_NAMES, STEP_STAT_NAMES
 
 __all__ = ["STAT_NAMES", "STEP_STAT_NAMES", "Anomaly", "Watch", "watch"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from hookwidget.capture.stat_rows import F64, NAN, STAT_NAMES, S
 from hookwidget.watch.amp import SKIPPED
-from hookwidget.watch.reduce import F64, NAN, STAT_NAMES, S
 
 
 class HostRows:
