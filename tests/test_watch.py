@@ -552,6 +552,46 @@ def test_statistics_move_to_host_in_batches(monkeypatch):
     assert w.steps == list(range(150))
 
 
+def test_rows_on_the_host_merge_into_blocks():
+    """With the flight recorder on each step's row reaches the host alone: those 1-row chunks are merged into
+    blocks, the statistics unchanged (equal to a watch that moved them in batches) and the update ratio of the
+    latest step still written into its row."""
+    from hookwidget.watch.host import MERGE
+
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0)
+    twin = copy.deepcopy(model)
+    x, y = data()
+    opt, opt2 = torch.optim.Adam(model.parameters(), 1e-3), torch.optim.Adam(twin.parameters(), 1e-3)
+    watches = []
+    for m, o, fr in ((model, opt, True), (twin, opt2, False)):  # one after the other: a watch sees every backward
+        with watch(m, flight_recorder=fr, max_kept=1) as w:
+            for _ in range(3 * MERGE + 5):
+                o.zero_grad()
+                F.mse_loss(m(x), y).backward()
+                o.step()
+        watches.append(w)
+    w, w2 = watches
+    assert len(w._rows.chunks) < MERGE  # 3·MERGE + 5 one-row chunks, merged
+    assert w.steps == w2.steps == list(range(3 * MERGE + 5))
+    assert torch.equal(w.stats.nan_to_num(-1), w2.stats.nan_to_num(-1))
+    assert torch.equal(w.step_stats, w2.step_stats)
+
+
+def test_a_second_watch_on_a_watched_model_warns():
+    model = Net(bn=False, p=0.0)
+    with watch(model, flight_recorder=False) as w:
+        with pytest.warns(UserWarning, match="already watched by an open watch"):
+            again = watch(model.fc2, flight_recorder=False)
+        again.close()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        watch(model, flight_recorder=False).close()  # the first one is closed: no warning
+    assert not w.active
+
+
 def test_a_layer_called_twice_counts_both_calls():
     torch.manual_seed(0)
     lin, head = nn.Linear(4, 4), nn.Linear(4, 1)

@@ -23,7 +23,8 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     ... `w.close()` (the hooks go on when watch() returns). They stay on across steps and are removed
     by close() / the end of the `with` block, whatever happened (exceptions, KeyboardInterrupt); the
     statistics and kept Traces stay readable afterwards. Observing changes nothing: losses,
-    every .grad and the RNG stream are bitwise those of the loop without the watch.
+    every .grad and the RNG stream are bitwise those of the loop without the watch. Watching a model
+    (or a layer of it) that an open watch already watches warns once (both would record, each at its cost).
 
     A step is one `backward()` call (torch.autograd.grad calls are not steps and are not counted).
     Every `every`-th step (0, every, 2·every, ...) is recorded: for each layer with parameters of its

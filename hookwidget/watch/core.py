@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from contextlib import ExitStack
 
 import torch
@@ -23,6 +24,11 @@ from hookwidget.watch.amp import ScaleTrack
 from hookwidget.watch.detect import Detector
 from hookwidget.watch.flight import FlightRecorder
 from hookwidget.watch.host import HostRows
+
+_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> the open watch on it
+
+AGAIN = ("hw.watch: {model} is already watched by an open watch ({other}); both record, each at its own cost: "
+         "close that one first (w.close()), or open watches as `with hw.watch(model) as w:`")
 
 
 class Watch:
@@ -106,6 +112,9 @@ class Watch:
         if self.closed:
             raise RuntimeError("this watch is closed; make a new one with hw.watch(model)")
         s = self._stack
+        other = next((w for m in self._layers if (w := _OPEN.get(m)) is not None and w is not self), None)
+        if other is not None:
+            warnings.warn(AGAIN.format(model=type(self.model).__name__, other=repr(other)), stacklevel=3)
         try:
             s.enter_context(self._tracer)  # its hooks on; removed and swept when the stack closes
             s.callback(amp.unlisten, self)
@@ -118,7 +127,15 @@ class Watch:
             self._tracer.hooks.active = False
             self._stack.close()
             raise
+        for m in self._layers:
+            _OPEN[m] = self
+        s.callback(self._forget)
         return self
+
+    def _forget(self) -> None:
+        for m in self._layers:
+            if _OPEN.get(m) is self:
+                del _OPEN[m]
 
     def close(self) -> None:
         """Remove every hook (always, whatever happened in the loop), then move what is left to the host.
