@@ -43,6 +43,7 @@ its target modules itself, not their submodules, with one forward hook. The trac
   token, and the tracer hooks δ of `out` and hands the token to `on_delta(module, token, grad, modules)`, or None;
 - `compiled_call(module, inputs, output)`: the same inside torch.compile (Dynamo traces it into the graph):
   what the forward hook returns;
+- `on_rerun(module)`: a call that backward runs (gradient checkpointing recomputing its forward);
 - `begin_pass(kind, roots)` / `end_pass()`: an outermost backward / autograd.grad call starts / ends (the
   strategy decides which passes are steps).
 
@@ -111,6 +112,9 @@ class Keep:
 
     def compiled_call(self, module, inputs, output):
         return None
+
+    def on_rerun(self, module) -> None:
+        pass
 
     def begin_pass(self, kind: str, roots: list) -> None:
         pass

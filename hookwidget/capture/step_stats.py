@@ -65,6 +65,7 @@ class Step:
         self.compiled = False  # statistics came (also) from compiled code (compiled_stats.py)
         self.scale = self.next_scale = None  # a GradScaler's scale at this backward and at the next
         self.roots = None  # the roots of a backward no eager hook saw (the watch judges why, then lets them go)
+        self.rerun: set = set()  # layers backward ran again (checkpointing) whose δ the hooks did not see
         self.ps_batch, self.ps_calls, self.ps_sq, self.ps_bad = None, {}, {}, False  # per_sample=True (PerSample)
         self.ps = None  # [largest per-sample gradient norm, its sample], when backward ends
 
@@ -106,6 +107,9 @@ class StatsKeep(Keep):
         call = self.ps.forward(cur, li, module, a) if self.ps is not None else None
         return li, reduce_input(a) if a is not None else None, cur.calls, call
 
+    def on_rerun(self, module) -> None:
+        self.cur.rerun.add(self.layer_of[module])
+
     def on_delta(self, module, token, grad, modules) -> bool:
         if self.kind != "backward":
             return False  # autograd.grad calls (gradient penalties) are not steps
@@ -143,6 +147,8 @@ class StatsKeep(Keep):
         compiled_stats.take(self.sinks, step)
         if step.roots is not None and (step.delta or step.ds):
             step.roots = None  # compiled code's hooks saw it
+        if step.rerun:  # those whose δ arrived were seen (non-reentrant checkpointing): not missed
+            step.rerun -= {d[0] for d in step.ds}
         if step.recorded:
             self._reduce(step)
             unscale_row(step.row, step.step_row, step.scale)

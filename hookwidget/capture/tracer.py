@@ -206,7 +206,12 @@ class Tracer:
     def _stream_hook(self, module, inputs, output):
         if _is_compiling():  # Dynamo traces this branch into the compiled graph
             return self.keep.compiled_call(module, inputs, output) if self.hooks.active else None
-        if not self.hooks.active or _get_ident() != self.thread or _current_node() is not None:
+        if not self.hooks.active:
+            return None
+        if _current_node() is not None:  # rerun by backward: gradient checkpointing
+            self.keep.on_rerun(module)
+            return None
+        if _get_ident() != self.thread:
             return None
         out = first_tensor(output)
         if out is None or not out.requires_grad:

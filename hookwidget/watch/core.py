@@ -31,6 +31,13 @@ AGAIN = ("hw.watch: {model} is already watched by an open watch ({other}); both 
          "close that one first (w.close()), or open watches as `with hw.watch(model) as w:`")
 
 
+RERUN = ("hw.watch: layers run under reentrant gradient checkpointing (torch.utils.checkpoint with "
+         "use_reentrant=True) are recomputed inside backward, where the watch does not see their δ and input: "
+         "{layers}: their delta_* and a_* statistics are NaN (not measured, though reached); grad_norm, weight_norm "
+         "and update_ratio are exact. use_reentrant=False (or gradient_checkpointing_kwargs={{'use_reentrant': "
+         "False}}) is seen in full")
+
+
 class Watch:
     """Hooks on `model` across a training loop; see `hookwidget.watch.watch` for what it records."""
 
@@ -88,6 +95,8 @@ class Watch:
         self.thread = threading.get_ident()  # the thread whose GradScaler.scale() calls tell the scaler (amp.py)
         self._unseen_checks = 0  # steps checked for hooks that compiled code did not call (at most 3)
         self._warned = False  # the "hooks not seen" warning, given once
+        self._rerun_layers: set = set()  # layers seen only inside backward (reentrant checkpointing)
+        self._rerun_note = None  # where their note is in self.notes
         self._rows = HostRows(len(self._layers), self._detector, lambda: self._amp, ps is not None, self._tell)
         self._tracer = Tracer(self._layers, capture=STATS, norms_rule=Watched(
             self._layers, self._params, pairs, self.every, ps, self._scale_now, self._rows.add, self._rows.changed,
@@ -143,10 +152,8 @@ class Watch:
         if self.closed:
             return
         self.closed, was_active = True, self.active
-        try:
-            self._tracer.hooks.active = False
-        finally:
-            self._stack.close()
+        self._tracer.hooks.active = False
+        self._stack.close()
         if was_active:
             self._flush()
             if self._flight is not None:
@@ -173,6 +180,8 @@ class Watch:
             self.notes.append(compiled.FLIGHT)
         if step.roots is not None:
             self._unseen(step)
+        if step.rerun and step.recorded:
+            self._rerun(step.rerun)
         odd = self._ps.odd_note() if self._ps is not None else None
         if odd is not None and odd not in self.notes:
             self.notes.append(odd)
@@ -181,6 +190,21 @@ class Watch:
             self._flight.step_ended(step.index, self._detector.flagged)
         elif len(self._rows.pending) > self.batch:
             self._flush(upto=step.index - 1)
+
+    def _rerun(self, layers: set) -> None:
+        """Layers that ran only inside backward (reentrant checkpointing): named in one note, warned once."""
+        new = sorted(layers - self._rerun_layers)
+        if not new:
+            return
+        self._rerun_layers.update(new)
+        names = [self.layer_names[li] for li in sorted(self._rerun_layers)]
+        note = RERUN.format(layers=", ".join(names[:8]) + (" ..." if len(names) > 8 else ""))
+        if self._rerun_note is None:  # the first: warned; later layers join the same note
+            self._rerun_note = len(self.notes)
+            self.notes.append(note)
+            warnings.warn(note, stacklevel=5)
+        else:
+            self.notes[self._rerun_note] = note
 
     def _unseen(self, step) -> None:
         """Backward reached the watched parameters, yet no hook of the watch ran: say once why, and the fix."""
