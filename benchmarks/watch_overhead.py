@@ -1,10 +1,12 @@
 """What hw.watch costs per training step, on CPU with one thread.
 
     PYTHONPATH=. .venv/bin/python benchmarks/watch_overhead.py [--steps 500] [--repeats 3]
-        [--models mlp,transformer,gpt2] [--variants plain,watch,watch+fr,per_sample,histograms]
+        [--models mlp,transformer,gpt2] [--variants plain,floor,watch,watch+fr,per_sample,histograms]
 
 Loops (Adam, zero_grad / forward / backward / step):
   plain        no hooks
+  floor        hand-written hooks that compute the watch's 12 statistics per layer every step (`Floor`): what
+               hw.watch's statistics cost at the least, measured in the same run
   watch        hw.watch(model, flight_recorder=False): statistics only, every step
   watch+fr     hw.watch(model): statistics and the flight recorder
   per_sample   hw.watch(model, flight_recorder=False, per_sample=True): also the largest per-sample
@@ -36,6 +38,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from hookwidget.watch import watch
 
@@ -100,6 +103,83 @@ def build(name: str):
     raise ValueError(name)
 
 
+class Floor:
+    """The floor: hand-written hooks for the watch's 12 statistics per layer, at its cadence. In the forward hook
+    of each layer with parameters ‖a‖ and its nonzero entries, and a tensor hook on its output for ‖δ‖ and
+    min/max δ (NaN/Inf counted only where a norm is not finite: on CPU reading it is free, as the watch does);
+    at the optimizer step one multi-tensor norm for ‖W.grad‖ and ‖W‖, a copy of W before it and ‖ΔW‖ after;
+    the step's (layers, 12) row put together on device; rows to the host every 64 steps."""
+
+    def __init__(self, model):
+        from hookwidget._torch.norms import foreach_copy_, foreach_norm, foreach_sub_
+
+        self.norm, self.copy_, self.sub_ = foreach_norm, foreach_copy_, foreach_sub_
+        self.layers = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+        self.params = [p for m in self.layers for p in m.parameters(recurse=False)]
+        owner = [i for i, m in enumerate(self.layers) for _ in m.parameters(recurse=False)]
+        self.owner, self.L = torch.tensor(owner), len(self.layers)
+        self.copies = [torch.empty_like(p) for p in self.params]
+        self.calls, self.pending, self.rows = [], [], []
+        self.handles = [m.register_forward_hook(self._forward(i)) for i, m in enumerate(self.layers)]
+        self.handles += [register_optimizer_step_pre_hook(self._pre),
+                         register_optimizer_step_post_hook(self._post)]
+
+    def _forward(self, i):
+        def hook(module, inputs, out):
+            if not isinstance(out, torch.Tensor) or not out.requires_grad:
+                return
+            a = inputs[0].detach()
+            a = a if a.is_floating_point() else a.float()
+            n = torch.linalg.vector_norm(a)
+            bad = a.numel() - torch.isfinite(a).sum() if not torch.isfinite(n) else n.new_zeros(())
+            entry = [i, n, a.bool().sum(), a.numel(), bad]
+            self.calls.append(entry)
+
+            def delta(g):
+                lo, hi = torch.aminmax(g)
+                gn = torch.linalg.vector_norm(g)
+                counts = (torch.stack([torch.isnan(g).sum(), torch.isinf(g).sum()]).double()
+                          if not torch.isfinite(gn) else torch.zeros(2, dtype=torch.float64))
+                entry.append((gn, torch.maximum(lo.abs(), hi.abs()), counts))
+
+            out.register_hook(delta)
+
+        return hook
+
+    def _pre(self, opt, args, kwargs):
+        self.copy_(self.copies, [p.detach() for p in self.params])
+
+    def _post(self, opt, args, kwargs):
+        calls, self.calls = [c for c in self.calls if len(c) == 6], []
+        f64, L = torch.float64, self.L
+        li = torch.tensor([c[0] for c in calls])
+        d = torch.stack([torch.stack([c[5][0].double() ** 2, c[5][1].double(), *c[5][2],
+                                      c[1].double() ** 2, float(c[3]) - c[2].double(), c[4].double(),
+                                      torch.tensor(float(c[3]), dtype=f64)]) for c in calls])
+        per = torch.zeros(L, 8, dtype=f64).index_add_(0, li, d)
+        per[:, 1] = torch.zeros(L, dtype=f64).scatter_reduce_(0, li, d[:, 1], "amax", include_self=False)
+        self.sub_(self.copies, [p.detach() for p in self.params])
+        sq = torch.stack(self.norm([p.grad for p in self.params] + [p.detach() for p in self.params]
+                                   + self.copies)).double().square().view(3, -1)
+        gwu = torch.zeros(3, L, dtype=f64).index_add_(1, self.owner, sq).sqrt()
+        n = per[:, 7].clamp(min=1)
+        row = torch.stack([per[:, 0].sqrt(), per[:, 1], per[:, 2], per[:, 3], (per[:, 4] / n).sqrt(), per[:, 5] / n,
+                           per[:, 6], gwu[0], gwu[1], gwu[2] / gwu[1], per[:, 2] * 0, per[:, 3] * 0], dim=1)
+        self.pending.append(row)
+        if len(self.pending) >= 64:
+            self.flush()
+
+    def flush(self):
+        if self.pending:
+            self.rows.append(torch.stack(self.pending).cpu())
+            self.pending = []
+
+    def close(self):
+        self.flush()
+        for h in self.handles:
+            h.remove()
+
+
 def histograms(model):
     out = []
     for p in model.parameters():
@@ -123,7 +203,9 @@ def time_loop(model, x, y, steps: int, variant: str, watch=watch) -> float:
         opt.step()
 
     w = None
-    if variant in ("watch", "watch+fr"):
+    if variant == "floor":
+        w = Floor(model)
+    elif variant in ("watch", "watch+fr"):
         w = watch(model, flight_recorder=variant == "watch+fr")
     elif variant == "per_sample":
         w = watch(model, flight_recorder=False, per_sample=True)
@@ -133,7 +215,9 @@ def time_loop(model, x, y, steps: int, variant: str, watch=watch) -> float:
         t0 = time.process_time()
         for _ in range(steps):
             step()
-        if w is not None:
+        if isinstance(w, Floor):
+            w.flush()
+        elif w is not None:
             _ = w.stats  # what is still on device comes to the host: part of the cost
         elapsed = time.process_time() - t0
     finally:
@@ -147,7 +231,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default="mlp,transformer,gpt2")
-    ap.add_argument("--variants", default="plain,watch,watch+fr,per_sample,histograms")
+    ap.add_argument("--variants", default="plain,floor,watch,watch+fr,per_sample,histograms")
     ap.add_argument("--default-malloc", action="store_true", help="keep glibc's default trimming (see above)")
     args = ap.parse_args()
     if not args.default_malloc and "MALLOC_TRIM_THRESHOLD_" not in os.environ:
@@ -173,11 +257,13 @@ def main() -> None:
                 times[v].append(time_loop(model, x, y, args.steps, v))
         plain = statistics.median(times["plain"])
         print(f"\n{name} ({sum(p.numel() for p in model.parameters()):,} parameters)")
-        print(f"  {'variant':<12}{'ms/step':>10}{'x plain':>10}   rounds (x plain)")
+        print(f"  {'variant':<12}{'ms/step':>10}{'x plain':>10}{'x floor':>10}   rounds (x plain)")
         for v in variants:
             t = statistics.median(times[v])
+            floor = statistics.median(times["floor"]) if "floor" in times else None
             each = " ".join(f"{s / p:.3f}" for s, p in zip(times[v], times["plain"]))
-            print(f"  {v:<12}{t * 1e3:>10.3f}{t / plain:>10.3f}   {each}", flush=True)
+            vs = f"{t / floor:>10.3f}" if floor else f"{'':>10}"
+            print(f"  {v:<12}{t * 1e3:>10.3f}{t / plain:>10.3f}{vs}   {each}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import copy
 import gc
 import math
+import warnings
 
 import pytest
 import torch
@@ -552,6 +553,44 @@ def test_statistics_move_to_host_in_batches(monkeypatch):
     assert w.steps == list(range(150))
 
 
+def test_rows_on_the_host_merge_into_blocks():
+    """With the flight recorder on each step's row reaches the host alone: those 1-row chunks are merged into
+    blocks, the statistics unchanged (equal to a watch that moved them in batches) and the update ratio of the
+    latest step still written into its row."""
+    from hookwidget.watch.host import MERGE
+
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0)
+    twin = copy.deepcopy(model)
+    x, y = data()
+    opt, opt2 = torch.optim.Adam(model.parameters(), 1e-3), torch.optim.Adam(twin.parameters(), 1e-3)
+    watches = []
+    for m, o, fr in ((model, opt, True), (twin, opt2, False)):  # one after the other: a watch sees every backward
+        with watch(m, flight_recorder=fr, max_kept=1) as w:
+            for _ in range(3 * MERGE + 5):
+                o.zero_grad()
+                F.mse_loss(m(x), y).backward()
+                o.step()
+        watches.append(w)
+    w, w2 = watches
+    assert len(w._rows.chunks) < MERGE  # 3·MERGE + 5 one-row chunks, merged
+    assert w.steps == w2.steps == list(range(3 * MERGE + 5))
+    assert torch.equal(w.stats.nan_to_num(-1), w2.stats.nan_to_num(-1))
+    assert torch.equal(w.step_stats, w2.step_stats)
+
+
+def test_a_second_watch_on_a_watched_model_warns():
+    model = Net(bn=False, p=0.0)
+    with watch(model, flight_recorder=False) as w:
+        with pytest.warns(UserWarning, match="already watched by an open watch"):
+            again = watch(model.fc2, flight_recorder=False)
+        again.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        watch(model, flight_recorder=False).close()  # the first one is closed: no warning
+    assert not w.active
+
+
 def test_a_layer_called_twice_counts_both_calls():
     torch.manual_seed(0)
     lin, head = nn.Linear(4, 4), nn.Linear(4, 1)
@@ -767,3 +806,46 @@ def test_layers_returning_a_dict_or_a_dataclass_are_seen():
         h.remove()
     for n in ("a", "b"):
         assert w.series(n, "delta_norm")[0].item() == pytest.approx(torch.linalg.vector_norm(seen[n]).item())
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_is_seen_or_named(reentrant):
+    """Non-reentrant checkpointing: statistics as without it. Reentrant: the checkpointed layers' δ and a are not
+    seen (they run again inside backward): one warning and one note name them, the rest stays exact."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+        def forward(self, x, ckpt=True):
+            h = F.relu(self.fc1(x))
+            h = checkpoint(lambda t: F.relu(self.fc2(t)), h, use_reentrant=reentrant) if ckpt else F.relu(self.fc2(h))
+            return self.fc(h)
+
+    torch.manual_seed(0)
+    model, (x, y) = Ckpt(), data()
+    plain = copy.deepcopy(model)
+    stats = []
+    for m, ckpt in ((model, True), (plain, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with watch(m, flight_recorder=False) as w:
+                for _ in range(3):
+                    m.zero_grad()
+                    F.mse_loss(m(x, ckpt), y).backward()
+        stats.append(w.stats)
+        said = [str(c.message) for c in caught if "checkpointing" in str(c.message)]
+        if ckpt and reentrant:
+            assert len(said) == 1 and "fc2" in said[0] and "fc1" not in said[0] and said[0] in w.notes
+        else:
+            assert not said and not any("checkpointing" in n for n in w.notes)
+    fc2 = w.layer_names.index("fc2")
+    cols = [STAT_NAMES.index(c) for c in ("delta_norm", "a_rms")]
+    if reentrant:
+        assert stats[0][:, fc2, cols].isnan().all()
+        keep = [i for i in range(len(w.layer_names)) if i != fc2]
+        torch.testing.assert_close(stats[0][:, keep], stats[1][:, keep], equal_nan=True)
+    else:
+        torch.testing.assert_close(stats[0], stats[1], equal_nan=True)

@@ -101,10 +101,3 @@ def outermost_outputs(records) -> list:
             if c.out_node is not None:
                 out.append(c.out_node)
     return out
-
-
-def unchanged_grads(grad_state: dict) -> dict:
-    """leaf -> whether its .grad is still what the last step left (the same tensor, unwritten since)."""
-    return {leaf: state is None and leaf.grad is None or state is not None and state[0]() is leaf.grad
-            and leaf.grad is not None and state[1] == version(leaf.grad)
-            for leaf, state in grad_state.items()}

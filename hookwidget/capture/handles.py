@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+from torch import nn
+
 
 class Hooks:
     """The state every hook of one trace reads, handed explicitly to the parts that register hooks (the tracer,
@@ -59,3 +61,27 @@ class Removing:
 
     def __exit__(self, *exc):
         self.handle.remove()
+
+
+def module_list(modules):
+    """A tracer's `modules=` as a list of modules (None: every module, through global hooks)."""
+    if modules is None:
+        return None
+    if isinstance(modules, nn.Module):
+        return [modules]
+    out = list(modules)
+    bad = [type(m).__name__ for m in out if not isinstance(m, nn.Module)]
+    if bad or not out:
+        raise TypeError(f"modules= takes an nn.Module or a list of them; got {', '.join(bad) or 'an empty list'}")
+    return out
+
+
+def every_module(roots: list) -> list:
+    """The modules of `roots` and of all their submodules, each once, in order."""
+    seen, out = set(), []
+    for root in roots:
+        for m in root.modules():
+            if id(m) not in seen:
+                seen.add(id(m))
+                out.append(m)
+    return out

@@ -34,6 +34,21 @@ per-step statistics strategy). The tracer calls, in this order over a trace:
 
 Class attributes: `node_grads` (False: no node pre-hooks whatever node_grads= says) and `shares_inputs` (True:
 on_input keeps `a` by reference, unguarded, so the tracer copies what is left of it when the trace ends).
+
+A streaming strategy (`records = False`: the watch's "stats", step_stats.py) makes the tracer keep no record at
+all (no Call, StepRecord, graph walk or .grad copy: it may stay installed for a million steps) and hook each of
+its target modules itself, not their submodules, with one forward hook. The tracer then calls instead:
+
+- `on_call(module, inputs, out)`: a call ended (eager code, the trace's thread, out requires grad); return a
+  token, and the tracer hooks δ of `out` and hands the token to `on_delta(module, token, grad, modules)`, or None;
+- `compiled_call(module, inputs, output)`: the same inside torch.compile (Dynamo traces it into the graph):
+  what the forward hook returns;
+- `on_rerun(module)`: a call that backward runs (gradient checkpointing recomputing its forward);
+- `begin_pass(kind, roots)` / `end_pass()`: an outermost backward / autograd.grad call starts / ends (the
+  strategy decides which passes are steps).
+
+Any strategy with `updates = True` gets `before_update(opt)` / `after_update(opt)` around each optimizer step
+on the trace's thread.
 """
 
 from __future__ import annotations
@@ -59,6 +74,8 @@ class Keep:
 
     node_grads = True
     shares_inputs = False
+    records = True
+    updates = False
 
     def __init__(self, budget: Budget, rule=None):
         self.budget = budget
@@ -88,6 +105,28 @@ class Keep:
 
     def result(self):
         return None
+
+    # a streaming strategy's (records = False), and updates = True's
+    def on_call(self, module, inputs, out):
+        return None
+
+    def compiled_call(self, module, inputs, output):
+        return None
+
+    def on_rerun(self, module) -> None:
+        pass
+
+    def begin_pass(self, kind: str, roots: list) -> None:
+        pass
+
+    def end_pass(self) -> None:
+        pass
+
+    def before_update(self, opt) -> None:
+        pass
+
+    def after_update(self, opt) -> None:
+        pass
 
 
 class SummaryKeep(Keep):

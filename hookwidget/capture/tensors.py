@@ -168,3 +168,17 @@ def first_tensor(obj) -> torch.Tensor | None:
         if isinstance(x, torch.Tensor):
             return x
     return None
+
+
+def intervene(hooks, ivs, module, inputs, output, out):
+    """A module's layer interventions `ivs` at one call: δ hooks on its output `out` (guarded by `hooks`, the
+    trace's handles.Hooks), or the output replaced (returned; None: kept)."""
+    replaced = None
+    for iv in ivs:
+        if iv.kind.attach == "grad" and out is not None and out.requires_grad:
+            hook_output(hooks.tensor, out, hooks.guarded(iv.on_grad))
+        elif iv.kind.attach == "out":
+            new = iv.on_output(module, inputs, output if replaced is None else replaced)
+            if new is not None:
+                replaced = new
+    return replaced

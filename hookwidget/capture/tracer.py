@@ -7,10 +7,11 @@ backward hooks raise). Each backward pass is a step: when it starts, its autogra
 is walked from its roots (nodes.py, where pre-hooks record the gradient norm arriving at
 nodes); when it ends, the .grad it left is copied, so nothing done later changes the record.
 
-What a call keeps is its keep strategy's choice (keep.py: full, summary, norms), within the
-trace's memory budget (budget.py); what the generic rule needs beyond (a, δ) is generic.py's,
-folded rows folds.py's, and what is done to the record when the trace ends finish.py's. The
-tracer hooks every call the same way and asks them.
+What a call keeps is its keep strategy's choice (keep.py: full, summary, norms; the watch's "stats",
+step_stats.py, streams and records nothing), within the trace's memory budget (budget.py); what the
+generic rule needs beyond (a, δ) is generic.py's, folded rows folds.py's, the .grad copies grads.py's,
+and what is done to the record when the trace ends finish.py's. The tracer hooks every call the same
+way and asks them.
 
 Module hooks belong to one ExitStack, tensor and node hooks to the lists of handles.Hooks, all
 emptied in `finally`, and a last sweep removes anything an interrupt left half-registered. Each
@@ -21,14 +22,13 @@ still fire.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import Counter, deque
 from contextlib import ExitStack
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from hookwidget._torch.autograd import current_node as _current_node
 from hookwidget._torch.autograd import in_transform
@@ -42,20 +42,20 @@ from hookwidget._torch.modules import (
     module_hooks,
     optimizer_hooks,
 )
-from hookwidget._torch.tensors import version
 from hookwidget.capture import backward as autograd_calls
 from hookwidget.capture import finish
 from hookwidget.capture import keep as keep_mod
 from hookwidget.capture.budget import Budget
 from hookwidget.capture.folds import Folds
 from hookwidget.capture.generic import GenericCapture
-from hookwidget.capture.handles import Hooks, Removing
+from hookwidget.capture.grads import GradCopies
+from hookwidget.capture.handles import Hooks, Removing, every_module, module_list
 from hookwidget.capture.nodes import NodeNorms
-from hookwidget.capture.tensors import first_tensor, hook_output
+from hookwidget.capture.tensors import first_tensor, hook_output, intervene
 from hookwidget.layers import factors as fx
 from hookwidget.layers import registry
 from hookwidget.options import DEFAULT_BUDGET_MB
-from hookwidget.record.calls import PREVIOUS, Call, ModuleRecord, Records, StepRecord
+from hookwidget.record.calls import Call, ModuleRecord, Records, StepRecord
 
 OUTER_CALLS_KEPT = 4  # forward passes whose graph a trace may hold before a backward (an eval loop holds none more)
 
@@ -72,7 +72,7 @@ class Tracer:
         self.budget = Budget(budget_mb)
         self.keep = keep_mod.make(capture, self.budget, norms_rule)
         self.norms_rule = self.keep.rule  # what the strategy streamed (capture="norms": per-sample norms)
-        self.targets = _as_module_list(modules)
+        self.targets = module_list(modules)
         self.layer_interventions = layer_interventions or {}
         self.hooks = Hooks()
         self._handles = self.hooks.tensor  # tensor hook handles on module outputs
@@ -96,7 +96,7 @@ class Tracer:
         self._answers: dict = {}  # the registry's answers, asked at each module's first call (registry.memo)
         self._steps: list[StepRecord] = []
         self._depth = 0  # nested backward calls inside one pass (reentrant checkpoint)
-        self._grad_state: dict = {}  # leaf -> (weakref to its .grad, version) as the last step left it
+        self._grads = GradCopies(self.budget)  # the .grad each step leaves
         self._open = 0  # forward calls running now
         self._outer: deque = deque()  # calls of the latest outermost forward passes (their out_node is kept)
         self._used_grad = False
@@ -157,33 +157,39 @@ class Tracer:
             if self.backward_hooks:  # the global flag it sets outlives the hook: put it back
                 s.enter_context(full_backward_flag_kept())
                 s.enter_context(Removing(module_mod.register_module_full_backward_hook(self._backward_hook)))
+        elif not self.keep.records:  # a streaming strategy: the targets themselves, one forward hook each
+            for m in self.targets:
+                s.enter_context(Removing(m.register_forward_hook(self._stream_hook)))
         else:
-            for m in self._target_modules():
+            for m in every_module(self.targets):
                 s.enter_context(Removing(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True)))
                 s.enter_context(Removing(m.register_forward_hook(self._forward_hook, with_kwargs=True)))
                 if self.backward_hooks:
                     s.enter_context(Removing(m.register_full_backward_hook(self._backward_hook)))
-        if self.state is not None:
+        if self.state is not None or self.keep.updates:
             s.enter_context(Removing(register_optimizer_step_pre_hook(self._optimizer_hook)))
+        if self.keep.updates:
+            s.enter_context(Removing(register_optimizer_step_post_hook(self._optimizer_post_hook)))
         autograd_calls.listen(self)
 
     def _optimizer_hook(self, opt, args, kwargs):
         if self.hooks.active and threading.get_ident() == self.thread:
-            self.state.on_optimizer_step(opt)
+            if self.state is not None:
+                self.state.on_optimizer_step(opt)
+            self.keep.before_update(opt)
 
-    def _target_modules(self) -> list:
-        seen, out = set(), []
-        for root in self.targets:
-            for m in root.modules():
-                if id(m) not in seen:
-                    seen.add(id(m))
-                    out.append(m)
-        return out
+    def _optimizer_post_hook(self, opt, args, kwargs):
+        if self.hooks.active:
+            self.keep.after_update(opt)
+
+    def _hooked(self) -> list:
+        """The modules whose own hooks this tracer registers (targets given)."""
+        return every_module(self.targets) if self.keep.records else self.targets
 
     def _sweep(self) -> None:
         """Remove any hook of this tracer still registered: one an interrupt left between its
         registration and its handle reaching the ExitStack."""
-        for owner in [None] if self.targets is None else self._target_modules():  # None: the global hooks
+        for owner in [None] if self.targets is None else self._hooked():  # None: the global hooks
             hooks, flags = module_hooks(owner), hook_flags(owner)  # a hook's flags, under the same key
             for d in (hooks["forward_pre"], hooks["forward"], hooks["backward"]):
                 for key, fn in list(d.items()):
@@ -191,10 +197,29 @@ class Tracer:
                         del d[key]
                         for e in flags:
                             e.pop(key, None)
-        hooks = optimizer_hooks()[0]
-        for key, fn in list(hooks.items()):
-            if getattr(fn, "__self__", None) is self:
-                del hooks[key]
+        for hooks in optimizer_hooks():
+            for key, fn in list(hooks.items()):
+                if getattr(fn, "__self__", None) is self:
+                    del hooks[key]
+
+    # -- forward and δ of a streaming strategy (records = False) --------------------------------------
+    def _stream_hook(self, module, inputs, output):
+        if _is_compiling():  # Dynamo traces this branch into the compiled graph
+            return self.keep.compiled_call(module, inputs, output) if self.hooks.active else None
+        if not self.hooks.active:
+            return None
+        if _current_node() is not None:  # rerun by backward: gradient checkpointing
+            self.keep.on_rerun(module)
+            return None
+        if _get_ident() != self.thread:
+            return None
+        out = first_tensor(output)
+        if out is None or not out.requires_grad:
+            return None
+        token = self.keep.on_call(module, inputs, out)
+        if token is not None:
+            hook_output(self.hooks.tensor, out, self._delta_hook(module, token, streaming=True))
+        return None
 
     # -- forward -------------------------------------------------------------------------------
     def _pre_hook(self, module, inputs, kwargs=None):
@@ -273,7 +298,8 @@ class Tracer:
         if self.backward_hooks:
             rec.awaiting_backward.append(call)
         out = first_tensor(output)
-        replaced = self._intervene(module, inputs, output, out) if self.layer_interventions else None
+        ivs = self.layer_interventions
+        replaced = intervene(self.hooks, ivs[module], module, inputs, output, out) if module in ivs else None
         call.seq_end = _next_sequence_nr()
         if out is not None:
             self._on_output(module, rec, call, out)
@@ -299,18 +325,6 @@ class Tracer:
             if a is not None:
                 self._keep_input(rec, call, a)
         return call
-
-    def _intervene(self, module, inputs, output, out):
-        """The module's layer interventions: δ hooks on its output, or a replaced output (None: kept)."""
-        replaced = None
-        for iv in self.layer_interventions.get(module, ()):
-            if iv.kind.attach == "grad" and out is not None and out.requires_grad:
-                hook_output(self.hooks.tensor, out, self.hooks.guarded(iv.on_grad))
-            elif iv.kind.attach == "out":
-                new = iv.on_output(module, inputs, output if replaced is None else replaced)
-                if new is not None:
-                    replaced = new
-        return replaced
 
     def _on_output(self, module, rec: ModuleRecord, call: Call, out: torch.Tensor) -> None:
         call.output_shape = tuple(out.shape)
@@ -338,8 +352,14 @@ class Tracer:
             call.state = fx.forward_state(rec.module)
         self.keep.on_input(rec, call, a)
 
-    def _delta_hook(self, module, call: Call):
+    def _delta_hook(self, module, call, streaming: bool = False):
         hooks, keep, modules = self.hooks, self.keep, self._module_records
+        if streaming:  # the strategy takes its own lock, after reducing δ (call: its token)
+            def stream(grad):
+                if hooks.active:
+                    keep.on_delta(module, call, grad, modules)
+
+            return stream
 
         def hook(grad):
             if not hooks.active:
@@ -356,6 +376,11 @@ class Tracer:
     def on_backward(self, tensors: list, kind: str, create_graph: bool) -> None:
         if not self.hooks.active:
             return
+        if not self.keep.records:
+            self._depth += 1
+            if self._depth == 1:
+                self.keep.begin_pass(kind, tensors)
+            return
         self._create_graph |= create_graph
         self._used_grad |= kind == "grad"
         self._depth += 1
@@ -365,7 +390,7 @@ class Tracer:
             self._steps.append(step)
             self.graph.new_step()
             self.keep.begin_step(step)
-        self.graph.extend(tensors, self.hooks.step, self._depth, self._live, self._ddp, self._grad_before)
+        self.graph.extend(tensors, self.hooks.step, self._depth, self._live, self._ddp, self._grads.before)
         if self._depth == 1:
             self._generic.hook_step(self.graph.walk)
 
@@ -374,26 +399,16 @@ class Tracer:
             return
         self._depth -= 1
         if self._depth == 0 and self.hooks.active:
-            self._end_step()
-
-    def _grad_before(self, leaf: torch.Tensor):
-        g = leaf.grad
-        if g is None:
-            return None
-        state = self._grad_state.get(leaf)
-        if state is not None and state[0]() is g and state[1] == version(g):
-            return PREVIOUS
-        return self.budget.keep_grad(g)
+            if self.keep.records:
+                self._end_step()
+            else:
+                self.hooks.tensor[:] = [h for h in self.hooks.tensor if h.hooks_dict_ref() is not None]
+                self.keep.end_pass()
 
     def _end_step(self) -> None:
         hooks = self.hooks
         step = hooks.step
-        leaves = list(step.before)
-        grads = [leaf.grad for leaf in leaves]
-        copies = iter(self.budget.copy_grads([g for g in grads if g is not None]))
-        step.after.update(zip(leaves, [None if g is None else next(copies) for g in grads]))
-        self._grad_state.update(zip(leaves, [None if g is None else (weakref.ref(g), version(g)) for g in grads]))
-        self.budget.trim_grad_copies(self._steps)
+        self._grads.after(step, self._steps)
         self.budget.stats.flush()  # the tensors it holds may go with the step
         hooks.remove_node_hooks()  # a parameter's AccumulateGrad node lives on: its hooks must not pile up
         hooks.tensor[:] = [h for h in hooks.tensor if h.hooks_dict_ref() is not None]  # outputs still alive
@@ -408,7 +423,9 @@ class Tracer:
         self.graph.walk.freeze()
 
     # -- end of the trace ----------------------------------------------------------------------
-    def _finish(self) -> Records:
+    def _finish(self) -> Records | None:
+        if not self.keep.records:
+            return None
         self._folds.clear()  # it holds the last forward pass's graph nodes
         walk = self.graph.walk
         if not self._steps:  # forward only: show the graph that backward would have walked
@@ -430,22 +447,10 @@ class Tracer:
         for c in self._live:
             c.out_node = None
         self._live = []
-        return Records(self._module_records, walk, self._steps, finish.unchanged_grads(self._grad_state), notes,
+        return Records(self._module_records, walk, self._steps, self._grads.unchanged(), notes,
                        self._used_grad, no_factors, self._answers)
 
 
 _DDP = nn.parallel.DistributedDataParallel
 _get_ident = threading.get_ident
 _is_compiling = torch.compiler.is_compiling
-
-
-def _as_module_list(modules):
-    if modules is None:
-        return None
-    if isinstance(modules, nn.Module):
-        return [modules]
-    out = list(modules)
-    bad = [type(m).__name__ for m in out if not isinstance(m, nn.Module)]
-    if bad or not out:
-        raise TypeError(f"modules= takes an nn.Module or a list of them; got {', '.join(bad) or 'an empty list'}")
-    return out

@@ -1,10 +1,10 @@
 """`hw.watch`: hooks on across a whole training loop, a few statistics per step and layer, a flight recorder.
 
-core.py the Watch handle (layers, lifecycle, what users read); hooks.py the per-step hook sweep; host.py the rows
-on their way to the host; reduce.py the statistics reduced on device; amp.py, compiled.py, gather.py GradScaler,
-torch.compile and distributed; detect.py anomalies; flight.py the kept Traces.
-Floor: below magic and api; imports session (the flight recorder's recordings), capture (first_tensor,
-hook_output, the backward stand-in), layers, stats and _torch, and views only lazily, for display.
+core.py the Watch handle (layers, lifecycle, what users read) on the one tracer with the keep strategy "stats"
+(capture/step_stats.py: the hooks and the statistics); host.py the rows on their way to the host; amp.py,
+compiled.py, gather.py GradScaler, torch.compile and distributed; detect.py anomalies; flight.py the kept Traces.
+Floor: below magic and api; imports session (the flight recorder's recordings), capture (the tracer and its
+"stats" strategy, the backward stand-in), _torch, and views only lazily, for display.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import os
 
 from torch import nn
 
+from hookwidget.capture.stat_rows import STAT_NAMES, STEP_STAT_NAMES
 from hookwidget.options import shown
 from hookwidget.watch.core import Watch
 from hookwidget.watch.detect import Anomaly
-from hookwidget.watch.reduce import STAT_NAMES, STEP_STAT_NAMES
 
 __all__ = ["STAT_NAMES", "STEP_STAT_NAMES", "Anomaly", "Watch", "watch"]
 
@@ -30,7 +30,8 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     ... `w.close()` (the hooks go on when watch() returns). They stay on across steps and are removed
     by close() / the end of the `with` block, whatever happened (exceptions, KeyboardInterrupt); the
     statistics and kept Traces stay readable afterwards. Observing changes nothing: losses,
-    every .grad and the RNG stream are bitwise those of the loop without the watch.
+    every .grad and the RNG stream are bitwise those of the loop without the watch. Watching a model
+    (or a layer of it) that an open watch already watches warns once (both would record, each at its cost).
 
     A step is one `backward()` call (torch.autograd.grad calls are not steps and are not counted).
     Every `every`-th step (0, every, 2·every, ...) is recorded: for each layer with parameters of its

@@ -3,9 +3,9 @@
 The watch learns the scaler from `scaler=`, or else from the first `GradScaler.scale()` call on its
 thread while it is open (a stand-in for that method, installed while any watch is open, like
 capture/backward.py's for backward: both through _torch/patch.py). It reads the scaler's scale tensor
-(on device, no sync) when each backward starts. backward ran on `loss * scale`, so the loss, δ and .grad it saw are
-scaled: they are divided by that scale (a power of two: exact). A step is skipped when the scaler
-found inf/NaN in its gradients and did not step the optimizer; `update()` then lowers the scale, and
+(on device, no sync) when each backward starts. backward ran on `loss * scale`, so the loss, δ and .grad it saw
+are scaled: they are divided by that scale (a power of two: exact; capture/stat_rows.unscale). A step is skipped
+when the scaler found inf/NaN in its gradients and did not step the optimizer; `update()` then lowers the scale, and
 it lowers it only then: so step k was skipped exactly when the scale at the next backward (or, for
 the latest step, the scale when its row reaches the host) is below the scale at its own backward.
 """
@@ -19,9 +19,7 @@ from torch.amp import GradScaler
 
 from hookwidget._torch.amp import current_scale, is_grad_scaler
 from hookwidget._torch.patch import Patch
-from hookwidget.watch.reduce import F64, NAN, S
-
-SCALED = [S["delta_norm"], S["delta_max"], S["grad_norm"]]
+from hookwidget.capture.stat_rows import F64, NAN
 
 
 class ScaleTrack:
@@ -36,14 +34,6 @@ class ScaleTrack:
         """The scale now (a device tensor copy), or None while the scaler is off or has not scaled yet."""
         s = current_scale(self.scaler)
         return s.detach().clone() if self.scaler.is_enabled() and s is not None else None
-
-    @staticmethod
-    def unscale(row: torch.Tensor, step_row: torch.Tensor, scale) -> None:
-        if scale is not None:
-            s = scale.to(row.device, F64)
-            for c in SCALED:  # one column at a time: a list index would copy it to the device (a sync on GPU)
-                row[:, c].div_(s)
-            step_row.div_(s)
 
     def pairs(self, steps: list, dev) -> torch.Tensor:
         """(steps, 2): each step's scale and the scale after it (NaN: no scaler scale), on `dev`."""

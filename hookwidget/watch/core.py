@@ -1,24 +1,41 @@
-"""The run-long recorder: hooks on across a training loop, statistics per step and layer on device."""
+"""The run-long recorder: hooks on across a training loop, statistics per step and layer on device.
+
+The hooks are the one tracer's (capture/tracer.py) with the keep strategy "stats" (capture/step_stats.py): it
+hands each step's row here when the step's backward ends; the Watch moves rows to the host (host.py), judges them
+(detect.py), keeps Traces (flight.py), unscales GradScaler steps (amp.py) and says what it could not see."""
 
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 from contextlib import ExitStack
 
 import torch
 from torch import nn
-from torch.optim import optimizer as optimizer_mod
 
 from hookwidget._torch.compile import uncompiled
-from hookwidget._torch.modules import module_hooks, optimizer_hooks
-from hookwidget.capture import backward as autograd_calls
-from hookwidget.capture.handles import Removing
-from hookwidget.watch import amp
+from hookwidget.capture.sample_stats import PerSample
+from hookwidget.capture.stat_rows import STAT_NAMES, STEP_STAT_NAMES
+from hookwidget.capture.step_stats import STATS, Watched
+from hookwidget.capture.tracer import Tracer
+from hookwidget.watch import amp, compiled
+from hookwidget.watch.amp import ScaleTrack
 from hookwidget.watch.detect import Detector
 from hookwidget.watch.flight import FlightRecorder
-from hookwidget.watch.hooks import StepHooks
 from hookwidget.watch.host import HostRows
-from hookwidget.watch.reduce import STAT_NAMES, STEP_STAT_NAMES, PerSample, Rows
+
+_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> the open watch on it
+
+AGAIN = ("hw.watch: {model} is already watched by an open watch ({other}); both record, each at its own cost: "
+         "close that one first (w.close()), or open watches as `with hw.watch(model) as w:`")
+
+
+RERUN = ("hw.watch: layers run under reentrant gradient checkpointing (torch.utils.checkpoint with "
+         "use_reentrant=True) are recomputed inside backward, where the watch does not see their δ and input: "
+         "{layers}: their delta_* and a_* statistics are NaN (not measured, though reached); grad_norm, weight_norm "
+         "and update_ratio are exact. use_reentrant=False (or gradient_checkpointing_kwargs={{'use_reentrant': "
+         "False}}) is seen in full")
 
 
 class Watch:
@@ -74,9 +91,17 @@ class Watch:
         if ps is not None and ps.note:
             self.notes.append(ps.note)
         self._listeners: list = []  # fn("rows", stats, step_stats, steps) as rows reach the host; fn("closed")
-        self._rows = HostRows(len(self._layers), self._detector, lambda: self._hooks.amp, ps is not None, self._tell)
-        self._hooks = StepHooks(self._layers, self._params, Rows(len(self._layers), self._params, pairs), ps, scaler,
-                                self.every, self._rows, self._step_ended, self.notes, flight_recorder)
+        self._amp = ScaleTrack(scaler) if scaler is not None else None
+        self.thread = threading.get_ident()  # the thread whose GradScaler.scale() calls tell the scaler (amp.py)
+        self._unseen_checks = 0  # steps checked for hooks that compiled code did not call (at most 3)
+        self._warned = False  # the "hooks not seen" warning, given once
+        self._rerun_layers: set = set()  # layers seen only inside backward (reentrant checkpointing)
+        self._rerun_note = None  # where their note is in self.notes
+        self._rows = HostRows(len(self._layers), self._detector, lambda: self._amp, ps is not None, self._tell)
+        self._tracer = Tracer(self._layers, capture=STATS, norms_rule=Watched(
+            self._layers, self._params, pairs, self.every, ps, self._scale_now, self._rows.add, self._rows.changed,
+            self._step_ended))
+        self._stats = self._tracer.keep  # the steps (capture/step_stats.StatsKeep)
         self._ps = ps
         if tensorboard is not None:  # written as rows reach the host
             from hookwidget.views.tensorboard import TensorBoardLog
@@ -95,27 +120,31 @@ class Watch:
             return self
         if self.closed:
             raise RuntimeError("this watch is closed; make a new one with hw.watch(model)")
-        s, hooks = self._stack, self._hooks
+        s = self._stack
+        other = next((w for m in self._layers if (w := _OPEN.get(m)) is not None and w is not self), None)
+        if other is not None:
+            warnings.warn(AGAIN.format(model=type(self.model).__name__, other=repr(other)), stacklevel=3)
         try:
-            s.callback(self._sweep)
-            s.callback(autograd_calls.unlisten, hooks)
-            for m in self._layers:
-                s.enter_context(Removing(m.register_forward_hook(hooks.forward)))
-            s.enter_context(Removing(optimizer_mod.register_optimizer_step_pre_hook(hooks.opt_pre)))
-            s.enter_context(Removing(optimizer_mod.register_optimizer_step_post_hook(hooks.opt_post)))
-            s.callback(amp.unlisten, hooks)
-            amp.listen(hooks)
-            autograd_calls.listen(hooks)
-            hooks.start()
+            s.enter_context(self._tracer)  # its hooks on; removed and swept when the stack closes
+            s.callback(amp.unlisten, self)
+            amp.listen(self)
             if self.flight_recorder:
-                self._flight = FlightRecorder(hooks, self.model, self.trace_budget_mb, self.max_kept)
+                self._flight = FlightRecorder(self._tracer, self.model, self.trace_budget_mb, self.max_kept)
                 s.callback(self._flight.close)
                 self._flight.open()
         except BaseException:
-            hooks.active = False
+            self._tracer.hooks.active = False
             self._stack.close()
             raise
+        for m in self._layers:
+            _OPEN[m] = self
+        s.callback(self._forget)
         return self
+
+    def _forget(self) -> None:
+        for m in self._layers:
+            if _OPEN.get(m) is self:
+                del _OPEN[m]
 
     def close(self) -> None:
         """Remove every hook (always, whatever happened in the loop), then move what is left to the host.
@@ -123,47 +152,87 @@ class Watch:
         if self.closed:
             return
         self.closed, was_active = True, self.active
-        try:
-            self._hooks.stop()
-        finally:
-            self._stack.close()
+        self._tracer.hooks.active = False
+        self._stack.close()
         if was_active:
             self._flush()
             if self._flight is not None:
                 self._flight.finish(self._detector.flagged)
             self._tell("closed")
 
-    def _sweep(self) -> None:
-        """Remove any hook of this watch still registered (one an interrupt left half-registered)."""
-        for d in [module_hooks(m)["forward"] for m in self._layers] + optimizer_hooks():
-            for key, fn in list(d.items()):
-                if getattr(fn, "__self__", None) is self._hooks:
-                    del d[key]
+    def _scale_now(self):
+        """The GradScaler's scale now (a device tensor), or None: asked as each backward starts."""
+        return self._amp.now() if self._amp is not None else None
+
+    def saw_scaler(self, scaler) -> None:
+        """A GradScaler.scale() call on the watch's thread (amp.py): unscale by it, unless told scaler=."""
+        if self._amp is None:
+            self._amp = ScaleTrack(scaler, explicit=False)
+        elif self._amp.scaler is not scaler and not self._amp.explicit and amp.SEVERAL not in self.notes:
+            self.notes.append(amp.SEVERAL)
+            warnings.warn(amp.SEVERAL, stacklevel=4)
 
     def _step_ended(self, step) -> None:
-        """Backward of `step` ended (hooks.py). Rows before it are complete (their optimizer step ran): with
-        the flight recorder on they go to the host now, to decide which Trace to keep; else in batches."""
+        """Backward of `step` ended (capture/step_stats.py): say what was not seen. Rows before it are complete
+        (their optimizer step ran): with the flight recorder on they go to the host now, to decide which Trace
+        to keep; else in batches."""
+        if step.compiled and self.flight_recorder and compiled.FLIGHT not in self.notes:
+            self.notes.append(compiled.FLIGHT)
+        if step.roots is not None:
+            self._unseen(step)
+        if step.rerun and step.recorded:
+            self._rerun(step.rerun)
+        odd = self._ps.odd_note() if self._ps is not None else None
+        if odd is not None and odd not in self.notes:
+            self.notes.append(odd)
         if self._flight is not None:
             self._flush(upto=step.index - 1)
             self._flight.step_ended(step.index, self._detector.flagged)
         elif len(self._rows.pending) > self.batch:
             self._flush(upto=step.index - 1)
 
+    def _rerun(self, layers: set) -> None:
+        """Layers that ran only inside backward (reentrant checkpointing): named in one note, warned once."""
+        new = sorted(layers - self._rerun_layers)
+        if not new:
+            return
+        self._rerun_layers.update(new)
+        names = [self.layer_names[li] for li in sorted(self._rerun_layers)]
+        note = RERUN.format(layers=", ".join(names[:8]) + (" ..." if len(names) > 8 else ""))
+        if self._rerun_note is None:  # the first: warned; later layers join the same note
+            self._rerun_note = len(self.notes)
+            self.notes.append(note)
+            warnings.warn(note, stacklevel=5)
+        else:
+            self.notes[self._rerun_note] = note
+
+    def _unseen(self, step) -> None:
+        """Backward reached the watched parameters, yet no hook of the watch ran: say once why, and the fix."""
+        roots, step.roots = step.roots, None
+        if self._unseen_checks >= 3 or self._warned:
+            return
+        self._unseen_checks += 1
+        how = compiled.reaches(roots, self._params)
+        if how is not None:
+            self._warned = True
+            self.notes.append(compiled.NOT_SEEN[how])
+            warnings.warn(compiled.NOT_SEEN[how], stacklevel=5)
+
     # -- host side -----------------------------------------------------------------------------
     @property
     def active(self) -> bool:
         """Whether the hooks are on (between open() and close())."""
-        return self._hooks.active
+        return self._tracer.hooks.active
 
     @property
     def _last(self):
         """The latest step whose backward ended (the live widget flushes the rows before it)."""
-        return self._hooks.last
+        return self._stats.last
 
     @property
     def _n(self) -> int:
         """Backward passes seen so far."""
-        return self._hooks.n
+        return self._stats.n
 
     @property
     def skipped(self) -> list:

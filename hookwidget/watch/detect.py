@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from hookwidget.watch.reduce import STAT_NAMES, S
+from hookwidget.capture.stat_rows import STAT_NAMES, S
 
 _COUNTS = [S[c] for c in ("delta_nan", "delta_inf", "a_nonfinite", "grad_nan", "grad_inf")]
 

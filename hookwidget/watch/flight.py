@@ -4,9 +4,6 @@ anomalous steps' Traces are kept."""
 from __future__ import annotations
 
 from hookwidget.capture import backward as autograd_calls
-from hookwidget.watch.hooks import StepHooks
-
-_OWN = f"forward: {StepHooks.forward.__qualname__}"  # the watch's forward hook, as a Trace lists hooks
 
 
 class FlightRecorder:
@@ -14,10 +11,10 @@ class FlightRecorder:
     backward k. When step k ends, the Trace of step k-1 is kept or dropped: so at most two Traces
     besides the kept ones are alive (the latest, and the one being recorded)."""
 
-    def __init__(self, hooks, model, budget_mb: float, max_kept: int):
+    def __init__(self, tracer, model, budget_mb: float, max_kept: int):
         from hookwidget.session import Session
 
-        self.hooks, self.max_kept = hooks, max_kept  # the watch's StepHooks (hooks.py)
+        self.tracer, self.max_kept = tracer, max_kept  # the watch's own tracer (keep strategy "stats")
         self.session = Session(None, model, {"capture": "full", "budget_mb": budget_mb}, kept_by="hw.watch")
         self._rec = None  # the open recording's context manager and Trace
         self.latest = None  # (step, Trace) of the latest completed step, not decided yet
@@ -28,8 +25,8 @@ class FlightRecorder:
         cm = self.session.recording()
         self._rec = (cm, cm.__enter__())
         # The watch listens after the recording's tracer: that must end its step before the watch closes it.
-        autograd_calls.unlisten(self.hooks)
-        autograd_calls.listen(self.hooks)
+        autograd_calls.unlisten(self.tracer)
+        autograd_calls.listen(self.tracer)
 
     def close(self):
         """End the open recording; its Trace, or None if no backward ran in it."""
@@ -37,10 +34,7 @@ class FlightRecorder:
         if rec is None:
             return None
         cm, trace = rec
-        cm.__exit__(None, None, None)
-        # The Trace lists hooks left on its modules as the user's: the watch's own are not.
-        trace.user_hooks = {n: mine for n, hooks in trace.user_hooks.items()
-                            if (mine := [h for h in hooks if h != _OWN])}
+        cm.__exit__(None, None, None)  # the watch's own hooks are not listed as the user's: they are hookwidget's
         return trace if trace.steps else None
 
     def step_ended(self, step: int, flagged) -> None:

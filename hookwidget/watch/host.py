@@ -1,12 +1,18 @@
 """The watch's rows on their way to the host: recorded steps wait on device and move in one transfer,
-`batch` steps at a time or when read; each moved row is judged by the detector and told to the listeners."""
+`batch` steps at a time or when read; each moved row is judged by the detector and told to the listeners.
+Small chunks on the host (one row each, with the flight recorder on) are merged into blocks, so a long run
+holds its rows and little else: layers × 12 + 2 float64 and one step index per recorded step."""
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
+from hookwidget.capture.stat_rows import F64, NAN, STAT_NAMES, S
 from hookwidget.watch.amp import SKIPPED
-from hookwidget.watch.reduce import F64, NAN, STAT_NAMES, S
+
+MERGE = 64  # small chunks on the host past which they are merged into one block
 
 
 class HostRows:
@@ -17,7 +23,8 @@ class HostRows:
     def __init__(self, n_layers: int, detector, amp, per_sample: bool, tell):
         self.L, self.detector, self.amp, self.per_sample, self.tell = n_layers, detector, amp, per_sample, tell
         self.pending: list = []  # recorded steps whose statistics are still on device
-        self.chunks, self.step_chunks, self.recorded = [], [], []
+        self.chunks, self.step_chunks, self.recorded = [], [], array("q")  # recorded: the step index of each row
+        self._blocks = 0  # leading chunks that are merged blocks already
         self.ps_chunks: list = []  # per_sample=True: (recorded steps, 2) on the host
         self.skipped: list = []  # steps whose optimizer step the GradScaler skipped (found inf/NaN)
         self._cache = None
@@ -53,8 +60,10 @@ class HostRows:
             s.host, s.row, s.step_row = (rows, r), None, None
         self.chunks.append(rows)
         self.step_chunks.append(step_rows)
-        self.recorded += [s.index for s in take]
+        self.recorded.extend(s.index for s in take)
         self._cache = None
+        if len(self.chunks) - self._blocks > MERGE:
+            self._merge()
         for r, s in enumerate(take):
             skip = None
             if skipped is not None and skipped[r, 1] < skipped[r, 0]:
@@ -63,6 +72,15 @@ class HostRows:
                 skip = SKIPPED.format(*skipped[r].tolist())
             self.detector.check(s.index, rows[r], step_rows[r], s.order, s.a_order, s.has_loss, skipped=skip)
         self.tell("rows", rows, step_rows, [s.index for s in take])
+
+    def _merge(self) -> None:
+        """The chunks after the last block but the newest (its latest step's update ratio may still be written
+        into it) concatenated into one block: each row is copied once more, at most."""
+        at = self._blocks
+        for chunks in (self.chunks, self.step_chunks, self.ps_chunks):
+            if len(chunks) > at + 1:
+                chunks[at:-1] = [torch.cat(chunks[at:-1])]
+        self._blocks += 1
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(stats, step_stats) of every recorded step on the host; the pending ones moved first."""

@@ -1,0 +1,229 @@
+"""The keep strategy "stats": the watch's per-step statistics, streamed by the one tracer (tracer.py).
+
+The tracer owns the hooks (one forward hook on each watched layer, the δ hook on its output, the optimizer
+hooks), their removal and the step boundaries; this strategy decides what each call reduces, on device and
+while the tensor is hot in cache (stat_rows.reduce_input / reduce_delta, per_sample's (a, δ) norms), and puts
+a recorded step's reductions together into its (layers, statistics) row in a few kernels when its backward
+ends. It keeps no Call, no StepRecord and no .grad copy (`records = False`): a watch left on for a million steps
+holds its rows only. The rows go to the watch through `Watched.add`; what it does with them (moving them to the
+host in batches, detection, the flight recorder) is the watch's.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Callable, NamedTuple
+
+import torch
+
+from hookwidget._torch.norms import foreach_copy_, foreach_sub_
+from hookwidget.capture import compiled_stats
+from hookwidget.capture.keep import Keep, register
+from hookwidget.capture.stat_rows import F64, NAN, Rows, S, _locals, add_delta, local, reduce_delta, reduce_input
+from hookwidget.capture.stat_rows import unscale as unscale_row
+from hookwidget.capture.tensors import first_tensor
+from hookwidget.stats import l2_batch
+
+STATS = "stats"  # the strategy's name (not a user capture mode: the watch makes its Tracer itself)
+
+
+class Watched(NamedTuple):
+    """What the watch hands the strategy (Tracer's `norms_rule=`): the watched `layers`, their parameters
+    `params` and the (layer index, parameter index) `pairs`; rows every `every` steps; `per_sample`: a
+    sample_stats.PerSample or None. The callbacks: `scale()` the GradScaler's scale now (a device tensor) or
+    None, asked as each backward starts; `add(step)` a recorded step's row is ready (on device); `changed()` a
+    row already on the host was written into; `ended(step)` a step's backward ended, recorded or not."""
+
+    layers: list
+    params: list
+    pairs: list
+    every: int
+    per_sample: object
+    scale: Callable
+    add: Callable
+    changed: Callable
+    ended: Callable
+
+
+class Step:
+    """What hooks gathered for one step (backward pass) while it runs; all on device."""
+
+    def __init__(self, index: int, recorded: bool):
+        self.index, self.recorded = index, recorded
+        self.delta: dict = {}  # layer index -> [‖δ‖², max|δ|, NaN, Inf] over its calls (compiled code's)
+        self.a: dict = {}  # layer index -> [Σa², zeros, non-finite, entries] over its calls (compiled code's)
+        self.order: dict = {}  # layer index -> position in backward order (δ arrival)
+        self.a_order: dict = {}  # layer index -> position in forward order (of the calls δ reached)
+        self.ds: list = []  # (layer index, forward position, reduce_delta(δ), reduce_input(a) or None) per call
+        self.calls = 0  # forward calls of watched layers so far
+        self.loss = None
+        self.has_loss = False
+        self.row = self.step_row = None  # (layers, stats) and [loss, global grad norm], when backward ends
+        self.host = None  # (host tensor, row) once moved to the host
+        self.update = self.touched = None  # Σ‖ΔW‖² per layer, and the layers an optimizer step changed
+        self.compiled = False  # statistics came (also) from compiled code (compiled_stats.py)
+        self.scale = self.next_scale = None  # a GradScaler's scale at this backward and at the next
+        self.roots = None  # the roots of a backward no eager hook saw (the watch judges why, then lets them go)
+        self.rerun: set = set()  # layers backward ran again (checkpointing) whose δ the hooks did not see
+        self.ps_batch, self.ps_calls, self.ps_sq, self.ps_bad = None, {}, {}, False  # per_sample=True (PerSample)
+        self.ps = None  # [largest per-sample gradient norm, its sample], when backward ends
+
+
+class StatsKeep(Keep):
+    """Per-step statistics of the watched layers; `rule` is the watch's `Watched`. `cur`: the step whose
+    forward/backward runs now; `last`: the latest step whose backward ended (optimizer steps belong to it);
+    `n`: backward passes seen (autograd.grad calls, gradient penalties, are not steps)."""
+
+    records = False
+    node_grads = False
+    updates = True
+
+    def __init__(self, budget, rule: Watched):
+        super().__init__(budget, rule)
+        self.layers, self.params, self.ps, self.every = rule.layers, rule.params, rule.per_sample, rule.every
+        self.layer_of = {m: i for i, m in enumerate(rule.layers)}
+        self.rows = Rows(len(rule.layers), rule.params, rule.pairs)
+        self.lock = threading.Lock()  # the δ hooks autograd may run on its device threads
+        self.kind = None  # the kind of the outermost backward running now
+        self.n = 0
+        self.cur = Step(0, True)
+        self.last: Step | None = None
+        self.opts = weakref.WeakKeyDictionary()  # optimizer -> (its param-group sizes, param indices, copies)
+        self.snap = None  # (optimizer, step, param indices, copies) between an optimizer's pre and post hooks
+        self.sinks = compiled_stats.sinks(rule.layers)  # where compiled code leaves its statistics
+
+    # -- calls: reduced now, while a and δ are hot in cache, to 0-d tensors -------------------------
+    def compiled_call(self, module, inputs, output):
+        return compiled_stats.probe(self.sinks[self.layer_of[module]], inputs, output)
+
+    def on_call(self, module, inputs, out):
+        cur = self.cur
+        if not cur.recorded:
+            return None
+        a = first_tensor(inputs)
+        cur.calls += 1
+        li = self.layer_of[module]
+        call = self.ps.forward(cur, li, module, a) if self.ps is not None else None
+        return li, reduce_input(a) if a is not None else None, cur.calls, call
+
+    def on_rerun(self, module) -> None:
+        self.cur.rerun.add(self.layer_of[module])
+
+    def on_delta(self, module, token, grad, modules) -> bool:
+        if self.kind != "backward":
+            return False  # autograd.grad calls (gradient penalties) are not steps
+        li, a_red, seq, call = token
+        red = reduce_delta(grad)
+        with self.lock:
+            cur = self.cur
+            if cur.recorded:
+                cur.ds.append((li, seq, red, a_red))
+                if call is not None:
+                    self.ps.delta(cur, li, call, grad)
+        return False
+
+    # -- steps -----------------------------------------------------------------------------------
+    def begin_pass(self, kind: str, tensors: list) -> None:
+        self.kind = kind
+        if kind != "backward":
+            return
+        cur = self.cur
+        cur.scale = self.rule.scale()
+        if self.last is not None and self.last.recorded:
+            self.last.next_scale = cur.scale
+        if cur.recorded:
+            scalars = [t for t in tensors if t.numel() == 1]
+            cur.loss = scalars[0].detach().reshape(()).clone() if scalars else None
+            cur.has_loss = bool(scalars)
+            if cur.calls == 0:
+                cur.roots = list(tensors)  # no layer hook ran in eager code: the watch judges why
+
+    def end_pass(self) -> None:
+        kind, self.kind = self.kind, None
+        if kind != "backward":
+            return
+        step = self.cur
+        compiled_stats.take(self.sinks, step)
+        if step.roots is not None and (step.delta or step.ds):
+            step.roots = None  # compiled code's hooks saw it
+        if step.rerun:  # those whose δ arrived were seen (non-reentrant checkpointing): not missed
+            step.rerun -= {d[0] for d in step.ds}
+        if step.recorded:
+            self._reduce(step)
+            unscale_row(step.row, step.step_row, step.scale)
+            step.delta = step.a = step.loss = step.ds = None
+            self.rule.add(step)
+        self.last = step
+        self.n += 1
+        self.cur = Step(self.n, self.n % self.every == 0)
+        self.rule.ended(step)
+
+    def _reduce(self, step) -> None:
+        """The step's (layers, stats) row from what its hooks reduced, put together on device in a few kernels."""
+        dev = self.params[0].device
+        for li, seq, _, a_red in step.ds:
+            if li not in step.order:
+                step.order[li] = len(step.order)  # backward order: the first δ of each layer
+            if a_red is not None:
+                step.a_order[li] = min(seq, step.a_order.get(li, seq))
+        if step.delta or step.a:  # compiled code left statistics too (compiled_stats.take): merged per layer
+            for li, _, (n, lo, hi, counts), a_red in step.ds:
+                z = torch.zeros(2, dtype=F64, device=n.device) if counts is None else counts
+                st = torch.cat([torch.stack([n.double().square(), torch.maximum(lo.abs(), hi.abs()).double()]), z])
+                step.delta[li] = add_delta(step.delta[li], st) if li in step.delta else st
+                if a_red is not None:
+                    n, nz, k, bad = a_red
+                    st = torch.stack([n.double().square(), k - nz.double(),
+                                      bad if bad is not None else torch.zeros((), dtype=F64, device=n.device),
+                                      torch.full((), float(k), dtype=F64, device=n.device)])
+                    step.a[li] = step.a[li] + st if li in step.a else st
+            step.row, step.step_row = self.rows.row(step.delta, step.a, step.loss, dev)
+        else:
+            step.row, step.step_row = self.rows.row_from([(li, *d) for li, _, d, _ in step.ds],
+                                                         [(li, *a) for li, _, _, a in step.ds if a is not None],
+                                                         step.loss, dev)
+        if self.ps is not None:
+            step.ps = self.ps.end(step, dev)
+            if step.scale is not None:  # backward ran on loss · scale: so did every sample's gradient
+                step.ps[0].div_(step.scale.to(dev, F64))
+
+    # -- optimizer steps: the update ratio ‖ΔW‖/‖W‖ -------------------------------------------
+    def before_update(self, opt) -> None:
+        step = self.last
+        if step is None or not step.recorded:
+            return
+        sizes = tuple(len(g["params"]) for g in opt.param_groups)
+        hit = self.opts.get(opt)
+        if hit is None or hit[0] != sizes:
+            ids = {id(p) for g in opt.param_groups for p in g["params"]}
+            idx = tuple(i for i, p in enumerate(self.params) if id(p) in ids)
+            hit = self.opts[opt] = (sizes, idx, [torch.empty_like(local(self.params[i])) for i in idx])
+        _, idx, copies = hit
+        if not idx:
+            return
+        foreach_copy_(copies, _locals([self.params[i] for i in idx]))  # detached: nothing recorded
+        self.snap = (opt, step, idx, copies)
+
+    def after_update(self, opt) -> None:
+        snap, self.snap = self.snap, None
+        if snap is None or snap[0] is not opt:
+            return
+        _, step, idx, copies = snap
+        dev = copies[0].device
+        foreach_sub_(copies, _locals([self.params[i] for i in idx]))
+        sq, mask = self.rows.update(idx, l2_batch(copies), dev)
+        step.update = sq if step.update is None else step.update + sq
+        step.touched = mask if step.touched is None else step.touched | mask
+        col = S["update_ratio"]
+        if step.host is None:
+            row = step.row
+            row[:, col] = torch.where(step.touched, step.update.sqrt() / row[:, S["weight_norm"]], NAN)
+        else:  # read already (w.stats mid-step): write into the host copy (one sync, only then)
+            host, r = step.host
+            w = host[r, :, S["weight_norm"]]
+            host[r, :, col] = torch.where(step.touched.cpu(), step.update.cpu().sqrt() / w, NAN)
+            self.rule.changed()
+
+
+register(STATS, StatsKeep)
