@@ -97,6 +97,14 @@ describe("axis zoom", () => {
     expect(el.querySelector("[data-testid=watch-zoom-range]").textContent).toMatch(/^steps \d+–\d+$/);
     el.querySelector("[data-testid=watch-zoom-all]").click();
     expect(v.layout.n).toBe(300);
+    const heat = el.querySelector("[data-testid=watch-heatmap]"), axis = el.querySelector("[data-testid=watch-axis]");
+    heat.dispatchEvent(new WheelEvent("wheel", { deltaY: -100, clientX: 0, cancelable: true }));
+    expect([v.layout.v0, v.layout.n]).toEqual([60, 180]); // zoomed in ×0.6 (happy-dom has no clientX on a wheel: the middle)
+    el.querySelector("[data-testid=watch-zoom-all]").click();
+    const colW = v.layout.colW, at = (r) => (r + 0.5) * colW;
+    axis.dispatchEvent(new MouseEvent("mousedown", { clientX: at(195), bubbles: true }));
+    axis.dispatchEvent(new MouseEvent("mouseup", { clientX: at(205), bubbles: true }));
+    expect([v.layout.v0, v.layout.v1, v.layout.colW]).toEqual([195, 206, 24]); // a brushed range: steps to click
     v.select(203);
     expect(el.querySelector("[data-testid=watch-readout]").textContent).toMatch(/global ‖grad‖₂ overflow .*fc1 overflow/);
     v.destroy();

@@ -46,6 +46,7 @@ export const CSS = `
 .hw-w-kept button.anomalous { border-color: var(--hw-error); }
 .hw-w-kept button.on { outline: 2px solid var(--hw-selected); }
 .hw-w-readout { min-height: 1.4em; color: var(--hw-fg); white-space: nowrap; overflow: hidden; text-overflow: ellipsis; font-variant-numeric: tabular-nums; }
+.hw-w-readout.pinned { white-space: normal; } /* a clicked step: all of its values */
 .hw-w-anoms { max-height: 110px; overflow: auto; font-size: 11px; margin: 0; padding-left: 18px; }
 .hw-w-anoms summary { cursor: pointer; }
 .hw-w-status { padding: 2px 6px; border-radius: 3px; background: var(--hw-bg2); white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }

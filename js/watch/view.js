@@ -7,7 +7,7 @@ import { h as hh } from "../shared/dom.js";
 import { fmt } from "../shared/format.js";
 import { bins, chooseScale, colourOf, cssOf, INF_RGB, NAN_RGB, pick, position, ZERO_RGB } from "./scale.js";
 import { installWatchStyles } from "./styles.js";
-import { around, brush, pan, visible, zoom } from "./axis.js";
+import { around, bindAxis, visible, zoom } from "./axis.js";
 import { leadsOf } from "./leads.js";
 import { fmtOver, OVERFLOW_RGB, overflowAt, stepOverflowAt } from "./overflow.js";
 
@@ -42,7 +42,7 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
   const rowH = rowHeight(L);
   let stat = meta.stats.includes("grad_norm") ? "grad_norm" : meta.stats[0];
   let openStep = null, frame = 0, layout = null;
-  let view = null, selected = null, drag = null; // view: the rows shown (axis.js); selected: a clicked step
+  let view = null, selected = null; // view: the rows shown (axis.js); selected: a clicked step
 
   const select = h("select", { "data-testid": "watch-stat", title: "the statistic the heatmap, sparklines and values show", onchange: () => { stat = select.value; redraw(); } },
     ...meta.stats.map((s) => h("option", { value: s, text: `${s} · ${STAT_LABELS[s] || s}`, selected: s === stat })));
@@ -101,20 +101,8 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     const k = store.kept.find((s) => { const r = store.rowOf(s); return r >= at.first && r < at.end; });
     if (k !== undefined) open(k);
   });
-  for (const c of [heat, lossC, normC, axis, marks]) c.addEventListener("wheel", (e) => {
-    if (!layout?.n) return;
-    e.preventDefault();
-    const x = e.clientX - c.getBoundingClientRect().left, span = layout.cols * layout.colW || 1;
-    if (e.shiftKey) setView(pan(view, store.n, Math.sign(e.deltaY || e.deltaX) * Math.max(1, Math.round((layout.v1 - layout.v0) / 5))));
-    else setView(zoom(view, store.n, Math.max(0, Math.min(1, x / span)), e.deltaY < 0 ? 0.6 : 1 / 0.6, 3));
-  }, { passive: false });
-  const rowAt = (e) => { const at = locate(e, "axis"); return at ? at.first : null; };
-  axis.addEventListener("mousedown", (e) => { drag = rowAt(e); e.preventDefault(); });
-  axis.addEventListener("mouseup", (e) => {
-    const r = rowAt(e);
-    if (drag !== null && r !== null && r !== drag) setView(brush(store.n, drag, r, 3));
-    drag = null;
-  });
+  bindAxis({ plots: [heat, lossC, normC, axis, marks], axis, n: () => store.n, layout: () => layout, view: () => view, setView,
+    rowAt: (e) => { const at = locate(e, "axis"); return at ? at.first : null; } });
 
   const unsubscribe = store.subscribe(schedule);
   const ro = typeof ResizeObserver !== "undefined" ? new ResizeObserver(schedule) : null;
@@ -154,6 +142,7 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     selected = r;
     redraw();
     readout.textContent = stepText(r);
+    readout.classList.add("pinned");
   }
 
   /** A step's leading statistics: the update ratio and gradient norm of each layer, the global gradient norm. */
@@ -438,6 +427,7 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     if (notes.length) text += ` · ⚠ ${notes.join("; ")}`;
     if (store.kept.some((s) => { const r = store.rowOf(s); return r >= first && r < end; })) text += " · click to open its Trace";
     readout.textContent = text;
+    readout.classList.remove("pinned");
   }
 
   async function open(step) {
