@@ -80,9 +80,10 @@ def click_step(watch, page, step):
 
 def check_lead_and_zoom(page, watch, img_dir, name):
     first = watch.locator('[data-testid="watch-first-lead"]')
-    page.wait_for_function("(t) => document.querySelector('[data-testid=watch-first-lead]')?.textContent.includes(t)", arg=LEAD)
+    page.wait_for_function("(t) => document.querySelector('[data-testid=watch-first-lead]')?.textContent.includes(t)",
+                           arg=LEAD)
     text = first.inner_text()
-    assert text.startswith("") and "first at step 201" in text and "learning rate" in text, text
+    assert f"(first at step 201 · {LEAD}" in text and "learning rate (or optimizer) changed" in text, text
     _, _, col_w = layout(watch)
     assert col_w < 4, col_w  # 300 steps: a step is a few px before zooming
     # The wheel over step 200 zooms around it until a step is a clickable column.
@@ -111,7 +112,8 @@ def check_lead_and_zoom(page, watch, img_dir, name):
     # The kept step 201 opens with its update ratios and its lead above the Trace.
     watch.locator('[data-kept-step="201"]').click()
     facts = watch.locator('[data-testid="watch-step-facts"]')
-    page.wait_for_function("() => document.querySelector('[data-testid=watch-step-facts]')?.textContent.startsWith('step 201')")
+    page.wait_for_function(
+        "() => document.querySelector('[data-testid=watch-step-facts]')?.textContent.startsWith('step 201')")
     assert "update ratio" in facts.inner_text() and LEAD in facts.inner_text()
     watch.locator('[data-testid="watch-trace"] .hw-root').first.wait_for(timeout=60_000)
     watch.screenshot(path=str(img_dir / f"watch_lead_trace_{name}.png"))
