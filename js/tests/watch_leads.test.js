@@ -92,6 +92,7 @@ describe("axis zoom", () => {
     expect(first.textContent).toMatch(/first at step 201 · lead: step 200: update ratio/);
     el.querySelector("li[data-step='201'] .hw-w-lead").click();
     expect(v.layout.colW).toBe(24);
+    expect(el.querySelector("[data-testid=watch-stat]").value).toBe("update_ratio");
     expect(v.layout.v0 <= 200 && v.layout.v1 > 200).toBe(true);
     expect(el.querySelector("[data-testid=watch-readout]").textContent).toMatch(/^step 200 · .*update ratio/);
     expect(el.querySelector("[data-testid=watch-zoom-range]").textContent).toMatch(/^steps \d+–\d+$/);

@@ -375,6 +375,7 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
   function showLead(lead) {
     const span = Math.max(3, Math.min(store.n, Math.floor((layout?.W || 600) / CELL)));
     view = around(store.n, lead.row, span);
+    if (meta.stats.includes(lead.stat)) select.value = stat = lead.stat; // the heatmap shows the cause
     select_(lead.row);
   }
 

@@ -109,6 +109,7 @@ def check_lead_and_zoom(page, watch, img_dir, name):
     v0, v1, col_w = layout(watch)
     assert col_w >= 20 and v0 <= 200 < v1, (v0, v1, col_w)
     assert watch.locator('[data-testid="watch-readout"]').inner_text().startswith("step 200 · ")
+    assert watch.locator('[data-testid="watch-stat"]').input_value() == "update_ratio"  # the heatmap shows the cause
     # The kept step 201 opens with its update ratios and its lead above the Trace.
     watch.locator('[data-kept-step="201"]').click()
     facts = watch.locator('[data-testid="watch-step-facts"]')
