@@ -46,11 +46,18 @@ export const CSS = `
 .hw-w-kept button.anomalous { border-color: var(--hw-error); }
 .hw-w-kept button.on { outline: 2px solid var(--hw-selected); }
 .hw-w-readout { min-height: 1.4em; color: var(--hw-fg); white-space: nowrap; overflow: hidden; text-overflow: ellipsis; font-variant-numeric: tabular-nums; }
+.hw-w-readout.pinned { white-space: normal; } /* a clicked step: all of its values */
 .hw-w-anoms { max-height: 110px; overflow: auto; font-size: 11px; margin: 0; padding-left: 18px; }
 .hw-w-anoms summary { cursor: pointer; }
 .hw-w-status { padding: 2px 6px; border-radius: 3px; background: var(--hw-bg2); white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 .hw-w-status[data-state="error"] { color: var(--hw-error); }
 .hw-w-trace { overflow-x: auto; }
+.hw-w-zoom { display: inline-flex; gap: 3px; align-items: center; }
+.hw-w-zoom button, .hw-w-lead { font: inherit; color: var(--hw-fg); background: var(--hw-bg2); border: 1px solid var(--hw-border); border-radius: 3px; padding: 0 6px; cursor: pointer; }
+.hw-w-lead { margin-left: 6px; color: var(--hw-selected); text-align: left; }
+.hw-w-axis { cursor: ew-resize; user-select: none; }
+.hw-w-facts { font-size: 11px; margin: 4px 0; word-break: break-word; }
+.hw-w-facts:empty { display: none; }
 .hw-w-trace:empty { display: none; }
 .hw-w-trace-title { font-weight: 600; margin: 4px 0; }
 `;

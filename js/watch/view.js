@@ -7,6 +7,9 @@ import { h as hh } from "../shared/dom.js";
 import { fmt } from "../shared/format.js";
 import { bins, chooseScale, colourOf, cssOf, INF_RGB, NAN_RGB, pick, position, ZERO_RGB } from "./scale.js";
 import { installWatchStyles } from "./styles.js";
+import { around, bindAxis, visible, zoom } from "./axis.js";
+import { leadsOf } from "./leads.js";
+import { fmtOver, OVERFLOW_RGB, overflowAt, stepOverflowAt } from "./overflow.js";
 
 export const STAT_LABELS = {
   grad_norm: "‖W.grad‖₂", delta_norm: "‖δ‖₂ (output gradient)", delta_max: "max |δ|", a_rms: "RMS of the input a",
@@ -39,13 +42,20 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
   const rowH = rowHeight(L);
   let stat = meta.stats.includes("grad_norm") ? "grad_norm" : meta.stats[0];
   let openStep = null, frame = 0, layout = null;
+  let view = null, selected = null; // view: the rows shown (axis.js); selected: a clicked step
 
   const select = h("select", { "data-testid": "watch-stat", title: "the statistic the heatmap, sparklines and values show", onchange: () => { stat = select.value; redraw(); } },
     ...meta.stats.map((s) => h("option", { value: s, text: `${s} · ${STAT_LABELS[s] || s}`, selected: s === stat })));
   const summary = h("span", { class: "hw-w-dim", "data-testid": "watch-summary" });
   const state = h("span", { class: "hw-w-state", "data-testid": "watch-state" });
   const legend = h("span", { class: "hw-w-legend", "data-testid": "watch-legend" });
-  const head = h("div", { class: "hw-w-head" }, h("span", { class: "hw-w-title", text: "hw.watch" }), state, summary, h("label", {}, "statistic ", select), legend);
+  const zoomBy = (f) => setView(zoom(view, store.n, 0.5, f, 3));
+  const zoomLabel = h("span", { class: "hw-w-dim", "data-testid": "watch-zoom-range" });
+  const zoomBox = h("span", { class: "hw-w-zoom", title: "zoom the step axis (or: the wheel over a plot, a drag along the step axis)" },
+    h("button", { "data-testid": "watch-zoom-in", text: "+", onclick: () => zoomBy(0.5) }),
+    h("button", { "data-testid": "watch-zoom-out", text: "−", onclick: () => zoomBy(2) }),
+    h("button", { "data-testid": "watch-zoom-all", text: "all steps", onclick: () => setView(null) }), zoomLabel);
+  const head = h("div", { class: "hw-w-head" }, h("span", { class: "hw-w-title", text: "hw.watch" }), state, summary, h("label", {}, "statistic ", select), zoomBox, legend);
 
   // Rows under 9 px: every `every`-th name and value is written (at a readable size), all have a tooltip.
   const every = rowH >= 9 ? 1 : Math.ceil(12 / rowH);
@@ -61,7 +71,7 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
   const lossV = h("div", { class: "hw-w-value" }), normV = h("div", { class: "hw-w-value" });
   // The charts' ranges sit under their names (text in the page: readable in any theme, never over the data).
   const lossR = h("div", { class: "hw-w-range", "data-testid": "watch-loss-range" }), normR = h("div", { class: "hw-w-range" });
-  const axis = h("div", { class: "hw-w-axis", "data-testid": "watch-axis" });
+  const axis = h("div", { class: "hw-w-axis", "data-testid": "watch-axis", title: "drag along the steps to zoom to them; the wheel zooms, shift+wheel pans" });
   const plot = h("div", { class: "hw-w-plot" }, heat);
   const grid = h("div", { class: "hw-w-grid" + (rowH < 9 ? " no-spark" : "") },
     h("div", { class: "hw-w-colhead", text: "layer" }), h("div", { class: "hw-w-colhead hw-w-heathead", text: "" }), h("div", { class: "hw-w-colhead hw-w-spark", text: "over the steps" }), h("div", { class: "hw-w-colhead", text: "latest" }),
@@ -74,7 +84,9 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
   const kept = h("div", { class: "hw-w-kept", "data-testid": "watch-kept" });
   const anoms = h("details", { class: "hw-w-anoms-box", "data-testid": "watch-anomalies" });
   const status = h("div", { class: "hw-w-status", "data-testid": "watch-status", "data-state": "idle" });
-  const trace = h("div", { class: "hw-w-trace", "data-testid": "watch-trace" });
+  const facts = h("div", { class: "hw-w-facts", "data-testid": "watch-step-facts" });
+  const traceHost = h("div", {});
+  const trace = h("div", { class: "hw-w-trace", "data-testid": "watch-trace" }, facts, traceHost);
   const root = h("div", { class: "hw-watch", "data-testid": "watch" }, head, grid, readout, kept, anoms, status, trace);
   installWatchStyles(root, nonce);
   el.replaceChildren(root);
@@ -85,9 +97,12 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
   heat.addEventListener("click", (e) => {
     const at = locate(e, "heat");
     if (!at) return;
+    if (at.end - at.first === 1) select_(at.first);
     const k = store.kept.find((s) => { const r = store.rowOf(s); return r >= at.first && r < at.end; });
     if (k !== undefined) open(k);
   });
+  bindAxis({ plots: [heat, lossC, normC, axis, marks], axis, n: () => store.n, layout: () => layout, view: () => view, setView,
+    rowAt: (e) => { const at = locate(e, "axis"); return at ? at.first : null; } });
 
   const unsubscribe = store.subscribe(schedule);
   const ro = typeof ResizeObserver !== "undefined" ? new ResizeObserver(schedule) : null;
@@ -106,20 +121,54 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
   /** Columns of the plots: rows per column and the width of one. */
   function measure() {
     const W = Math.max(120, Math.floor(plot.clientWidth || 600));
-    const n = store.n, cols = Math.min(n, W);
+    const [v0, v1] = visible(view, store.n), n = v1 - v0, cols = Math.min(n, W);
     const colW = n * CELL <= W ? CELL : n ? W / cols : CELL;
-    return { W, n, cols, colW, bins: bins(n, cols) };
+    return { W, n, v0, v1, cols, colW, bins: bins(n, cols).map(([a, b]) => [a + v0, b + v0]) };
+  }
+
+  /** The column that shows row r (-1 when it is outside the zoomed range). */
+  function colOf(r) {
+    const { v0, v1, n, cols } = layout;
+    return r < v0 || r >= v1 ? -1 : columnOf(r - v0, n, cols);
+  }
+
+  function setView(next) {
+    view = next;
+    redraw();
+  }
+
+  /** Select row r (a single step: the heatmap outlines it, the readout holds its leading statistics). */
+  function select_(r) {
+    selected = r;
+    redraw();
+    readout.textContent = stepText(r);
+    readout.classList.add("pinned");
+  }
+
+  /** A step's leading statistics: the update ratio and gradient norm of each layer, the global gradient norm. */
+  function stepText(r) {
+    const parts = [];
+    for (const name of ["update_ratio", "grad_norm"]) {
+      const k = meta.stats.indexOf(name);
+      if (k < 0) continue;
+      parts.push(`${STAT_LABELS[name] || name}: ` + meta.layers.map((layer, l) => `${layer} ${fmtOver(store.value(r, l, k), overflowAt(store, r, l, k))}`).join(", "));
+    }
+    const lr = "(learning rate: not recorded by the watch)";
+    return `step ${fmt(store.steps[r])} · loss ${fmt(store.stepValue(r, 0))} · global ‖grad‖₂ ${fmtOver(store.stepValue(r, 1), stepOverflowAt(store, r, 1))} · ${parts.join(" · ")} ${lr}`;
   }
 
   function redraw() {
     layout = measure();
     const { n } = layout;
     const k = meta.stats.indexOf(stat);
-    const total = store.totalSteps ?? (n ? store.steps[n - 1] + 1 : 0);
-    summary.textContent = `${fmt(L)} layer${L === 1 ? "" : "s"} · ${fmt(n)} step${n === 1 ? "" : "s"} recorded${total > n ? ` (of ${fmt(total)})` : ""} · ${fmt(store.anomalies.length)} anomal${store.anomalies.length === 1 ? "y" : "ies"}`;
+    const N = store.n, total = store.totalSteps ?? (N ? store.steps[N - 1] + 1 : 0);
+    zoomLabel.textContent = N && layout.n < N ? `steps ${fmt(store.steps[layout.v0])}–${fmt(store.steps[layout.v1 - 1])}` : "";
+    zoomBox.dataset.v0 = String(layout.v0); zoomBox.dataset.v1 = String(layout.v1);
+    summary.textContent = `${fmt(L)} layer${L === 1 ? "" : "s"} · ${fmt(N)} step${N === 1 ? "" : "s"} recorded${total > N ? ` (of ${fmt(total)})` : ""} · ${fmt(store.anomalies.length)} anomal${store.anomalies.length === 1 ? "y" : "ies"}`;
     state.textContent = store.state === "open" ? "recording" : "closed";
     state.className = `hw-w-state ${store.state}`;
-    heat.dataset.steps = String(n);
+    heat.dataset.steps = String(N);
+    heat.dataset.colW = String(layout.colW);
     drawHeat(k);
     drawSparks(k);
     drawMarks();
@@ -128,7 +177,7 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     drawAxis();
     drawKept();
     drawAnomalies();
-    if (store.state === "closed" && status.dataset.state === "idle" && !readonly) setStatus("idle", `${fmt(n)} steps recorded; the watch is closed`);
+    if (store.state === "closed" && status.dataset.state === "idle" && !readonly) setStatus("idle", `${fmt(N)} steps recorded; the watch is closed`);
   }
 
   function scaleOfStat(k) {
@@ -151,7 +200,10 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
       const [a, b] = bs[c];
       const x0 = Math.floor(c * colW), x1 = Math.floor((c + 1) * colW);
       for (let l = 0; l < L; l++) {
-        ctx.fillStyle = cssOf(colourOf(pick((r) => store.value(r, l, k), a, b), scale));
+        const v = pick((r) => store.value(r, l, k), a, b);
+        let over = false;
+        for (let r = a; r < b && v === Infinity && !over; r++) over = overflowAt(store, r, l, k);
+        ctx.fillStyle = cssOf(over ? OVERFLOW_RGB : colourOf(v, scale));
         ctx.fillRect(x0, l * rowH, Math.max(1, x1 - x0), rowH);
       }
     }
@@ -162,7 +214,8 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     for (const [step, list] of byStep) {
       const r = store.rowOf(step);
       if (r < 0) continue;
-      const c = columnOf(r, store.n, cols);
+      const c = colOf(r);
+      if (c < 0) continue;
       for (const [where] of list) {
         const l = meta.layers.indexOf(where);
         if (l < 0 || outlined.has(l)) continue;
@@ -170,9 +223,11 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
         ctx.strokeRect(Math.floor(c * colW) + 1, l * rowH + 1, Math.max(2, Math.floor(colW) - 2), rowH - 2);
       }
     }
+    const sc = selected === null ? -1 : colOf(selected);
+    if (sc >= 0) { ctx.strokeStyle = "#2563eb"; ctx.strokeRect(Math.floor(sc * colW) + 1, 1, Math.max(2, Math.floor(colW) - 2), L * rowH - 2); }
     labels.childNodes.forEach((node, l) => {
       let bad = false;
-      for (let r = 0; r < store.n && !bad; r++) { const v = store.value(r, l, k); bad = store.received(r) && !Number.isFinite(v) && !Number.isNaN(v); }
+      for (let r = 0; r < store.n && !bad; r++) { const v = store.value(r, l, k); bad = store.received(r) && !Number.isFinite(v) && !Number.isNaN(v) && !overflowAt(store, r, l, k); }
       node.classList.toggle("bad", bad);
     });
   }
@@ -190,6 +245,7 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
       h("span", { class: "hw-w-dim", text: scale.log ? "(log scale)" : "(linear)" }),
       h("span", { class: "hw-w-sw", style: `background:${cssOf(NAN_RGB)}` }), h("span", { text: "NaN (or not measured)" }),
       h("span", { class: "hw-w-sw", style: `background:${cssOf(INF_RGB)}` }), h("span", { text: "Inf" }),
+      h("span", { class: "hw-w-sw", style: `background:${cssOf(OVERFLOW_RGB)}` }), h("span", { text: "overflow (entries finite)" }),
       ...(scale.log ? [h("span", { class: "hw-w-sw", style: `background:${cssOf(ZERO_RGB)}` }), h("span", { text: "0" })] : []));
   }
 
@@ -198,9 +254,10 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     const last = store.n - 1;
     values.childNodes.forEach((node, l) => {
       const v = last >= 0 ? store.value(last, l, k) : NaN;
-      node.textContent = node.classList.contains("hw-w-quiet") ? "" : last >= 0 ? fmt(v) : "–";
+      const over = last >= 0 && overflowAt(store, last, l, k);
+      node.textContent = node.classList.contains("hw-w-quiet") ? "" : last >= 0 ? fmtOver(v, over) : "–";
       node.title = `${meta.layers[l]}: ${stat} at step ${last >= 0 ? store.steps[last] : "–"}`;
-      node.classList.toggle("bad", last >= 0 && !Number.isFinite(v) && !Number.isNaN(v));
+      node.classList.toggle("bad", last >= 0 && !Number.isFinite(v) && !Number.isNaN(v) && !over);
     });
     if (!ctx || rowH < 9) return;
     ctx.clearRect(0, 0, SPARK_W, spark.height);
@@ -252,7 +309,7 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     const scale = chooseScale(pts);
     const last = store.n - 1;
     const v = last >= 0 ? store.stepValue(last, j) : NaN;
-    valueEl.textContent = last >= 0 ? fmt(v) : "–";
+    valueEl.textContent = last >= 0 ? fmtOver(v, stepOverflowAt(store, last, j)) : "–";
     valueEl.classList.toggle("bad", last >= 0 && !Number.isFinite(v));
     valueEl.style.lineHeight = `${CHART_H}px`;
     canvas.dataset.scale = scale.log ? "log" : "linear";
@@ -276,7 +333,9 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     for (const [step, list] of store.anomalyMap()) {
       const r = store.rowOf(step);
       if (r < 0) continue;
-      const x = Math.floor(columnOf(r, store.n, cols) * colW);
+      const c = colOf(r);
+      if (c < 0) continue;
+      const x = Math.floor(c * colW);
       ctx.fillStyle = anomalyColour(list.map((a) => a[1]).join(" "));
       ctx.fillRect(x, 0, Math.max(2, Math.floor(colW)), 5);
     }
@@ -284,19 +343,21 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     for (const s of store.kept) {
       const r = store.rowOf(s);
       if (r < 0) continue;
-      const x = (columnOf(r, store.n, cols) + 0.5) * colW;
+      const c = colOf(r);
+      if (c < 0) continue;
+      const x = (c + 0.5) * colW;
       ctx.beginPath(); ctx.moveTo(x - 4, 10); ctx.lineTo(x + 4, 10); ctx.lineTo(x, 5); ctx.fill();
     }
   }
 
   function drawAxis() {
-    const { n, cols, colW } = layout;
+    const { n, v0, cols, colW } = layout;
     const ticks = [];
     if (n) {
       const want = Math.max(2, Math.min(8, Math.floor((cols * colW) / 90)));
-      for (let i = 0; i < want; i++) ticks.push(Math.round((i * (n - 1)) / Math.max(want - 1, 1)));
+      for (let i = 0; i < want; i++) ticks.push(v0 + Math.round((i * (n - 1)) / Math.max(want - 1, 1)));
     }
-    axis.replaceChildren(...[...new Set(ticks)].map((r) => h("span", { style: `left:${(columnOf(r, n, cols) + 0.5) * colW}px`, text: fmt(store.steps[r] ?? r) })));
+    axis.replaceChildren(...[...new Set(ticks)].map((r) => h("span", { style: `left:${(colOf(r) + 0.5) * colW}px`, text: fmt(store.steps[r] ?? r) })));
   }
 
   function drawKept() {
@@ -310,12 +371,29 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     kept.replaceChildren(h("span", { class: "hw-w-dim", text: buttons.length ? "kept Traces:" : "no Trace kept (flight recorder off, or no step yet)" }), ...buttons, ...more);
   }
 
+  /** Zoom the axis around the lead's step (one step a clickable column) and select it. */
+  function showLead(lead) {
+    const span = Math.max(3, Math.min(store.n, Math.floor((layout?.W || 600) / CELL)));
+    view = around(store.n, lead.row, span);
+    if (meta.stats.includes(lead.stat)) select.value = stat = lead.stat; // the heatmap shows the cause
+    select_(lead.row);
+  }
+
+  function leadButton(lead) { return h("button", { class: "hw-w-lead", "data-lead-step": String(lead.step), title: "zoom the steps to it and select it", text: `lead: ${lead.text}`, onclick: () => showLead(lead) }); }
+
   function drawAnomalies() {
     const list = store.anomalies;
     anoms.hidden = list.length === 0;
-    const shown = list.slice(0, 200);
-    anoms.replaceChildren(h("summary", { text: `${fmt(list.length)} anomal${list.length === 1 ? "y" : "ies"}${list.length ? ` (first at step ${fmt(list[0][0])})` : ""}` }),
-      h("ul", { class: "hw-w-anoms" }, ...shown.map(([step, where, reason]) => h("li", { text: `step ${fmt(step)} · ${where}: ${reason}` })),
+    if (list.length && !anoms.dataset.opened) { anoms.open = true; anoms.dataset.opened = "1"; }
+    const shown = list.slice(0, 200), leads = leadsOf(store), first = list.length ? leads.get(list[0][0]) : null;
+    const seen = new Set();
+    const item = ([step, where, reason]) => {
+      const lead = seen.has(step) ? null : leads.get(step);
+      seen.add(step);
+      return h("li", { "data-step": String(step) }, h("span", { text: `step ${fmt(step)} · ${where}: ${reason}` }), lead ? leadButton(lead) : null);
+    };
+    anoms.replaceChildren(h("summary", { "data-testid": "watch-first-lead", text: `${fmt(list.length)} anomal${list.length === 1 ? "y" : "ies"}${list.length ? ` (first at step ${fmt(list[0][0])}${first ? ` · lead: ${first.text}` : ""})` : ""}` }),
+      h("ul", { class: "hw-w-anoms" }, ...shown.map(item),
         list.length > shown.length ? h("li", { class: "hw-w-dim", text: `… ${fmt(list.length - shown.length)} more (w.anomalies)` }) : null));
   }
 
@@ -336,10 +414,13 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     const { first, end, layer } = at;
     const steps = end - first > 1 ? `steps ${fmt(store.steps[first])}–${fmt(store.steps[end - 1])} (largest |value|)` : `step ${fmt(store.steps[first])}`;
     let text;
-    if (where === "heat") text = `${meta.layers[layer]} · ${steps} · ${stat} = ${fmt(pick((r) => store.value(r, layer, meta.stats.indexOf(stat)), first, end))}`;
-    else {
-      const j = where === "loss" ? 0 : 1;
-      text = `${steps} · ${where === "loss" ? "loss" : "global ‖grad‖₂"} = ${fmt(pick((r) => store.stepValue(r, j), first, end))}`;
+    const overIn = (f) => { for (let r = first; r < end; r++) if (f(r)) return true; return false; };
+    if (where === "heat") {
+      const k = meta.stats.indexOf(stat), v = pick((r) => store.value(r, layer, k), first, end);
+      text = `${meta.layers[layer]} · ${steps} · ${stat} = ${fmtOver(v, v === Infinity && overIn((r) => overflowAt(store, r, layer, k)))}`;
+    } else {
+      const j = where === "loss" ? 0 : 1, v = pick((r) => store.stepValue(r, j), first, end);
+      text = `${steps} · ${where === "loss" ? "loss" : "global ‖grad‖₂"} = ${fmtOver(v, v === Infinity && overIn((r) => stepOverflowAt(store, r, j)))}`;
     }
     const byStep = store.anomalyMap();
     const notes = [];
@@ -347,19 +428,30 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     if (notes.length) text += ` · ⚠ ${notes.join("; ")}`;
     if (store.kept.some((s) => { const r = store.rowOf(s); return r >= first && r < end; })) text += " · click to open its Trace";
     readout.textContent = text;
+    readout.classList.remove("pinned");
   }
 
   async function open(step) {
     openStep = step;
     drawKept();
     setStatus("running", `opening the Trace of step ${step}`);
-    const r = await openTrace(step, trace);
+    const r = await openTrace(step, traceHost);
     if (!r.ok) { setStatus("error", r.text); return; }
+    drawFacts(step);
     setStatus("done", `step ${step}: its kept Trace is shown below`);
   }
 
+  /** Above a kept step's Trace: that step's update ratios and gradient norms, and the lead of its anomaly. */
+  function drawFacts(step) {
+    const r = store.rowOf(step);
+    if (r < 0) { facts.replaceChildren(); return; }
+    const lead = leadsOf(store).get(step);
+    facts.replaceChildren(h("div", { text: stepText(r) }), lead ? h("div", {}, h("span", { text: "this anomaly's " }), leadButton(lead)) : null);
+  }
+
   return {
-    root, redraw, open,
+    root, redraw, open, showLead, setView, select: select_,
+    get layout() { return layout; },
     destroy() { unsubscribe(); ro?.disconnect(); },
   };
 }

@@ -1,0 +1,113 @@
+import { describe, expect, it } from "vitest";
+import { around, brush, clampView, pan, visible, zoom } from "../watch/axis.js";
+import { departure, leadOf, leadsOf } from "../watch/leads.js";
+import { overflowAt, stepOverflowAt } from "../watch/overflow.js";
+import { createStore } from "../watch/store.js";
+import { createWatchView } from "../watch/view.js";
+
+const STATS = ["delta_norm", "delta_max", "delta_nan", "delta_inf", "a_rms", "a_zero_frac", "a_nonfinite", "grad_norm", "weight_norm", "update_ratio", "grad_nan", "grad_inf"];
+const META = { layers: ["fc1", "fc2", "fc3"], stats: STATS, step_stats: ["loss", "grad_norm"], every: 1 };
+
+/** A 300-step run whose learning rate is raised ×300 at step 200: the update ratio jumps there, gradients stay
+ * normal; the loss spikes at 201 and the gradients blow up after (the first gradient norm overflows at 203). */
+function diverging(n = 300) {
+  const L = 3, K = STATS.length, s = new Float64Array(n * L * K), t = new Float64Array(n * 2);
+  let seed = 1;
+  const noise = () => { seed = (seed * 16807) % 2147483647; return 1 + 0.2 * (seed / 2147483647 - 0.5); };
+  for (let r = 0; r < n; r++) {
+    const blow = r > 200 ? 10 ** Math.min(40, 3 * (r - 200)) : 1;
+    for (let l = 0; l < L; l++) {
+      const at = (name, v) => { s[(r * L + l) * K + STATS.indexOf(name)] = v; };
+      for (const name of STATS) at(name, 0);
+      at("delta_norm", 0.1 * noise() * blow); at("a_rms", 0.5 * noise()); at("weight_norm", 3 * noise());
+      at("grad_norm", r === 203 && l === 0 ? Infinity : 0.2 * noise() * blow);
+      at("update_ratio", 1e-3 * noise() * (r >= 200 ? 300 : 1) * (r === 0 ? NaN : 1));
+    }
+    t[2 * r] = r > 200 ? 2 * blow : 1 / (1 + r / 50);
+    t[2 * r + 1] = r === 203 ? Infinity : 0.35 * noise() * blow;
+  }
+  const st = createStore(META);
+  st.apply({ type: "rows", start: 0, count: n, steps: [...Array(n).keys()], a_start: 0,
+    anomalies: [[201, "loss", "spike (×20 its window)"], [202, "fc1", "‖W.grad‖₂ spike"]], kept: [201, 299], dropped: 0, total_steps: n, state: "closed" },
+  [new DataView(s.buffer), new DataView(t.buffer)]);
+  return st;
+}
+
+describe("leads", () => {
+  it("names step 200's update ratio (a learning-rate change) as the lead of the loss spike at 201", () => {
+    const st = diverging();
+    const lead = leadsOf(st).get(201);
+    expect(lead.step).toBe(200);
+    expect(lead.stat).toBe("update_ratio");
+    expect(lead.lr).toBe(true);
+    expect(lead.layers).toEqual(["fc1", "fc2", "fc3"]);
+    expect(lead.ratio).toBeGreaterThan(200);
+    expect(lead.text).toMatch(/^step 200: update ratio .*×\d+ in 3 layers.*learning rate/);
+    expect(leadsOf(st).get(202).step).toBe(200);
+    expect(leadsOf(st)).toBe(leadsOf(st)); // cached until the rows change
+  });
+
+  it("finds no lead in a steady run, and a gradient lead where only gradients jump", () => {
+    const st = diverging();
+    expect(leadOf(st, 150)).toBe(null);
+    const get = (r) => (r === 50 ? 40 : 1 + (r % 3) * 0.01);
+    expect(departure(get, 49)).toBe(null);
+    expect(departure(get, 50).ratio).toBeGreaterThan(30);
+    expect(departure(get, 3)).toBe(null); // too few rows before it for a window
+  });
+});
+
+describe("overflow", () => {
+  it("tells an overflowed norm (entries finite) from an Inf entry", () => {
+    const st = diverging();
+    const k = STATS.indexOf("grad_norm");
+    expect(overflowAt(st, 203, 0, k)).toBe(true);
+    expect(overflowAt(st, 202, 0, k)).toBe(false);
+    expect(stepOverflowAt(st, 203, 1)).toBe(true);
+    expect(stepOverflowAt(st, 203, 0)).toBe(false);
+  });
+});
+
+describe("axis zoom", () => {
+  it("zooms around the pointer, brushes, pans and clamps", () => {
+    expect(visible(null, 300)).toEqual([0, 300]);
+    const z = zoom(null, 300, 0.5, 0.1);
+    expect(z).toEqual({ v0: 135, v1: 165 });
+    expect(zoom(z, 300, 0, 0.5)).toEqual({ v0: 135, v1: 150 }); // the left edge stays
+    expect(zoom(z, 300, 0.5, 100)).toBe(null); // out past everything: all steps
+    expect(brush(300, 210, 190)).toEqual({ v0: 190, v1: 211 });
+    expect(brush(300, 5, 5, 3)).toEqual({ v0: 4, v1: 7 });
+    expect(pan({ v0: 280, v1: 295 }, 300, 10)).toEqual({ v0: 285, v1: 300 });
+    expect(clampView({ v0: -5, v1: 5 }, 300)).toEqual({ v0: 0, v1: 10 });
+    expect(around(300, 200, 25)).toEqual({ v0: 188, v1: 213 });
+    expect(zoom({ v0: 10, v1: 12 }, 300, 0.5, 0.5, 3)).toEqual({ v0: 10, v1: 13 }); // never under minSpan
+  });
+
+  it("makes one step a 24 px column to click: the lead's step selected, its values in the readout", () => {
+    const st = diverging(), el = document.createElement("div");
+    document.body.appendChild(el);
+    const v = createWatchView({ store: st, el, openTrace: async () => ({ ok: true }) });
+    expect(v.layout.colW).toBeLessThan(3); // 300 steps in ~600 px
+    const first = el.querySelector("[data-testid=watch-first-lead]");
+    expect(first.textContent).toMatch(/first at step 201 · lead: step 200: update ratio/);
+    el.querySelector("li[data-step='201'] .hw-w-lead").click();
+    expect(v.layout.colW).toBe(24);
+    expect(el.querySelector("[data-testid=watch-stat]").value).toBe("update_ratio");
+    expect(v.layout.v0 <= 200 && v.layout.v1 > 200).toBe(true);
+    expect(el.querySelector("[data-testid=watch-readout]").textContent).toMatch(/^step 200 · .*update ratio/);
+    expect(el.querySelector("[data-testid=watch-zoom-range]").textContent).toMatch(/^steps \d+–\d+$/);
+    el.querySelector("[data-testid=watch-zoom-all]").click();
+    expect(v.layout.n).toBe(300);
+    const heat = el.querySelector("[data-testid=watch-heatmap]"), axis = el.querySelector("[data-testid=watch-axis]");
+    heat.dispatchEvent(new WheelEvent("wheel", { deltaY: -100, clientX: 0, cancelable: true }));
+    expect([v.layout.v0, v.layout.n]).toEqual([60, 180]); // zoomed in ×0.6 (happy-dom has no clientX on a wheel: the middle)
+    el.querySelector("[data-testid=watch-zoom-all]").click();
+    const colW = v.layout.colW, at = (r) => (r + 0.5) * colW;
+    axis.dispatchEvent(new MouseEvent("mousedown", { clientX: at(195), bubbles: true }));
+    axis.dispatchEvent(new MouseEvent("mouseup", { clientX: at(205), bubbles: true }));
+    expect([v.layout.v0, v.layout.v1, v.layout.colW]).toEqual([195, 206, 24]); // a brushed range: steps to click
+    v.select(203);
+    expect(el.querySelector("[data-testid=watch-readout]").textContent).toMatch(/global ‖grad‖₂ overflow .*fc1 overflow/);
+    v.destroy();
+  });
+});
