@@ -339,3 +339,57 @@ def test_magic_quoted_glob_matches_without_its_quotes(ip):
     ip.run_cell_magic("hooktrace", 'model --include "2" --no-widget',
                       "F.cross_entropy(model(x), y).backward()\n")
     assert list(ip.user_ns["_hooktrace"].layers) == ["2"]
+
+
+# -- backward passes the stand-in cannot see, and compiled calls --------------------------------------------
+def test_grad_imported_before_the_trace_is_named_not_called_no_backward():
+    from torch.autograd import grad  # bound now, before the trace: the trace's stand-in is bypassed
+
+    model, x, y, _ = mlp()
+
+    def pinn():
+        return grad(F.cross_entropy(model(x), y, reduction="sum"), list(model.parameters()))
+
+    t = hw.trace(pinn)
+    assert [n.id for n in t.note_records] == ["backward_unseen"] and t.steps == []
+    assert "ran no backward" not in " ".join(t.notes) and "from torch.autograd import grad" in t.notes[0]
+    out = model(x)  # δ of the last layer as plain PyTorch gives it
+    want = torch.autograd.grad(F.cross_entropy(out, y, reduction="sum"), out)[0]
+    torch.testing.assert_close(t.layers["2"].delta, want)
+    assert all(p.grad is None for p in model.parameters()) and not t.param_grads  # autograd.grad leaves .grad
+    for query in (lambda: t.weight_grad("2"), lambda: t.per_sample_grads("2")):
+        with pytest.raises(ValueError) as e:
+            query()
+        one_line(e, "'2'", "did not see", "torch.autograd.grad(...)", frames=3)
+    with pytest.raises(ValueError) as e:
+        t.per_sample_grad_norms()
+    one_line(e, "ran unseen", "t.notes", frames=3)
+
+
+def test_grad_imported_before_the_trace_beside_a_seen_backward():
+    from torch.autograd import grad
+
+    model, x, y, step = mlp()
+
+    def both():
+        step()  # seen: a step
+        grad(model(x).sum(), list(model.parameters()))  # not seen
+
+    t = hw.trace(both)
+    assert len(t.steps) == 1 and t.note_records[0] == hw.record.notes.Note("backward_unseen", {"stepped": True})
+    assert t.notes[0].startswith("besides the passes in t.steps")
+
+
+def test_the_first_compiled_call_inside_a_trace_is_not_a_backward_pass():
+    """AOTAutograd calls torch.autograd.grad on fake tensors while it compiles: not the user's backward."""
+    model, x, y, step = mlp()
+    torch.compiler.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    t = hw.trace(lambda: F.cross_entropy(compiled(x), y, reduction="sum").backward())
+    ids = [n.id for n in t.note_records]
+    assert "autograd_grad_used" not in ids and "compiled" in ids
+    assert [s.kind for s in t.steps] == ["backward"]
+    model.zero_grad()
+    F.cross_entropy(model(x), y, reduction="sum").backward()  # plain PyTorch
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(t.param_grads["_orig_mod." + name], p.grad)  # named through the wrapper

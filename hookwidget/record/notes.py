@@ -61,6 +61,10 @@ TEXT: dict[str, Callable[..., str]] = {
         "node_grads=True for every node"),
     "budget_reached": _budget,
     "no_grads": lambda **_: "no gradients captured: the code ran no backward (activations only)",
+    "backward_unseen": lambda stepped, **_: (
+        ("besides the passes in t.steps, a" if stepped else "a") + " backward pass ran that hookwidget did not see "
+        "start (`from torch.autograd import grad` before the trace?): δ is kept, but that pass is no step (no loss, "
+        "no .grad copy) and weight_grad / per-sample gradients are refused; call torch.autograd.grad(...)"),
     "autograd_grad_used": lambda **_: "torch.autograd.grad was used: parameters reached only by it keep .grad None",
     "compiled": lambda where, **_: (
         f"torch.compile: hooks added after compilation are not honoured, so the layers inside {where} are not shown; "
@@ -113,6 +117,8 @@ REFUSAL: dict[str, Callable[..., str]] = {
     "torch_func": lambda count, **_: f"{count} parameters reached inside torch.func transforms: trace a plain "
                                      "forward and backward",
     "no_grads": lambda **_: "the code ran no backward: call loss.backward() inside the trace",
+    "backward_unseen": lambda **_: ("a backward pass ran unseen (torch.autograd.grad bound before the trace?): call "
+                                    "torch.autograd.grad(...) in the code"),
 }
 
 
