@@ -393,3 +393,40 @@ def test_the_first_compiled_call_inside_a_trace_is_not_a_backward_pass():
     F.cross_entropy(model(x), y, reduction="sum").backward()  # plain PyTorch
     for name, p in model.named_parameters():
         torch.testing.assert_close(t.param_grads["_orig_mod." + name], p.grad)  # named through the wrapper
+
+
+# -- include / exclude that match no module that ran (no modules given: known only once the code ran) ---------
+class _Encoded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.encoders = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, x):
+        return self.head(self.encoders(self.embed(x)))
+
+
+def test_include_matching_no_module_that_ran_says_so_with_close_names_first():
+    torch.manual_seed(0)
+    model, x = _Encoded(), torch.randn(6, 4)
+    t = hw.trace(lambda: model(x).sum().backward(), include="encoder.*")
+    assert list(t.layers) == [] and t.note_records[0].id == "filters_matched_none"
+    note = t.notes[0]
+    assert "include='encoder.*' matched no module that ran" in note and "no layer called as a module" not in note
+    assert note.index("'encoders'") < note.index("'embed'")  # the close match first
+    assert not any("no layer called as a module" in n for n in t.notes)
+    with pytest.raises(ValueError) as e:
+        t.per_sample_grad_norms()
+    one_line(e, "include='encoder.*' matched no module that ran", frames=3)
+    model.zero_grad()
+    model(x).sum().backward()  # the run itself is as plain PyTorch's: its .grad is kept
+    torch.testing.assert_close(t.param_grads["head.weight"], model.head.weight.grad)
+    t = hw.trace(lambda: model(x).sum().backward(), exclude="*")
+    assert t.notes[0].startswith("exclude='*' excluded every module that ran")
+
+
+def test_hooktrace_include_without_a_model_that_matches_nothing_says_so(ip):
+    ip.run_cell_magic("hooktrace", '--include "encoder.*" --no-widget', "F.cross_entropy(model(x), y).backward()\n")
+    t = ip.user_ns["_hooktrace"]
+    assert list(t.layers) == [] and "include='encoder.*' matched no module that ran" in t.notes[0]
+    assert "'Sequential', '0', '1'" in t.notes[0]
