@@ -339,3 +339,94 @@ def test_magic_quoted_glob_matches_without_its_quotes(ip):
     ip.run_cell_magic("hooktrace", 'model --include "2" --no-widget',
                       "F.cross_entropy(model(x), y).backward()\n")
     assert list(ip.user_ns["_hooktrace"].layers) == ["2"]
+
+
+# -- backward passes the stand-in cannot see, and compiled calls --------------------------------------------
+def test_grad_imported_before_the_trace_is_named_not_called_no_backward():
+    from torch.autograd import grad  # bound now, before the trace: the trace's stand-in is bypassed
+
+    model, x, y, _ = mlp()
+
+    def pinn():
+        return grad(F.cross_entropy(model(x), y, reduction="sum"), list(model.parameters()))
+
+    t = hw.trace(pinn)
+    assert [n.id for n in t.note_records] == ["backward_unseen"] and t.steps == []
+    assert "ran no backward" not in " ".join(t.notes) and "from torch.autograd import grad" in t.notes[0]
+    out = model(x)  # δ of the last layer as plain PyTorch gives it
+    want = torch.autograd.grad(F.cross_entropy(out, y, reduction="sum"), out)[0]
+    torch.testing.assert_close(t.layers["2"].delta, want)
+    assert all(p.grad is None for p in model.parameters()) and not t.param_grads  # autograd.grad leaves .grad
+    for query in (lambda: t.weight_grad("2"), lambda: t.per_sample_grads("2")):
+        with pytest.raises(ValueError) as e:
+            query()
+        one_line(e, "'2'", "did not see", "torch.autograd.grad(...)", frames=3)
+    with pytest.raises(ValueError) as e:
+        t.per_sample_grad_norms()
+    one_line(e, "ran unseen", "t.notes", frames=3)
+
+
+def test_grad_imported_before_the_trace_beside_a_seen_backward():
+    from torch.autograd import grad
+
+    model, x, y, step = mlp()
+
+    def both():
+        step()  # seen: a step
+        grad(model(x).sum(), list(model.parameters()))  # not seen
+
+    t = hw.trace(both)
+    assert len(t.steps) == 1 and t.note_records[0] == hw.record.notes.Note("backward_unseen", {"stepped": True})
+    assert t.notes[0].startswith("besides the passes in t.steps")
+
+
+def test_the_first_compiled_call_inside_a_trace_is_not_a_backward_pass():
+    """AOTAutograd calls torch.autograd.grad on fake tensors while it compiles: not the user's backward."""
+    model, x, y, step = mlp()
+    torch.compiler.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    t = hw.trace(lambda: F.cross_entropy(compiled(x), y, reduction="sum").backward())
+    ids = [n.id for n in t.note_records]
+    assert "autograd_grad_used" not in ids and "compiled" in ids
+    assert [s.kind for s in t.steps] == ["backward"]
+    model.zero_grad()
+    F.cross_entropy(model(x), y, reduction="sum").backward()  # plain PyTorch
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(t.param_grads["_orig_mod." + name], p.grad)  # named through the wrapper
+
+
+# -- include / exclude that match no module that ran (no modules given: known only once the code ran) ---------
+class _Encoded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.encoders = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, x):
+        return self.head(self.encoders(self.embed(x)))
+
+
+def test_include_matching_no_module_that_ran_says_so_with_close_names_first():
+    torch.manual_seed(0)
+    model, x = _Encoded(), torch.randn(6, 4)
+    t = hw.trace(lambda: model(x).sum().backward(), include="encoder.*")
+    assert list(t.layers) == [] and t.note_records[0].id == "filters_matched_none"
+    note = t.notes[0]
+    assert "include='encoder.*' matched no module that ran" in note and "no layer called as a module" not in note
+    assert note.index("'encoders'") < note.index("'embed'")  # the close match first
+    assert not any("no layer called as a module" in n for n in t.notes)
+    with pytest.raises(ValueError) as e:
+        t.per_sample_grad_norms()
+    one_line(e, "include='encoder.*' matched no module that ran", frames=3)
+    model.zero_grad()
+    model(x).sum().backward()  # the run itself is as plain PyTorch's: its .grad is kept
+    torch.testing.assert_close(t.param_grads["head.weight"], model.head.weight.grad)
+    t = hw.trace(lambda: model(x).sum().backward(), exclude="*")
+    assert t.notes[0].startswith("exclude='*' excluded every module that ran")
+
+
+def test_hooktrace_include_without_a_model_that_matches_nothing_says_so(ip):
+    ip.run_cell_magic("hooktrace", '--include "encoder.*" --no-widget', "F.cross_entropy(model(x), y).backward()\n")
+    t = ip.user_ns["_hooktrace"]
+    assert list(t.layers) == [] and "include='encoder.*' matched no module that ran" in t.notes[0]
+    assert "'Sequential', '0', '1'" in t.notes[0]

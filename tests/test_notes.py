@@ -206,3 +206,19 @@ def test_capture_notes_on_modules_name_their_layers():
     t = hw.trace(cell)
     assert [(n.id, n.layers) for n in t.note_records] == [("input_modified", ("0",)), ("params_left_out", ("0",))]
     assert t.notes[0] == "Linear: an input was modified in place after the call; its activation was not kept"
+
+
+def test_the_notes_on_unseen_passes_and_empty_filters_are_data_with_short_refusals():
+    from hookwidget.record.notes import refusal
+
+    unseen = Note("backward_unseen", {"stepped": False})
+    assert render(unseen).startswith("a backward pass ran that hookwidget did not see start")
+    assert render(Note("backward_unseen", {"stepped": True})).startswith("besides the passes in t.steps")
+    assert "ran no backward" not in render(unseen)
+    matched = Note("filters_matched_none", {"given": (("include", ("encoder.*",)),), "ran": ("M", "embed", "encoders")})
+    assert render(matched).startswith("include='encoder.*' matched no module that ran")
+    assert "did you mean 'encoders'" in render(matched)
+    both = Note("filters_matched_none", {"given": (("include", ("a*", "b*")), ("exclude", ("*",))), "ran": ("a",)})
+    assert render(both).startswith("include=['a*', 'b*'] and exclude='*' left no module that ran")
+    assert refusal([matched], "q", "") == "q: include='encoder.*' matched no module that ran (t.notes has the details)"
+    assert "ran unseen" in refusal([unseen], "q", "")

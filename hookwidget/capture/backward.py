@@ -5,6 +5,9 @@ every backward pass of the code a trace runs. Several traces and watches may be 
 nested traces): one stand-in serves them all, installed when the first starts and removed
 when the last ends, whatever order they end in (_torch/patch.py). It calls torch's own function with exactly
 the arguments it got, every calling convention included (keywords, a generator of tensors).
+
+Not a backward pass of the user's code: torch.autograd.grad called while torch.compile traces the joint graph
+(AOTAutograd, on the first compiled call), on fake tensors; such a call is passed on unheard.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _stand_in(name: str, original, listening):
     def stand_in(*args, **kwargs):
         me = threading.get_ident()
         listeners = [ls for ls in listening() if ls.thread == me]
-        if not listeners or in_transform():
+        if not listeners or in_transform() or _is_compiling():
             return original(*args, **kwargs)
         roots = args[0] if args else None
         if at >= 0 and isinstance(roots, torch.Tensor) and first not in kwargs:
@@ -73,4 +76,5 @@ def _stand_in(name: str, original, listening):
     return stand_in
 
 
+_is_compiling = torch.compiler.is_compiling
 _PATCH = Patch(torch.autograd, ("backward", "grad"), _stand_in)

@@ -58,12 +58,18 @@ def own_what_is_kept(modules: dict, shares_inputs: bool, notes: list) -> None:
 
 
 def closing_notes(modules: dict, seen: dict, ddp: bool, *, stepped: bool, used_grad: bool, create_graph: bool,
-                  passes_summed: int) -> tuple[list, Note | None]:
+                  passes_summed: int, unseen: bool = False) -> tuple[list, Note | None]:
     """The notes on the trace's backward passes and on what hooks could not see; and why factors are refused
     (None where they are not). stepped: a backward ran; used_grad: torch.autograd.grad did; create_graph: a backward
-    made a graph of its own; passes_summed: δs added up over backward passes through the same graph."""
+    made a graph of its own; passes_summed: δs added up over backward passes through the same graph; unseen: δ
+    arrived while no backward pass seen was running (torch.autograd.grad bound to a name before the trace
+    started calls torch's own function, not the stand-in of capture/backward.py). Such δs belong to no step, so
+    (a, δ) cannot be matched to a pass's .grad: factors are refused."""
     notes = []
-    if not stepped:
+    unseen_note = Note("backward_unseen", {"stepped": stepped}) if unseen else None
+    if unseen_note is not None:
+        notes.append(unseen_note)
+    elif not stepped:
         notes.append(Note("no_grads"))
     if used_grad:
         notes.append(Note("autograd_grad_used"))
@@ -72,6 +78,8 @@ def closing_notes(modules: dict, seen: dict, ddp: bool, *, stepped: bool, used_g
     if create_graph:
         no_factors = Note("create_graph")
         notes.append(no_factors)
+    elif unseen_note is not None:
+        no_factors = unseen_note
     elif passes_summed:
         notes.append(Note("retain_graph"))
     return notes, no_factors

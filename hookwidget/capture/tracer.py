@@ -102,6 +102,7 @@ class Tracer:
         self._used_grad = False
         self._create_graph = False
         self._passes_summed = 0
+        self._unseen = False  # δ arrived outside every backward pass seen (torch.autograd.grad bound before)
         self._seen: dict = {}  # what hooks cannot see, by kind -> class names (see finish.unseen_notes)
         self._live: list = []  # calls whose out_node is set (since the last step ended)
         self._ddp = False  # a DistributedDataParallel module ran (it averages .grad after backward)
@@ -365,6 +366,8 @@ class Tracer:
             if not hooks.active:
                 return
             with hooks.lock:
+                if hooks.step is None:  # δ of a pass the stand-in did not see start (an imported grad)
+                    self._unseen = True
                 hooks.step_index(call)
                 if keep.on_delta(module, call, grad, modules):
                     self._passes_summed += 1
@@ -442,7 +445,7 @@ class Tracer:
             notes.append(budget_note)
         more, no_factors = finish.closing_notes(self._module_records, self._seen, self._ddp, stepped=bool(self._steps),
                                                 used_grad=self._used_grad, create_graph=self._create_graph,
-                                                passes_summed=self._passes_summed)
+                                                passes_summed=self._passes_summed, unseen=self._unseen)
         notes += more
         for c in self._live:
             c.out_node = None

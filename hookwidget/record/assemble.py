@@ -15,7 +15,7 @@ from hookwidget._torch.modules import module_hooks
 from hookwidget._torch.tensors import backward_hooks, post_accumulate_hooks
 from hookwidget.record.calls import PREVIOUS, Records
 from hookwidget.record.naming import name_filter, qualified_names
-from hookwidget.record.notes import Note
+from hookwidget.record.notes import REFUSAL, Note
 from hookwidget.record.run import Layer, LazyGraph, RunRecord, Step
 from hookwidget.stats import TensorSummary
 
@@ -33,6 +33,15 @@ def assemble(rec: Records, *, targets, names=None, include=None, exclude=None, n
         if name is not None and mrec.calls and keep(name):
             layers[name] = Layer(name, module, mrec.calls)
     notes = [_named(n, layers) for n in rec.notes]
+    no_factors = str(rec.no_factors or "")
+    if not layers and (include or exclude):
+        ran = [n for m, n in module_names.items() if rec.modules.get(m) is not None and rec.modules[m].calls]
+        if ran:  # the filter, not the code, left no layer: say so (factor queries and notes would blame the code)
+            given = tuple((k, (v,) if isinstance(v, str) else tuple(v)) for k, v in
+                          (("include", include), ("exclude", exclude)) if v)
+            matched_none = Note("filters_matched_none", {"given": given, "ran": tuple(ran)})
+            notes.insert(0, matched_none)
+            no_factors = no_factors or REFUSAL["filters_matched_none"](**matched_none.fields)
     leaf_name = _leaf_namer(rec, {id(p): n for n, p in params.items()}, namespace)
     steps, losses, param_grads, accumulates = _steps(rec, layers, leaf_name)
     if len([s for s in steps if s.kind == "backward"]) > 1:
@@ -49,7 +58,7 @@ def assemble(rec: Records, *, targets, names=None, include=None, exclude=None, n
     calls = [(name, c.seq_start, c.seq_end) for name, layer in layers.items() for c in layer.calls]
     graph = LazyGraph(rec.walk, {p: n for n, p in params.items()}, calls, show_hook_nodes)
     return RunRecord(layers, steps, param_grads, params, losses, _user_hooks(layers, leaves), accumulates,
-                     tuple(notes), factor_notes_at, str(rec.no_factors or ""), norms, rec.answers, graph, done=True)
+                     tuple(notes), factor_notes_at, no_factors, norms, rec.answers, graph, done=True)
 
 
 def _named(note: Note, layers: dict) -> Note:

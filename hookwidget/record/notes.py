@@ -7,8 +7,11 @@ id and its template live in TEXT below, in one place.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Callable
+
+from hookwidget.options import suggest
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,23 @@ def _pairs(pairs, sep: str) -> str:
     return sep.join(f"{n} ({why})" for n, why in pairs)
 
 
+def _filters(given) -> str:
+    """include= / exclude= as given, and what they did to the modules that ran."""
+    keys = {k for k, _ in given}
+    did = ("left no module that ran" if len(keys) > 1 else
+           "matched no module that ran" if "include" in keys else "excluded every module that ran")
+    return " and ".join(f"{k}={v[0]!r}" if len(v) == 1 else f"{k}={list(v)!r}" for k, v in given) + " " + did
+
+
+def _matched_none(given, ran, **_) -> str:
+    pattern = next((v[0] for k, v in given if k == "include"), "")
+    plain = pattern.replace("*", "").replace("?", "").strip(".")  # a glob's words, for the close matches
+    close = difflib.get_close_matches(plain, ran, n=1, cutoff=0.6)
+    example = close[0] if close else next((n for n in ran if "." in n), ran[-1])
+    return (f"{_filters(given)}, so no layer is kept: {suggest(plain, ran, 'modules that ran')}"
+            f"; include= takes globs on these names, e.g. include='{example}*'")
+
+
 def _budget(budget_mb, dropped, dropped_grads, **_) -> str:
     parts = [f"{dropped} activations or gradients" if dropped else "",
              f"{dropped_grads} .grad copies of earlier steps" if dropped_grads else ""]
@@ -61,6 +81,10 @@ TEXT: dict[str, Callable[..., str]] = {
         "node_grads=True for every node"),
     "budget_reached": _budget,
     "no_grads": lambda **_: "no gradients captured: the code ran no backward (activations only)",
+    "backward_unseen": lambda stepped, **_: (
+        ("besides the passes in t.steps, a" if stepped else "a") + " backward pass ran that hookwidget did not see "
+        "start (`from torch.autograd import grad` before the trace?): δ is kept, but that pass is no step (no loss, "
+        "no .grad copy) and weight_grad / per-sample gradients are refused; call torch.autograd.grad(...)"),
     "autograd_grad_used": lambda **_: "torch.autograd.grad was used: parameters reached only by it keep .grad None",
     "compiled": lambda where, **_: (
         f"torch.compile: hooks added after compilation are not honoured, so the layers inside {where} are not shown; "
@@ -86,6 +110,7 @@ TEXT: dict[str, Callable[..., str]] = {
         "torch.utils.checkpoint reran forward during backward for: " + ", ".join(module_types)
         + "; only their calls that received a gradient are kept"),
     # -- the record (record/assemble.py) -------------------------------------------------------
+    "filters_matched_none": _matched_none,
     "several_passes": lambda steps, accumulate, **_: (
         f"{steps} backward passes (t.steps): " + (
             "they accumulate into .grad, so factor queries sum them" if accumulate else
@@ -113,6 +138,9 @@ REFUSAL: dict[str, Callable[..., str]] = {
     "torch_func": lambda count, **_: f"{count} parameters reached inside torch.func transforms: trace a plain "
                                      "forward and backward",
     "no_grads": lambda **_: "the code ran no backward: call loss.backward() inside the trace",
+    "filters_matched_none": lambda given, **_: _filters(given),
+    "backward_unseen": lambda **_: ("a backward pass ran unseen (torch.autograd.grad bound before the trace?): call "
+                                    "torch.autograd.grad(...) in the code"),
 }
 
 
@@ -125,7 +153,7 @@ def refusal(notes, what: str, otherwise: str, limit: int = 240) -> str:
     count = "all" if left is None else f"{left:,}"
     for n in notes:
         if n.id in REFUSAL:
-            return f"{what}: {REFUSAL[n.id](count=count)} (t.notes has the details)"
+            return f"{what}: {REFUSAL[n.id](**n.fields, count=count)} (t.notes has the details)"
     if not notes:
         return f"{what}: {otherwise}"
     text = render(notes[0])
