@@ -116,6 +116,34 @@ def test_save_and_load_answer_as_the_live_watch(tmp_path):
     same_watch(hw.load(tmp_path / "again.pt"), w)
 
 
+def test_an_open_watch_saves_what_it_has_so_far(tmp_path):
+    model = mlp()
+    x, y = torch.randn(16, 5), torch.randn(16, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with hw.watch(model, every=2) as w:
+        for k in range(7):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            if k == 4:
+                w.save(tmp_path / "mid.pt")
+    u = hw.load(tmp_path / "mid.pt")
+    assert u.steps == [0, 2, 4] and bitwise(u.stats, w.stats[:3]) and u.kept == [0, 4]
+    assert repr(u).endswith("5 steps, 3 recorded, 0 anomalies, traces kept at steps [0, 4]")
+
+
+def test_a_loaded_watch_goes_to_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    w = train(mlp(), 4, log_dir=tmp_path / "log")
+    run = hw.load(tmp_path / "log").to_tensorboard(tmp_path / "tb")
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("step/loss")] == [
+        (k, pytest.approx(v, rel=1e-6)) for k, v in zip(w.steps, w.loss.tolist())]
+
+
 def test_the_file_is_data_only(tmp_path):
     w = train(mlp(), 3)
     w.save(tmp_path / "w.pt")
