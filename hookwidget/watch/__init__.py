@@ -2,9 +2,11 @@
 
 core.py the Watch handle (layers, lifecycle, what users read) on the one tracer with the keep strategy "stats"
 (capture/step_stats.py: the hooks and the statistics); host.py the rows on their way to the host; amp.py,
-compiled.py, gather.py GradScaler, torch.compile and distributed; detect.py anomalies; flight.py the kept Traces.
+compiled.py, gather.py GradScaler, torch.compile and distributed; detect.py anomalies; flight.py the kept Traces;
+saved.py a watch read back from disk (w.save, a log_dir).
 Floor: below magic and api; imports session (the flight recorder's recordings), capture (the tracer and its
-"stats" strategy, the backward stand-in), _torch, and views only lazily, for display.
+"stats" strategy, the backward stand-in), record and trace (saved.py: the file format, loaded Traces), _torch,
+and views only lazily, for display and the log_dir (views/watch_log.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ import torch
 
 from hookwidget.record import saved
 from hookwidget.trace import Trace
-from hookwidget.views import watch_log
 from hookwidget.watch.core import Watch
 from hookwidget.watch.detect import Anomaly
 
@@ -83,6 +82,8 @@ class SavedWatch:
     @classmethod
     def from_log(cls, log_dir) -> SavedWatch:
         """The watch of a `log_dir` folder, up to its last complete shard; its notes say where it ended."""
+        from hookwidget.views import watch_log
+
         meta, rows, unread = watch_log.read(log_dir)
         notes = [*meta["notes"], *unread]
         steps = rows["steps"].tolist()
