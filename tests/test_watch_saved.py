@@ -220,6 +220,25 @@ def test_log_dir_holds_the_watch_up_to_close(tmp_path):
     same_watch(hw.load(tmp_path / "from_log.pt"), w, traces=False)
 
 
+def test_a_slow_run_writes_a_shard_every_few_seconds_below_batch(tmp_path, monkeypatch):
+    """Rows reach the disk while the watch is open though fewer than `batch` arrived: at most SHARD_SECONDS
+    after they reached the host (0 here: each chunk the watch moves is written)."""
+    from hookwidget.views import watch_log
+
+    monkeypatch.setattr(watch_log, "SHARD_SECONDS", 0.0)
+    d, model = tmp_path / "log", mlp()
+    x, y = torch.randn(16, 5), torch.randn(16, 2)
+    with hw.watch(model, log_dir=d, batch=1000) as w:  # the flight recorder moves each step's row at the next
+        for _ in range(4):
+            F.mse_loss(model(x), y).backward()
+        deadline = time.monotonic() + 30
+        while len(hw.load(d).steps) < 3:
+            assert time.monotonic() < deadline, "no rows on disk while the watch is open"
+            time.sleep(0.02)
+        assert w.active
+    assert hw.load(d).steps == [0, 1, 2, 3]
+
+
 NUMPY_ONLY = textwrap.dedent("""
     import glob, json, sys
     import numpy as np
