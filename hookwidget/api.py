@@ -5,6 +5,7 @@ Floor: above session (which runs the code); imported by magic and the package's 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Callable
@@ -13,6 +14,7 @@ from hookwidget.options import check_callable
 from hookwidget.record import saved
 from hookwidget.session import Session
 from hookwidget.trace import Trace
+from hookwidget.watch.saved import SavedWatch
 
 
 def trace(fn: Callable[[], object], modules=None, **options) -> Trace:
@@ -49,13 +51,18 @@ def tracing(modules=None, **options) -> Iterator[Trace]:
 
 
 # what hw.load opens, by the kind a file names (record/saved.py): kind -> loader(path, tree)
-LOADERS: dict[str, Callable] = {"trace": lambda path, tree: Trace.from_data(tree, path)}
+LOADERS: dict[str, Callable] = {"trace": lambda path, tree: Trace.from_data(tree, path),
+                                "watch": lambda path, tree: SavedWatch.from_data(tree, path)}
 
 
 def load(path):
     """A record that `t.save(path)` wrote, read back as data: a read-only Trace that answers the queries a live
     one does (layers, a, δ, graph, steps, weight_grad, per-sample gradients, notes, health, diff, its explorer);
-    `rerun` and hooks need the code, and say so."""
+    `rerun` and hooks need the code, and say so. A file `w.save(path)` wrote, or a folder that
+    hw.watch(model, log_dir=path) wrote (up to its last complete shard), comes back as a read-only watch: stats,
+    series, anomalies, notes, its view, and (from w.save) the kept Traces as loaded Traces."""
+    if os.path.isdir(path):
+        return SavedWatch.from_log(path)
     kind, tree = saved.read(path)
     loader = LOADERS.get(kind)
     if loader is None:

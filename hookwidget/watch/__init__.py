@@ -2,9 +2,11 @@
 
 core.py the Watch handle (layers, lifecycle, what users read) on the one tracer with the keep strategy "stats"
 (capture/step_stats.py: the hooks and the statistics); host.py the rows on their way to the host; amp.py,
-compiled.py, gather.py GradScaler, torch.compile and distributed; detect.py anomalies; flight.py the kept Traces.
+compiled.py, gather.py GradScaler, torch.compile and distributed; detect.py anomalies; flight.py the kept Traces;
+saved.py a watch read back from disk (w.save, a log_dir).
 Floor: below magic and api; imports session (the flight recorder's recordings), capture (the tracer and its
-"stats" strategy, the backward stand-in), _torch, and views only lazily, for display.
+"stats" strategy, the backward stand-in), record and trace (saved.py: the file format, loaded Traces), _torch,
+and views only lazily, for display and the log_dir (views/watch_log.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ __all__ = ["STAT_NAMES", "STEP_STAT_NAMES", "Anomaly", "Watch", "watch"]
 
 def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None, flight_recorder: bool = True,
           max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256, scaler=None,
-          tensorboard=None, per_sample: bool = False) -> Watch:
+          tensorboard=None, per_sample: bool = False, log_dir=None) -> Watch:
     """Watch `model` across a training loop: `with hw.watch(model) as w: ...`, or `w = hw.watch(model)`
     ... `w.close()` (the hooks go on when watch() returns). They stay on across steps and are removed
     by close() / the end of the `with` block, whatever happened (exceptions, KeyboardInterrupt); the
@@ -126,13 +128,21 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     - tensorboard=log_dir writes scalars as rows reach the host (`{stat}/{layer}`, `step/loss`,
       `step/grad_norm`, x = step; the anomalies as text at close); w.to_tensorboard(log_dir) writes what
       was recorded so far. Needs the extra: pip install hookwidget[tensorboard].
+
+    Keeping it: w.save(path) writes the watch as data (statistics, anomalies, notes, kept Traces; no code);
+    hw.load(path) reads it back read-only (every query above, the view, w.trace(k) as loaded Traces).
+    log_dir=d appends the statistics to d as the run goes, from a background thread as rows reach the host (no
+    sync of its own): numbered numpy shards d/rows-NNNNNN.npz (steps, stats, step_stats, the anomalies of those
+    rows), one every `batch` recorded steps or 10 s, each written whole (a temporary name, then a rename), and
+    d/watch.json (names, notes). hw.load(d) reads it up to the last complete shard, even after the process was
+    killed; numpy reads it without hookwidget: np.load("d/rows-000000.npz")["stats"]. d must hold no log yet.
     """
     check_arguments(model=model, every=every, spike=spike, window=window, keep=keep, flight_recorder=flight_recorder,
                     max_kept=max_kept, batch=batch, trace_budget_mb=trace_budget_mb, scaler=scaler,
-                    tensorboard=tensorboard, per_sample=per_sample)
+                    tensorboard=tensorboard, per_sample=per_sample, log_dir=log_dir)
     return Watch(model, every=every, spike=spike, window=window, keep=keep, flight_recorder=flight_recorder,
                  max_kept=max_kept, batch=batch, trace_budget_mb=trace_budget_mb, scaler=scaler,
-                 tensorboard=tensorboard, per_sample=per_sample).open()
+                 tensorboard=tensorboard, per_sample=per_sample, log_dir=log_dir).open()
 
 
 # -- watch()'s arguments, checked where the user gave them (%%hookwatch checks its flags with these too) -----------
@@ -178,6 +188,8 @@ _CHECKS = {
     "must be a torch.amp.GradScaler (or None: found when the loop calls scaler.scale)",
     "tensorboard": lambda v: "" if v is None or isinstance(v, (str, os.PathLike)) else
     "must be a log directory, e.g. tensorboard='runs/watch'",
+    "log_dir": lambda v: "" if v is None or isinstance(v, (str, os.PathLike)) else
+    "must be a folder for the statistics, e.g. log_dir='runs/watch1'",
 }
 
 

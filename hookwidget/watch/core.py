@@ -43,7 +43,7 @@ class Watch:
 
     def __init__(self, model: nn.Module, every: int = 1, spike: float = 6.0, window: int = 20, keep=None,
                  flight_recorder: bool = True, max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256,
-                 scaler=None, tensorboard=None, per_sample: bool = False):
+                 scaler=None, tensorboard=None, per_sample: bool = False, log_dir=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch(model): model must be an nn.Module, got {type(model).__name__}")
         if int(every) < 1 or int(window) < 2 or int(batch) < 1:
@@ -107,6 +107,10 @@ class Watch:
             from hookwidget.views.tensorboard import TensorBoardLog
 
             self._listeners.append(TensorBoardLog(tensorboard, self))
+        if log_dir is not None:  # shards of rows as they reach the host (views/watch_log.py)
+            from hookwidget.views.watch_log import WatchLog
+
+            self._listeners.append(WatchLog(log_dir, self))
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Watch:
@@ -372,3 +376,10 @@ class Watch:
     def dropped_traces(self) -> int:
         """Anomalous steps whose Trace was not kept, max_kept being reached."""
         return self._flight.dropped if self._flight is not None else 0
+
+    def save(self, path) -> None:
+        """Write this watch to `path` as data (statistics, steps, names, anomalies, notes, the kept Traces; no
+        code), for `hw.load(path)`: a read-only watch that answers the same queries and shows the same view."""
+        from hookwidget.watch.saved import write
+
+        write(self, path)
