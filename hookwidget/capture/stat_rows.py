@@ -17,7 +17,7 @@ from hookwidget.stats import l2, l2_batch
 
 # Per-layer statistics, in this order along the last axis of Watch.stats.
 STAT_NAMES = ("delta_norm", "delta_max", "delta_nan", "delta_inf", "a_rms", "a_zero_frac", "a_nonfinite",
-              "grad_norm", "weight_norm", "update_ratio", "grad_nan", "grad_inf")
+              "grad_norm", "weight_norm", "update_ratio", "grad_nan", "grad_inf", "lr")
 STEP_STAT_NAMES = ("loss", "grad_norm")
 S = {name: i for i, name in enumerate(STAT_NAMES)}
 NAN = float("nan")
@@ -115,7 +115,7 @@ class Rows:
         if counts is not None:
             gc.index_add_(0, g_layers, counts[g_pos])
         upd = torch.full((L, 1), NAN, dtype=F64, device=dev)
-        row = torch.cat([d, a_part, gw.view(2, L).T, upd, gc], dim=1)
+        row = torch.cat([d, a_part, gw.view(2, L).T, upd, gc, upd], dim=1)
         loss = loss.to(dev).double() if loss is not None else torch.full((), NAN, dtype=F64, device=dev)
         return row, torch.stack([loss, total])
 
@@ -164,8 +164,9 @@ class Rows:
             zero_a[a_layers] = 0.0
             t = torch.tensor
             # columns of the matrix row_from concatenates: sqrt of the 5 sums (a_rms at 1), zero fraction,
-            # max|δ|, δ NaN, δ Inf, a non-finite, .grad NaN, .grad Inf, NaN (update ratio, filled later)
-            perm = [0, 6, 7, 8, 1, 5, 9, 3, 4, 12, 10, 11]
+            # max|δ|, δ NaN, δ Inf, a non-finite, .grad NaN, .grad Inf, NaN (update ratio and learning rate,
+            # filled by the optimizer step)
+            perm = [0, 6, 7, 8, 1, 5, 9, 3, 4, 12, 10, 11, 12]
             hit = self._cache[key] = {
                 "dev": dev, "src": t(src, dtype=torch.long, device=dev), "dst": t(dst, dtype=torch.long, device=dev),
                 "base": torch.cat([base.flatten(), t([0.0 if ng else NAN], dtype=F64)]).to(dev),
