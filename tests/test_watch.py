@@ -356,6 +356,41 @@ def test_learning_rate_tensor_moves_with_the_row(monkeypatch):
     assert lr[5].isnan().all()  # no optimizer step after backward 5
 
 
+def test_learning_rate_reaches_the_front_end():
+    """The widget's meta and the page's data name lr among the statistics, as the schema's watch_meta says; the
+    rows they send carry it (the widget's statistics buffer, the page's base64 one)."""
+    import base64
+    import importlib
+    import json
+
+    import jsonschema
+
+    from hookwidget.views import watch_export
+    from hookwidget.views.widget import PAYLOAD_SCHEMA
+
+    ww = importlib.import_module("hookwidget.views.watch_widget")
+    spec = json.loads(PAYLOAD_SCHEMA.read_text(encoding="utf-8"))
+    assert tuple(spec["$defs"]["watch_meta"]["properties"]["stats"]["items"]["enum"]) == STAT_NAMES
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0)
+    opt = two_group_sgd(model)
+    x, y = data()
+    with watch(model, flight_recorder=False) as w:
+        run_loop(model, opt, x, y, 3)
+    wid = ww.WatchWidget(w)
+    sent = []
+    wid.send = lambda content, buffers=None: sent.append((content, buffers))
+    wid._on_msg(wid, {"type": "sync", "have": 0, "request_id": "s1"}, [])
+    page = watch_export.data(w)
+    validate = jsonschema.Draft202012Validator({"$defs": spec["$defs"], "$ref": "#/$defs/watch_meta"}).validate
+    for meta in (wid.meta, page["meta"]):
+        validate(meta)
+    col, K = STAT_NAMES.index("lr"), len(STAT_NAMES)
+    for raw in (sent[0][1][0], base64.b64decode(page["stats"])):
+        got = torch.frombuffer(bytearray(raw), dtype=torch.float64).view(3, -1, K)[:, :, col]
+        assert got.tolist() == [[0.01, 0.01, 0.1]] * 3
+
+
 def test_series_and_names():
     torch.manual_seed(0)
     model = Net(bn=False)
