@@ -756,6 +756,36 @@ def test_no_host_sync_per_step_on_gpu():
     assert w.stats.shape == (20, 4, len(STAT_NAMES)) and w.anomalies == []
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("flight", [False, True])
+def test_learning_rate_on_device_without_a_sync(flight):
+    """A capturable optimizer's LR is a device tensor, changed in place (as a scheduler does): the watch records it
+    per step with no host sync (flight recorder off; moved with the rows), as plain PyTorch reads it."""
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), capturable=True)
+    x, y = (t.cuda() for t in data())
+    seen = []
+    with watch(model, flight_recorder=flight, batch=64) as w:
+        for k in range(20):
+            if k == 2:  # the first steps build the watch's index tensors (a copy to the device each, once)
+                torch.cuda.set_sync_debug_mode("default" if flight else "error")
+            try:
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+            finally:
+                if k == 19:
+                    torch.cuda.set_sync_debug_mode("default")
+            seen.append(opt.param_groups[0]["lr"].clone())
+            if k == 12:
+                opt.param_groups[0]["lr"].mul_(300)
+    want = torch.stack(seen).double().cpu()
+    got = w.stats[:, :, STAT_NAMES.index("lr")]
+    assert torch.equal(got, want.view(-1, 1).expand_as(got))
+    assert got[13, 0].item() == pytest.approx(got[12, 0].item() * 300, rel=1e-6)
+
+
 def test_delta_seen_through_an_in_place_op_after_a_3d_linear():
     """A 3-D Linear's output is a view; ReLU(inplace=True) after it replaces the view's grad_fn. δ still arrives
     (reference: the same model with an out-of-place ReLU and a hand-written tensor hook)."""

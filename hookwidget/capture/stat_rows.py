@@ -87,9 +87,10 @@ class Rows:
             has = [False] * self.L + [True] * self.L
             for li, _ in g_pairs:
                 has[li] = True
-            t = torch.tensor
+            t = torch.tensor  # index tensors, not lists: a list index copies to the device (a sync on GPU)
             hit = self._cache[present] = (t(index, device=dev), t(has, device=dev), t(order, device=dev),
-                                          t([li for li, _ in g_pairs], device=dev), [j for _, j in g_pairs])
+                                          t([li for li, _ in g_pairs], device=dev),
+                                          t([j for _, j in g_pairs], dtype=torch.long, device=dev))
         return hit
 
     def row(self, delta: dict, a: dict, loss, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +179,7 @@ class Rows:
                 "d_layers": t(list(d_layers), dtype=torch.long, device=dev),
                 "a_layers": t(a_layers, dtype=torch.long, device=dev),
                 "g_layers": t([li for li, _ in g_pairs], dtype=torch.long, device=dev),
-                "g_pos": [j for _, j in g_pairs]}
+                "g_pos": t([j for _, j in g_pairs], dtype=torch.long, device=dev)}  # a list index would sync
         return hit
 
     def row_from(self, ds: list, as_: list, loss, dev) -> tuple[torch.Tensor, torch.Tensor]:

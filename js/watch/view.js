@@ -16,7 +16,7 @@ export const STAT_LABELS = {
   grad_norm: "‖W.grad‖₂", delta_norm: "‖δ‖₂ (output gradient)", delta_max: "max |δ|", a_rms: "RMS of the input a",
   a_zero_frac: "fraction of a that is 0", a_nonfinite: "NaN/Inf entries of a", weight_norm: "‖W‖₂",
   update_ratio: "update ratio ‖ΔW‖/‖W‖", delta_nan: "NaN entries of δ", delta_inf: "Inf entries of δ",
-  grad_nan: "NaN entries of W.grad", grad_inf: "Inf entries of W.grad", lr: "learning rate (its param group's)",
+  grad_nan: "NaN entries of W.grad", grad_inf: "Inf entries of W.grad", lr: "learning rate of its param group",
 };
 /** dom.js's h, with `style` set through the CSSOM (a strict CSP refuses style attributes). */
 function h(tag, attrs = {}, ...children) {
