@@ -204,9 +204,10 @@ def test_close_form_keeps_hooks_across_steps_then_removes_them():
 
 
 # -- statistics are exact per step ----------------------------------------------------------------
-def reference_stats(model, opt, x, y, steps, layers):
+def reference_stats(model, opt, x, y, steps, layers, after_step=None):
     """Per step, with hand-written hooks in the plain loop: loss, global grad norm, and per layer
-    delta_norm, delta_max, a_rms, a_zero_frac, grad_norm, weight_norm, update_ratio."""
+    delta_norm, delta_max, a_rms, a_zero_frac, grad_norm, weight_norm, update_ratio, and lr (the learning rate
+    of the param group holding the layer's weight, as the optimizer steps). after_step(k): after opt.step()."""
     mods = dict(model.named_modules())
     seen = {}
 
@@ -234,11 +235,15 @@ def reference_stats(model, opt, x, y, steps, layers):
                       "grad_norm": torch.linalg.vector_norm(g), "weight_norm": torch.linalg.vector_norm(wv),
                       "w_before": wv.clone()}
         gn = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        group_lr = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
         opt.step()
         for n in layers:
             wv = torch.cat([p.detach().flatten() for p in params[n]])
             r = row[n]
             r["update_ratio"] = torch.linalg.vector_norm(wv - r["w_before"]) / torch.linalg.vector_norm(r["w_before"])
+            r["lr"] = torch.tensor(float(group_lr[id(params[n][0])]), dtype=torch.float64)
+        if after_step is not None:
+            after_step(len(rows))
         rows.append(row)
         step_rows.append((loss.item(), gn.item()))
     for h in handles:
@@ -274,6 +279,116 @@ def test_statistics_exact_per_step(every):
     for stat in ("delta_norm", "delta_max"):
         assert torch.equal(w.series("fc", stat), torch.stack([rows[k]["fc"][stat] for k in w.steps]).double())
     assert w.anomalies == []
+
+
+def two_group_sgd(model, lr_fc=0.1):
+    """SGD with two param groups: fc1 and fc2 at 0.01, the output layer at `lr_fc`."""
+    rest = [p for n, p in model.named_parameters() if not n.startswith("fc.")]
+    return torch.optim.SGD([{"params": rest, "lr": 0.01}, {"params": model.fc.parameters(), "lr": lr_fc}],
+                           momentum=0.9)
+
+
+def raise_lr_at(opt, k, times):
+    """after_step: the manual change a user makes at step k (every group's LR × times)."""
+    def after(step):
+        if step == k:
+            for g in opt.param_groups:
+                g["lr"] *= times
+    return after
+
+
+@pytest.mark.parametrize("every,flight", [(1, True), (1, False), (3, False)])
+def test_learning_rate_per_step(every, flight):
+    """lr is the LR each layer's param group had at that step's optimizer step: under a StepLR scheduler, with
+    two param groups of different LRs, and after a manual change at step 7; exactly as the hand-written hooks."""
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0)
+    ref = copy.deepcopy(model)
+    x, y = data()
+    opt, ref_opt = two_group_sgd(model), two_group_sgd(ref)
+    sched, ref_sched = (torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5) for o in (opt, ref_opt))
+    manual, ref_manual = raise_lr_at(opt, 7, 300.0), raise_lr_at(ref_opt, 7, 300.0)
+    layers = ["fc1", "fc2", "fc"]
+    rows, _ = reference_stats(ref, ref_opt, x, y, 12, layers, lambda k: (ref_sched.step(), ref_manual(k)))
+    with watch(model, every=every, flight_recorder=flight) as w:
+        for k in range(12):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            sched.step()
+            manual(k)
+    col = STAT_NAMES.index("lr")
+    want = torch.tensor([[rows[k][n]["lr"].item() for n in layers] for k in w.steps], dtype=torch.float64)
+    assert torch.equal(w.stats[:, :, col], want)
+    assert w.series("fc", "lr").tolist() == [rows[k]["fc"]["lr"].item() for k in w.steps]
+    lr = w.stats[:, :, col]
+    assert (lr[:, 2] == lr[:, 0] * 10).all()  # two groups: the output layer's LR is 10× the others'
+    if every == 1:
+        assert lr[:4, 0].tolist() == [0.01] * 4 and lr[4, 0].item() == 0.005  # StepLR halves it at step 4
+        assert lr[7, 0].item() == 0.005 and lr[8, 0].item() == pytest.approx(0.0025 * 300)  # halved, then ×300
+
+
+def test_learning_rate_tensor_moves_with_the_row(monkeypatch):
+    """A learning rate a scheduler keeps as a tensor (capturable optimizers, on device) is not read per step:
+    it moves to the host with the row, in the same transfer; a step no optimizer stepped has NaN."""
+    from hookwidget.capture import step_stats
+
+    plain = step_stats.learning_rates
+
+    def as_tensors(opt, groups):
+        return {li: torch.tensor(float(v), dtype=torch.float64) for li, v in plain(opt, groups).items()}
+
+    monkeypatch.setattr(step_stats, "learning_rates", as_tensors)
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0)
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    x, y = data()
+    with watch(model, flight_recorder=False, batch=4) as w:
+        for k in range(9):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            if k != 5:
+                opt.step()
+            opt.param_groups[0]["lr"] *= 2
+    lr = w.stats[:, :, STAT_NAMES.index("lr")]
+    want = [0.05 * 2 ** k for k in range(9)]
+    assert lr[:, 0].tolist()[:5] == want[:5] and lr[:, 1].tolist()[6:] == want[6:]
+    assert lr[5].isnan().all()  # no optimizer step after backward 5
+
+
+def test_learning_rate_reaches_the_front_end():
+    """The widget's meta and the page's data name lr among the statistics, as the schema's watch_meta says; the
+    rows they send carry it (the widget's statistics buffer, the page's base64 one)."""
+    import base64
+    import importlib
+    import json
+
+    import jsonschema
+
+    from hookwidget.views import watch_export
+    from hookwidget.views.widget import PAYLOAD_SCHEMA
+
+    ww = importlib.import_module("hookwidget.views.watch_widget")
+    spec = json.loads(PAYLOAD_SCHEMA.read_text(encoding="utf-8"))
+    assert tuple(spec["$defs"]["watch_meta"]["properties"]["stats"]["items"]["enum"]) == STAT_NAMES
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0)
+    opt = two_group_sgd(model)
+    x, y = data()
+    with watch(model, flight_recorder=False) as w:
+        run_loop(model, opt, x, y, 3)
+    wid = ww.WatchWidget(w)
+    sent = []
+    wid.send = lambda content, buffers=None: sent.append((content, buffers))
+    wid._on_msg(wid, {"type": "sync", "have": 0, "request_id": "s1"}, [])
+    page = watch_export.data(w)
+    validate = jsonschema.Draft202012Validator({"$defs": spec["$defs"], "$ref": "#/$defs/watch_meta"}).validate
+    for meta in (wid.meta, page["meta"]):
+        validate(meta)
+    col, K = STAT_NAMES.index("lr"), len(STAT_NAMES)
+    for raw in (sent[0][1][0], base64.b64decode(page["stats"])):
+        got = torch.frombuffer(bytearray(raw), dtype=torch.float64).view(3, -1, K)[:, :, col]
+        assert got.tolist() == [[0.01, 0.01, 0.1]] * 3
 
 
 def test_series_and_names():
@@ -639,6 +754,36 @@ def test_no_host_sync_per_step_on_gpu():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert w.stats.shape == (20, 4, len(STAT_NAMES)) and w.anomalies == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("flight", [False, True])
+def test_learning_rate_on_device_without_a_sync(flight):
+    """A capturable optimizer's LR is a device tensor, changed in place (as a scheduler does): the watch records it
+    per step with no host sync (flight recorder off; moved with the rows), as plain PyTorch reads it."""
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), capturable=True)
+    x, y = (t.cuda() for t in data())
+    seen = []
+    with watch(model, flight_recorder=flight, batch=64) as w:
+        for k in range(20):
+            if k == 2:  # the first steps build the watch's index tensors (a copy to the device each, once)
+                torch.cuda.set_sync_debug_mode("default" if flight else "error")
+            try:
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+            finally:
+                if k == 19:
+                    torch.cuda.set_sync_debug_mode("default")
+            seen.append(opt.param_groups[0]["lr"].clone())
+            if k == 12:
+                opt.param_groups[0]["lr"].mul_(300)
+    want = torch.stack(seen).double().cpu()
+    got = w.stats[:, :, STAT_NAMES.index("lr")]
+    assert torch.equal(got, want.view(-1, 1).expand_as(got))
+    assert got[13, 0].item() == pytest.approx(got[12, 0].item() * 300, rel=1e-6)
 
 
 def test_delta_seen_through_an_in_place_op_after_a_3d_linear():

@@ -17,7 +17,7 @@ from hookwidget.stats import l2, l2_batch
 
 # Per-layer statistics, in this order along the last axis of Watch.stats.
 STAT_NAMES = ("delta_norm", "delta_max", "delta_nan", "delta_inf", "a_rms", "a_zero_frac", "a_nonfinite",
-              "grad_norm", "weight_norm", "update_ratio", "grad_nan", "grad_inf")
+              "grad_norm", "weight_norm", "update_ratio", "grad_nan", "grad_inf", "lr")
 STEP_STAT_NAMES = ("loss", "grad_norm")
 S = {name: i for i, name in enumerate(STAT_NAMES)}
 NAN = float("nan")
@@ -87,9 +87,10 @@ class Rows:
             has = [False] * self.L + [True] * self.L
             for li, _ in g_pairs:
                 has[li] = True
-            t = torch.tensor
+            t = torch.tensor  # index tensors, not lists: a list index copies to the device (a sync on GPU)
             hit = self._cache[present] = (t(index, device=dev), t(has, device=dev), t(order, device=dev),
-                                          t([li for li, _ in g_pairs], device=dev), [j for _, j in g_pairs])
+                                          t([li for li, _ in g_pairs], device=dev),
+                                          t([j for _, j in g_pairs], dtype=torch.long, device=dev))
         return hit
 
     def row(self, delta: dict, a: dict, loss, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +116,7 @@ class Rows:
         if counts is not None:
             gc.index_add_(0, g_layers, counts[g_pos])
         upd = torch.full((L, 1), NAN, dtype=F64, device=dev)
-        row = torch.cat([d, a_part, gw.view(2, L).T, upd, gc], dim=1)
+        row = torch.cat([d, a_part, gw.view(2, L).T, upd, gc, upd], dim=1)
         loss = loss.to(dev).double() if loss is not None else torch.full((), NAN, dtype=F64, device=dev)
         return row, torch.stack([loss, total])
 
@@ -164,8 +165,9 @@ class Rows:
             zero_a[a_layers] = 0.0
             t = torch.tensor
             # columns of the matrix row_from concatenates: sqrt of the 5 sums (a_rms at 1), zero fraction,
-            # max|δ|, δ NaN, δ Inf, a non-finite, .grad NaN, .grad Inf, NaN (update ratio, filled later)
-            perm = [0, 6, 7, 8, 1, 5, 9, 3, 4, 12, 10, 11]
+            # max|δ|, δ NaN, δ Inf, a non-finite, .grad NaN, .grad Inf, NaN (update ratio and learning rate,
+            # filled by the optimizer step)
+            perm = [0, 6, 7, 8, 1, 5, 9, 3, 4, 12, 10, 11, 12]
             hit = self._cache[key] = {
                 "dev": dev, "src": t(src, dtype=torch.long, device=dev), "dst": t(dst, dtype=torch.long, device=dev),
                 "base": torch.cat([base.flatten(), t([0.0 if ng else NAN], dtype=F64)]).to(dev),
@@ -177,7 +179,7 @@ class Rows:
                 "d_layers": t(list(d_layers), dtype=torch.long, device=dev),
                 "a_layers": t(a_layers, dtype=torch.long, device=dev),
                 "g_layers": t([li for li, _ in g_pairs], dtype=torch.long, device=dev),
-                "g_pos": [j for _, j in g_pairs]}
+                "g_pos": t([j for _, j in g_pairs], dtype=torch.long, device=dev)}  # a list index would sync
         return hit
 
     def row_from(self, ds: list, as_: list, loss, dev) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,6 +62,7 @@ class Step:
         self.row = self.step_row = None  # (layers, stats) and [loss, global grad norm], when backward ends
         self.host = None  # (host tensor, row) once moved to the host
         self.update = self.touched = None  # Σ‖ΔW‖² per layer, and the layers an optimizer step changed
+        self.lr: dict = {}  # layer -> its learning rate at the optimizer step (a float, or a device tensor)
         self.compiled = False  # statistics came (also) from compiled code (compiled_stats.py)
         self.scale = self.next_scale = None  # a GradScaler's scale at this backward and at the next
         self.roots = None  # the roots of a backward no eager hook saw (the watch judges why, then lets them go)
@@ -89,7 +90,7 @@ class StatsKeep(Keep):
         self.n = 0
         self.cur = Step(0, True)
         self.last: Step | None = None
-        self.opts = weakref.WeakKeyDictionary()  # optimizer -> (its param-group sizes, param indices, copies)
+        self.opts = weakref.WeakKeyDictionary()  # optimizer -> (param-group sizes, param indices, copies, groups)
         self.snap = None  # (optimizer, step, param indices, copies) between an optimizer's pre and post hooks
         self.sinks = compiled_stats.sinks(rule.layers)  # where compiled code leaves its statistics
 
@@ -188,7 +189,7 @@ class StatsKeep(Keep):
             if step.scale is not None:  # backward ran on loss · scale: so did every sample's gradient
                 step.ps[0].div_(step.scale.to(dev, F64))
 
-    # -- optimizer steps: the update ratio ‖ΔW‖/‖W‖ -------------------------------------------
+    # -- optimizer steps: the update ratio ‖ΔW‖/‖W‖ and the learning rate of each layer's param group -----
     def before_update(self, opt) -> None:
         step = self.last
         if step is None or not step.recorded:
@@ -198,8 +199,9 @@ class StatsKeep(Keep):
         if hit is None or hit[0] != sizes:
             ids = {id(p) for g in opt.param_groups for p in g["params"]}
             idx = tuple(i for i, p in enumerate(self.params) if id(p) in ids)
-            hit = self.opts[opt] = (sizes, idx, [torch.empty_like(local(self.params[i])) for i in idx])
-        _, idx, copies = hit
+            hit = self.opts[opt] = (sizes, idx, [torch.empty_like(local(self.params[i])) for i in idx],
+                                    _layer_groups(opt, self.params, self.rule.pairs))
+        _, idx, copies, _ = hit
         if not idx:
             return
         foreach_copy_(copies, _locals([self.params[i] for i in idx]))  # detached: nothing recorded
@@ -212,18 +214,55 @@ class StatsKeep(Keep):
         _, step, idx, copies = snap
         dev = copies[0].device
         foreach_sub_(copies, _locals([self.params[i] for i in idx]))
+        lrs = learning_rates(opt, self.opts[opt][3])
         sq, mask = self.rows.update(idx, l2_batch(copies), dev)
         step.update = sq if step.update is None else step.update + sq
         step.touched = mask if step.touched is None else step.touched | mask
+        step.lr.update(lrs)
         col = S["update_ratio"]
-        if step.host is None:
+        if step.host is None:  # the learning rates go to the host with the row (HostRows.flush)
             row = step.row
             row[:, col] = torch.where(step.touched, step.update.sqrt() / row[:, S["weight_norm"]], NAN)
         else:  # read already (w.stats mid-step): write into the host copy (one sync, only then)
             host, r = step.host
             w = host[r, :, S["weight_norm"]]
             host[r, :, col] = torch.where(step.touched.cpu(), step.update.cpu().sqrt() / w, NAN)
+            host[r, :, S["lr"]] = lr_column(step.lr, len(self.layers))
             self.rule.changed()
+
+
+def _layer_groups(opt, params: list, pairs: list) -> list:
+    """(layer, param-group index) for each watched layer with a parameter in `opt`: the group of the layer's
+    first such parameter (its weight, as modules register it first)."""
+    group = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+    out, seen = [], set()
+    for li, pi in pairs:
+        gi = group.get(id(params[pi]))
+        if gi is not None and li not in seen:
+            seen.add(li)
+            out.append((li, gi))
+    return out
+
+
+def learning_rates(opt, layer_groups: list) -> dict:
+    """layer -> the learning rate of its param group now: a Python float (no sync), or, where a scheduler
+    keeps it as a device tensor (capturable optimizers), a copy of that tensor (read with the row, in one
+    transfer); a CPU tensor is read now (no sync)."""
+    lrs = []
+    for g in opt.param_groups:
+        lr = g.get("lr")
+        if isinstance(lr, torch.Tensor):
+            lr = float(lr) if lr.device.type == "cpu" else lr.detach().reshape(()).clone()
+        lrs.append(lr if isinstance(lr, (torch.Tensor, float, int)) else None)
+    return {li: lrs[gi] for li, gi in layer_groups if lrs[gi] is not None}
+
+
+def lr_column(lr: dict, n_layers: int) -> torch.Tensor:
+    """The (layers,) float64 host column of a step's learning rates (NaN: no optimizer stepped the layer)."""
+    col = [NAN] * n_layers
+    for li, v in lr.items():
+        col[li] = float(v.cpu()) if isinstance(v, torch.Tensor) else float(v)
+    return torch.tensor(col, dtype=F64)
 
 
 register(STATS, StatsKeep)

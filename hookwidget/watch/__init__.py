@@ -48,6 +48,9 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
                              being weight_norm; it costs one copy of the optimizer's parameters (a
                              buffer reused across steps), taken before the step with torch._foreach ops
       delta_nan, delta_inf, grad_nan, grad_inf   NaN and Inf counts of δ and of .grad
+      lr                     the learning rate of the param group holding the layer's weight, at that
+                             optimizer step (NaN: none); read without a sync (a device tensor LR moves
+                             to the host with the row)
     and per step the loss (the scalar backward started from) and the global gradient norm
     (w.step_stats, w.loss, w.grad_norm). NaN means "not measured" (the layer was not reached).
     Statistics are reduced on the model's device and moved to the host `batch` steps at a time, or

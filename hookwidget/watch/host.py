@@ -1,7 +1,7 @@
 """The watch's rows on their way to the host: recorded steps wait on device and move in one transfer,
 `batch` steps at a time or when read; each moved row is judged by the detector and told to the listeners.
 Small chunks on the host (one row each, with the flight recorder on) are merged into blocks, so a long run
-holds its rows and little else: layers × 12 + 2 float64 and one step index per recorded step."""
+holds its rows and little else: layers × 13 + 2 float64 and one step index per recorded step."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from array import array
 import torch
 
 from hookwidget.capture.stat_rows import F64, NAN, STAT_NAMES, S
+from hookwidget.capture.step_stats import lr_column
 from hookwidget.watch.amp import SKIPPED
 
 MERGE = 64  # small chunks on the host past which they are merged into one block
@@ -46,8 +47,14 @@ class HostRows:
         track = self.amp()
         scales = [track.pairs(take, take[0].row.device).flatten()] if track is not None else []
         ps = [torch.stack([s.ps for s in take]).flatten()] if self.per_sample else []
+        lrs = _device_lrs(take)  # learning rates a scheduler keeps on device: in the same transfer
+        dev = take[0].row.device
         both = torch.cat([torch.stack([s.row for s in take]).flatten(),
-                          torch.stack([s.step_row for s in take]).flatten(), *ps, *scales]).cpu()  # one transfer
+                          torch.stack([s.step_row for s in take]).flatten(), *ps, *scales,
+                          *([torch.stack([v.to(dev, F64) for v in lrs])] if lrs else [])]).cpu()  # one transfer
+        if lrs:
+            _read_lrs(take, both[-len(lrs):].tolist())
+            both = both[:-len(lrs)]
         skipped = both[-2 * n:].view(n, 2) if scales else None  # (scale, scale after) per step
         both = both[:-2 * n] if scales else both
         if ps:
@@ -58,6 +65,8 @@ class HostRows:
         rows, step_rows = both[:n * L * len(STAT_NAMES)].view(n, L, -1), both[n * L * len(STAT_NAMES):].view(n, 2)
         for r, s in enumerate(take):
             s.host, s.row, s.step_row = (rows, r), None, None
+            if s.lr:
+                rows[r, :, S["lr"]] = lr_column(s.lr, L)
         self.chunks.append(rows)
         self.step_chunks.append(step_rows)
         self.recorded.extend(s.index for s in take)
@@ -95,3 +104,15 @@ class HostRows:
     def per_sample_table(self) -> torch.Tensor:
         self.flush()
         return torch.cat(self.ps_chunks) if self.ps_chunks else torch.zeros(0, 2, dtype=F64)
+
+
+def _device_lrs(take: list) -> list:
+    """The learning rates of `take` that are device tensors, in order (steps, then layers)."""
+    return [v for s in take for v in s.lr.values() if isinstance(v, torch.Tensor)]
+
+
+def _read_lrs(take: list, values: list) -> None:
+    """Put the host `values` of _device_lrs(take) back in place of their tensors."""
+    it = iter(values)
+    for s in take:
+        s.lr = {li: next(it) if isinstance(v, torch.Tensor) else v for li, v in s.lr.items()}

@@ -1,6 +1,7 @@
 import { describe, expect, it } from "vitest";
 import { around, brush, clampView, pan, visible, zoom } from "../watch/axis.js";
 import { departure, leadOf, leadsOf } from "../watch/leads.js";
+import { lrRises, lrText } from "../watch/lr.js";
 import { overflowAt, stepOverflowAt } from "../watch/overflow.js";
 import { createStore } from "../watch/store.js";
 import { createWatchView } from "../watch/view.js";
@@ -9,16 +10,19 @@ const STATS = ["delta_norm", "delta_max", "delta_nan", "delta_inf", "a_rms", "a_
 const META = { layers: ["fc1", "fc2", "fc3"], stats: STATS, step_stats: ["loss", "grad_norm"], every: 1 };
 
 /** A 300-step run whose learning rate is raised ×300 at step 200: the update ratio jumps there, gradients stay
- * normal; the loss spikes at 201 and the gradients blow up after (the first gradient norm overflows at 203). */
-function diverging(n = 300) {
-  const L = 3, K = STATS.length, s = new Float64Array(n * L * K), t = new Float64Array(n * 2);
+ * normal; the loss spikes at 201 and the gradients blow up after (the first gradient norm overflows at 203).
+ * `lr(r, l)`: the learning rate the watch recorded (statistic "lr"), or none recorded (an older page). */
+function diverging(n = 300, lr = null) {
+  const stats = lr ? [...STATS, "lr"] : STATS, meta = { ...META, stats };
+  const L = 3, K = stats.length, s = new Float64Array(n * L * K), t = new Float64Array(n * 2);
   let seed = 1;
   const noise = () => { seed = (seed * 16807) % 2147483647; return 1 + 0.2 * (seed / 2147483647 - 0.5); };
   for (let r = 0; r < n; r++) {
     const blow = r > 200 ? 10 ** Math.min(40, 3 * (r - 200)) : 1;
     for (let l = 0; l < L; l++) {
-      const at = (name, v) => { s[(r * L + l) * K + STATS.indexOf(name)] = v; };
-      for (const name of STATS) at(name, 0);
+      const at = (name, v) => { s[(r * L + l) * K + stats.indexOf(name)] = v; };
+      for (const name of stats) at(name, 0);
+      if (lr) at("lr", lr(r, l));
       at("delta_norm", 0.1 * noise() * blow); at("a_rms", 0.5 * noise()); at("weight_norm", 3 * noise());
       at("grad_norm", r === 203 && l === 0 ? Infinity : 0.2 * noise() * blow);
       at("update_ratio", 1e-3 * noise() * (r >= 200 ? 300 : 1) * (r === 0 ? NaN : 1));
@@ -26,7 +30,7 @@ function diverging(n = 300) {
     t[2 * r] = r > 200 ? 2 * blow : 1 / (1 + r / 50);
     t[2 * r + 1] = r === 203 ? Infinity : 0.35 * noise() * blow;
   }
-  const st = createStore(META);
+  const st = createStore(meta);
   st.apply({ type: "rows", start: 0, count: n, steps: [...Array(n).keys()], a_start: 0,
     anomalies: [[201, "loss", "spike (×20 its window)"], [202, "fc1", "‖W.grad‖₂ spike"]], kept: [201, 299], dropped: 0, total_steps: n, state: "closed" },
   [new DataView(s.buffer), new DataView(t.buffer)]);
@@ -45,6 +49,32 @@ describe("leads", () => {
     expect(lead.text).toMatch(/^step 200: update ratio .*×\d+ in 3 layers.*learning rate/);
     expect(leadsOf(st).get(202).step).toBe(200);
     expect(leadsOf(st)).toBe(leadsOf(st)); // cached until the rows change
+  });
+
+  it("names the recorded learning rate's rise directly, ahead of the inferred lead", () => {
+    const st = diverging(300, (r) => (r >= 200 ? 0.3 : 1e-3));
+    const lead = leadsOf(st).get(201);
+    expect([lead.step, lead.stat, lead.lr, lead.direct]).toEqual([200, "lr", true, true]);
+    expect(lead.layers).toEqual(["fc1", "fc2", "fc3"]);
+    expect(lead.ratio).toBeCloseTo(300);
+    expect(lead.text).toMatch(/^step 200: learning rate ×300 \(0\.001 → 0\.3\) in 3 layers \(fc1, fc2, …\), update ratio ‖ΔW‖\/‖W‖ ×\d+$/);
+    expect(leadsOf(st).get(202).step).toBe(200);
+    expect(lrText(st, 199)).toBe("learning rate 0.001");
+    expect(lrText(st, 200)).toBe("learning rate 0.3");
+  });
+
+  it("takes a scheduler's decay and a warmup's small steps for no lead; param groups read by value", () => {
+    const decay = diverging(300, (r) => 0.1 * 0.1 ** Math.floor(r / 50) * (r < 10 ? (r + 1) / 10 : 1));
+    expect(lrRises(decay, 100)).toEqual([]);
+    expect(lrRises(decay, 5)).toEqual([]);
+    expect(leadsOf(decay).get(201).stat).toBe("update_ratio"); // the inferred lead, as before
+    const groups = diverging(300, (r, l) => (l === 2 ? 0.01 : 0.001) * (r === 190 ? NaN : 1) * (r >= 200 ? 300 : 1));
+    expect(lrText(groups, 10)).toBe("learning rates 0.001 (fc1, fc2) · 0.01 (fc3)");
+    expect(lrText(groups, 190)).toBe("learning rate: no optimizer step");
+    const lead = leadsOf(groups).get(201);
+    expect(lead.text).toMatch(/^step 200: learning rate ×300 in 3 layers/); // values differ: not listed
+    expect(lrText(diverging(), 10)).toBe("(learning rate: not recorded by the watch)");
+    expect(lrRises(diverging(), 200)).toEqual([]);
   });
 
   it("finds no lead in a steady run, and a gradient lead where only gradients jump", () => {
@@ -108,6 +138,19 @@ describe("axis zoom", () => {
     expect([v.layout.v0, v.layout.v1, v.layout.colW]).toEqual([195, 206, 24]); // a brushed range: steps to click
     v.select(203);
     expect(el.querySelector("[data-testid=watch-readout]").textContent).toMatch(/global ‖grad‖₂ overflow .*fc1 overflow/);
+    v.destroy();
+  });
+
+  it("shows the step's learning rate in the readout and above a kept Trace; the direct lead first", async () => {
+    const st = diverging(300, (r) => (r >= 200 ? 0.3 : 1e-3)), el = document.createElement("div");
+    document.body.appendChild(el);
+    const v = createWatchView({ store: st, el, openTrace: async () => ({ ok: true }) });
+    expect(el.querySelector("[data-testid=watch-first-lead]").textContent).toMatch(/first at step 201 · lead: step 200: learning rate ×300/);
+    el.querySelector("li[data-step='201'] .hw-w-lead").click();
+    expect(el.querySelector("[data-testid=watch-stat]").value).toBe("lr");
+    expect(el.querySelector("[data-testid=watch-readout]").textContent).toMatch(/^step 200 · loss \S+ · learning rate 0\.3 · .*update ratio/);
+    await v.open(201);
+    expect(el.textContent).toMatch(/step 201 · loss \S+ · learning rate 0\.3 · .*this anomaly's lead: step 200: learning rate ×300/);
     v.destroy();
   });
 });

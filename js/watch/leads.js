@@ -4,9 +4,12 @@
 // Computed from the store's rows (every row is on the front-end), so the live widget and the to_html page
 // show the same leads. A statistic "leaves its window" when its log10 distance from the median of the
 // WINDOW rows before it exceeds max(log10(FACTOR), SIGMAS robust standard deviations), or it turns ±Inf.
+// Where the watch recorded the learning rate, a rise of it in the lookback is the lead, named directly
+// ("step 200: learning rate ×300"), ahead of any inferred one (lr.js).
+import { lrLead } from "./lr.js";
 
 export const LEAD_STATS = ["update_ratio", "grad_norm", "a_rms"];
-export const LEAD_LABELS = { update_ratio: "update ratio ‖ΔW‖/‖W‖", grad_norm: "‖W.grad‖₂", a_rms: "activation RMS", step_grad_norm: "global ‖grad‖₂" };
+export const LEAD_LABELS = { lr: "learning rate", update_ratio: "update ratio ‖ΔW‖/‖W‖", grad_norm: "‖W.grad‖₂", a_rms: "activation RMS", step_grad_norm: "global ‖grad‖₂" };
 export const DEFAULTS = { window: 20, minWindow: 5, lookback: 10, factor: 5, sigmas: 5 };
 
 const log = (v) => (v > 0 ? Math.log10(v) : NaN);
@@ -45,6 +48,8 @@ function seriesOf(store) {
 
 /** The lead of the anomaly at row `a`: {step, row, stat, layers, ratio, base, value, lr, text}, or null. */
 export function leadOf(store, a, opt = DEFAULTS) {
+  const direct = lrLead(store, a, opt, departure);
+  if (direct) return direct;
   const series = seriesOf(store);
   for (let r = Math.max(0, a - opt.lookback); r <= a; r++) {
     const hits = [];

@@ -9,13 +9,14 @@ import { bins, chooseScale, colourOf, cssOf, INF_RGB, NAN_RGB, pick, position, Z
 import { installWatchStyles } from "./styles.js";
 import { around, bindAxis, visible, zoom } from "./axis.js";
 import { leadsOf } from "./leads.js";
+import { lrText } from "./lr.js";
 import { fmtOver, OVERFLOW_RGB, overflowAt, stepOverflowAt } from "./overflow.js";
 
 export const STAT_LABELS = {
   grad_norm: "‖W.grad‖₂", delta_norm: "‖δ‖₂ (output gradient)", delta_max: "max |δ|", a_rms: "RMS of the input a",
   a_zero_frac: "fraction of a that is 0", a_nonfinite: "NaN/Inf entries of a", weight_norm: "‖W‖₂",
   update_ratio: "update ratio ‖ΔW‖/‖W‖", delta_nan: "NaN entries of δ", delta_inf: "Inf entries of δ",
-  grad_nan: "NaN entries of W.grad", grad_inf: "Inf entries of W.grad",
+  grad_nan: "NaN entries of W.grad", grad_inf: "Inf entries of W.grad", lr: "learning rate of its param group",
 };
 /** dom.js's h, with `style` set through the CSSOM (a strict CSP refuses style attributes). */
 function h(tag, attrs = {}, ...children) {
@@ -145,7 +146,7 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     readout.classList.add("pinned");
   }
 
-  /** A step's leading statistics: the update ratio and gradient norm of each layer, the global gradient norm. */
+  /** A step's leading statistics: its learning rate(s), the update ratio and gradient norm of each layer, the global gradient norm. */
   function stepText(r) {
     const parts = [];
     for (const name of ["update_ratio", "grad_norm"]) {
@@ -153,8 +154,7 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
       if (k < 0) continue;
       parts.push(`${STAT_LABELS[name] || name}: ` + meta.layers.map((layer, l) => `${layer} ${fmtOver(store.value(r, l, k), overflowAt(store, r, l, k))}`).join(", "));
     }
-    const lr = "(learning rate: not recorded by the watch)";
-    return `step ${fmt(store.steps[r])} · loss ${fmt(store.stepValue(r, 0))} · global ‖grad‖₂ ${fmtOver(store.stepValue(r, 1), stepOverflowAt(store, r, 1))} · ${parts.join(" · ")} ${lr}`;
+    return `step ${fmt(store.steps[r])} · loss ${fmt(store.stepValue(r, 0))} · ${lrText(store, r)} · global ‖grad‖₂ ${fmtOver(store.stepValue(r, 1), stepOverflowAt(store, r, 1))} · ${parts.join(" · ")}`;
   }
 
   function redraw() {
@@ -441,7 +441,7 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     setStatus("done", `step ${step}: its kept Trace is shown below`);
   }
 
-  /** Above a kept step's Trace: that step's update ratios and gradient norms, and the lead of its anomaly. */
+  /** Above a kept step's Trace: that step's learning rate(s), update ratios and gradient norms, and the lead of its anomaly. */
   function drawFacts(step) {
     const r = store.rowOf(step);
     if (r < 0) { facts.replaceChildren(); return; }

@@ -1,7 +1,8 @@
 """The watch points at the cause, in a real JupyterLab (file browser open, 1100 and 1500 px): a 300-step run whose
 learning rate is raised ×300 at step 200 diverges after; the first anomaly (the loss spike at step 201) names
-step 200's update ratio / learning-rate change as its lead, the step axis zooms (the wheel, the lead's button)
-until step 200 is a column wide enough to click, and the to_html page of the same watch shows the same lead."""
+step 200's learning-rate change (recorded by the watch, with the update ratio that moved) as its lead, the step
+axis zooms (the wheel, the lead's button) until step 200 is a column wide enough to click, the readout and the
+box above the kept Trace show the step's learning rate, and the to_html page of the same watch shows the same."""
 
 import pathlib
 
@@ -39,7 +40,7 @@ IDLE_AFTER = """(i) => {
     const c = nb.content.widgets[i].model;
     return c.executionCount !== null && nb.sessionContext.session.kernel.status === 'idle';
 }"""
-LEAD = "lead: step 200: update ratio"
+LEAD = "lead: step 200: learning rate ×300 (0.01 → 3) in 3 layers"
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +84,7 @@ def check_lead_and_zoom(page, watch, img_dir, name):
     page.wait_for_function("(t) => document.querySelector('[data-testid=watch-first-lead]')?.textContent.includes(t)",
                            arg=LEAD)
     text = first.inner_text()
-    assert f"(first at step 201 · {LEAD}" in text and "learning rate (or optimizer) changed" in text, text
+    assert f"(first at step 201 · {LEAD}" in text and ", update ratio ‖ΔW‖/‖W‖ ×" in text, text
     _, _, col_w = layout(watch)
     assert col_w < 4, col_w  # 300 steps: a step is a few px before zooming
     # The wheel over step 200 zooms around it until a step is a clickable column.
@@ -101,6 +102,7 @@ def check_lead_and_zoom(page, watch, img_dir, name):
     click_step(watch, page, 200)
     readout = watch.locator('[data-testid="watch-readout"]').inner_text()
     assert readout.startswith("step 200 · ") and "update ratio" in readout, readout
+    assert " · learning rate 3 · " in readout, readout
     watch.screenshot(path=str(img_dir / f"watch_lead_{name}.png"))
     # Back to all steps, then the lead's own button zooms to step 200 and selects it.
     watch.locator('[data-testid="watch-zoom-all"]').click()
@@ -109,13 +111,14 @@ def check_lead_and_zoom(page, watch, img_dir, name):
     v0, v1, col_w = layout(watch)
     assert col_w >= 20 and v0 <= 200 < v1, (v0, v1, col_w)
     assert watch.locator('[data-testid="watch-readout"]').inner_text().startswith("step 200 · ")
-    assert watch.locator('[data-testid="watch-stat"]').input_value() == "update_ratio"  # the heatmap shows the cause
-    # The kept step 201 opens with its update ratios and its lead above the Trace.
+    assert watch.locator('[data-testid="watch-stat"]').input_value() == "lr"  # the heatmap shows the cause
+    # The kept step 201 opens with its learning rate, update ratios and its lead above the Trace.
     watch.locator('[data-kept-step="201"]').click()
     facts = watch.locator('[data-testid="watch-step-facts"]')
     page.wait_for_function(
         "() => document.querySelector('[data-testid=watch-step-facts]')?.textContent.startsWith('step 201')")
     assert "update ratio" in facts.inner_text() and LEAD in facts.inner_text()
+    assert " · learning rate 3 · " in facts.inner_text(), facts.inner_text()
     watch.locator('[data-testid="watch-trace"] .hw-root').first.wait_for(timeout=60_000)
     watch.screenshot(path=str(img_dir / f"watch_lead_trace_{name}.png"))
 
