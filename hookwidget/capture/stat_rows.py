@@ -87,7 +87,7 @@ class Rows:
             has = [False] * self.L + [True] * self.L
             for li, _ in g_pairs:
                 has[li] = True
-            t = torch.tensor  # index tensors, not lists: a list index copies to the device (a sync on GPU)
+            t = _upload  # index tensors, not lists: a list index copies to the device (a sync on GPU)
             hit = self._cache[present] = (t(index, device=dev), t(has, device=dev), t(order, device=dev),
                                           t([li for li, _ in g_pairs], device=dev),
                                           t([j for _, j in g_pairs], dtype=torch.long, device=dev))
@@ -163,19 +163,19 @@ class Rows:
             zero_d[list(d_layers)] = 0.0
             zero_a = torch.full((L, 1), NAN, dtype=F64)
             zero_a[a_layers] = 0.0
-            t = torch.tensor
+            t = _upload
             # columns of the matrix row_from concatenates: sqrt of the 5 sums (a_rms at 1), zero fraction,
             # max|δ|, δ NaN, δ Inf, a non-finite, .grad NaN, .grad Inf, NaN (update ratio and learning rate,
             # filled by the optimizer step)
             perm = [0, 6, 7, 8, 1, 5, 9, 3, 4, 12, 10, 11, 12]
             hit = self._cache[key] = {
                 "dev": dev, "src": t(src, dtype=torch.long, device=dev), "dst": t(dst, dtype=torch.long, device=dev),
-                "base": torch.cat([base.flatten(), t([0.0 if ng else NAN], dtype=F64)]).to(dev),
-                "denom": denom.to(dev), "perm": t(perm, dtype=torch.long, device=dev),
+                "base": _upload(torch.cat([base.flatten(), torch.tensor([0.0 if ng else NAN], dtype=F64)]), device=dev),
+                "denom": _upload(denom, device=dev), "perm": t(perm, dtype=torch.long, device=dev),
                 "a_entries": t([float(k) for _, k in a_entries], dtype=F64, device=dev),
                 "nan_l": torch.full((L,), NAN, dtype=F64, device=dev),
-                "nan_col": torch.full((L, 1), NAN, dtype=F64, device=dev), "zero_d": zero_d.to(dev),
-                "zero_a": zero_a.to(dev), "zero_g": torch.zeros(L, 2, dtype=F64, device=dev),
+                "nan_col": torch.full((L, 1), NAN, dtype=F64, device=dev), "zero_d": _upload(zero_d, device=dev),
+                "zero_a": _upload(zero_a, device=dev), "zero_g": torch.zeros(L, 2, dtype=F64, device=dev),
                 "d_layers": t(list(d_layers), dtype=torch.long, device=dev),
                 "a_layers": t(a_layers, dtype=torch.long, device=dev),
                 "g_layers": t([li for li, _ in g_pairs], dtype=torch.long, device=dev),
@@ -234,9 +234,9 @@ class Rows:
             for li, _ in pairs:
                 mask[li] = True
             same = [j for _, j in pairs] == list(range(len(key)))
-            hit = self._cache[("u", key)] = (torch.tensor([li for li, _ in pairs], device=dev),
-                                             None if same else torch.tensor([j for _, j in pairs], device=dev),
-                                             torch.tensor(mask, device=dev))
+            hit = self._cache[("u", key)] = (_upload([li for li, _ in pairs], device=dev),
+                                             None if same else _upload([j for _, j in pairs], device=dev),
+                                             _upload(mask, device=dev))
         layers, gather, mask = hit
         sq = _stack(deltas, dev).double().square_()
         if gather is not None:
@@ -287,3 +287,14 @@ def unscale(row: torch.Tensor, step_row: torch.Tensor, scale) -> None:
         for c in SCALED:  # one column at a time: a list index would copy it to the device (a sync on GPU)
             row[:, c].div_(s)
         step_row.div_(s)
+
+
+def _upload(data, dtype=None, device=None) -> torch.Tensor:
+    """`data` (a list or a host tensor) as a tensor on `device`, with no host sync: a CUDA copy goes from pinned
+    memory, asynchronously (torch.tensor(list, device="cuda") waits for the copy). Built once per step layout."""
+    host = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if host.dtype != (dtype or host.dtype):
+        host = host.to(dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

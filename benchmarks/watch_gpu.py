@@ -1,0 +1,114 @@
+"""What hw.watch costs per training step on a CUDA GPU, and whether any step waits for the host.
+
+    python -m benchmarks.watch_gpu [--steps 200] [--rounds 3] [--models mlp,transformer,gpt2]
+
+The models, the hand-written floor and the loss are benchmarks/watch_overhead.py's (that script times CPU
+time on one thread; a GPU step is measured here in wall time). Each variant runs 20 warm-up steps, then
+`--steps` steps with torch.cuda.set_sync_debug_mode("error"): a step that synchronises with the host raises
+(the check the "sync-free" column reports), then its rows come to the host (part of the cost). Variants
+alternate within each of `--rounds` rounds; the median per-step time and its ratio to plain are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+
+import torch
+
+import hookwidget as hw
+from benchmarks.watch_overhead import Floor, build, loss_of
+
+VARIANTS = ("plain", "floor", "watch", "watch+fr", "per_sample")
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def time_loop(model, x, y, steps: int, variant: str) -> tuple[float, bool]:
+    """(seconds per step, whether the timed steps ran without a host sync)."""
+    opt = torch.optim.Adam(model.parameters(), 1e-4)
+
+    def step():
+        opt.zero_grad()
+        loss_of(model(x), y).backward()
+        opt.step()
+
+    w = {"plain": lambda: None, "floor": lambda: Floor(model),
+         "watch": lambda: hw.watch(model, flight_recorder=False),
+         "watch+fr": lambda: hw.watch(model),
+         "per_sample": lambda: hw.watch(model, flight_recorder=False, per_sample=True)}[variant]()
+    sync_free = True
+    try:
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(steps):
+                step()
+        except RuntimeError as e:  # a synchronising call: time the rest without the check
+            if "synchroniz" not in str(e):
+                raise
+            sync_free = False
+            torch.cuda.set_sync_debug_mode("default")
+            for _ in range(steps):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if isinstance(w, Floor):
+            w.flush()
+        elif w is not None:
+            _ = w.stats
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+    finally:
+        if w is not None:
+            w.close()
+    return elapsed / steps, sync_free
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--models", default="mlp,transformer,gpt2")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("watch_gpu: no CUDA device")
+    rows = {}
+    for name in args.models.split(","):
+        model, x, y = build(name)
+        model, x, y = model.cuda(), x.cuda(), y.cuda()
+        times: dict = {v: [] for v in VARIANTS}
+        free: dict = dict.fromkeys(VARIANTS, True)
+        for r in range(args.rounds):
+            for v in VARIANTS if r % 2 == 0 else reversed(VARIANTS):
+                t, ok = time_loop(model, x, y, args.steps, v)
+                times[v].append(t)
+                free[v] &= ok
+        plain = statistics.median(times["plain"])
+        rows[name] = {v: {"ms": 1e3 * statistics.median(ts), "x_plain": statistics.median(ts) / plain,
+                          "sync_free": free[v]} for v, ts in times.items()}
+    device = torch.cuda.get_device_name()
+    lines = [f"# hw.watch on {device} (torch {torch.__version__}; {args.steps} steps × {args.rounds} rounds, "
+             "wall time, medians)", "", "| model | " + " | ".join(VARIANTS) + " |", "|---" * (len(VARIANTS) + 1) + "|"]
+    for name, vs in rows.items():
+        cells = [f"{vs[v]['ms']:.2f} ms" if v == "plain" else f"{vs[v]['x_plain']:.2f}×" + ("" if vs[v]["sync_free"]
+                 else " (syncs)") for v in VARIANTS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Every variant's timed steps ran under torch.cuda.set_sync_debug_mode(\"error\"); \"(syncs)\" marks "
+              "one whose steps synchronised with the host."]
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "watch_gpu.md").write_text("\n".join(lines) + "\n")
+    (out / "watch_gpu.json").write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows},
+                                                   indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
