@@ -87,8 +87,12 @@ class Session:
         return ""
 
     @contextmanager
-    def recording(self, state: RunState | None = None):
-        """Hooks on for the block; the Trace's record is assembled when it ends, whatever happens in it."""
+    def recording(self, state: RunState | None = None, deferred: bool = False):
+        """Hooks on for the block; the Trace's record is assembled when it ends, whatever happens in it.
+
+        `deferred`: the block gets a `Deferred` instead of the Trace, and the record is assembled only when
+        `Deferred.assemble()` asks (the flight recorder judges a step after it ended, and most steps are dropped
+        unassembled: what the tracer kept, references and copy-on-write clones, just goes)."""
         opts = self.options
         layer_ivs, node_ivs = defaultdict(list), defaultdict(list)
         for iv in self.interventions:
@@ -98,13 +102,16 @@ class Session:
                         norms_rule=_norms_rule(opts.capture), state=state)
         pending = Pending()
         t = Trace(self, pending, applied=self.interventions)
+        later = Deferred(t) if deferred else None
         failed = True
         try:
             with tracer:
-                yield t
+                yield t if later is None else later
             failed = False
         finally:
-            if tracer.records is not None:
+            if later is not None:
+                later.ended(tracer.records, lambda: self._ended(t, pending, tracer, state, failed))
+            elif tracer.records is not None:
                 try:
                     self._ended(t, pending, tracer, state, failed)
                 except Exception:
@@ -198,6 +205,26 @@ class Session:
             return target
         raise KeyError(f"unknown target {shown(target)}: give a layer name ({suggest(target, t.layers, 'layers')}) "
                        f"or a graph node id (e.g. {next(iter(t.graph.nodes), 'AddmmBackward0#0')!r})")
+
+
+class Deferred:
+    """A recording whose record is assembled on demand (Session.recording(deferred=True)): `steps` is how many
+    backward passes it saw once it ended; `assemble()` builds the record once and returns the Trace."""
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+        self.steps = 0
+        self._assemble = None
+
+    def ended(self, records, assemble) -> None:
+        if records is not None:
+            self.steps, self._assemble = len(records.steps), assemble
+
+    def assemble(self) -> Trace:
+        fill, self._assemble = self._assemble, None
+        if fill is not None:
+            fill()
+        return self.trace
 
 
 def _few(items: list, k: int = 4) -> str:
