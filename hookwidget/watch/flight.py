@@ -20,35 +20,48 @@ class FlightRecorder:
         from hookwidget.session import Session
 
         self.tracer, self.max_kept = tracer, max_kept  # the watch's own tracer (keep strategy "stats")
-        self.session = Session(None, model, {"capture": "full", "budget_mb": budget_mb, "node_grads": False}, kept_by="hw.watch")
-        self._rec = None  # the open recording's context manager and its session.Deferred
+        self.session = Session(None, model, {"capture": "full", "budget_mb": budget_mb, "node_grads": False},
+                               kept_by="hw.watch")
+        self._recorder = None  # the recording's one Tracer, its hooks on from open() to close(), cut every step
+        self._rec = None  # the open recording (session.Deferred)
         self.latest = None  # (step, Deferred) of the latest completed step, not judged yet
         self.kept: dict = {}
         self.dropped = 0  # anomalous steps whose Trace was not kept (max_kept reached)
 
     def open(self) -> None:
-        cm = self.session.recording(deferred=True)
-        self._rec = (cm, cm.__enter__())
+        from hookwidget.session import Deferred
+
+        recorder = self.session.tracer()
+        recorder.__enter__()
+        self._recorder = recorder
+        self._rec = Deferred(self.session)
         # The watch listens after the recording's tracer: that must end its step before the watch closes it.
         autograd_calls.unlisten(self.tracer)
         autograd_calls.listen(self.tracer)
 
     def close(self):
-        """End the open recording; its session.Deferred (the record not assembled), or None if no backward ran."""
-        rec, self._rec = self._rec, None
-        if rec is None:
+        """End the open recording and take the recorder's hooks off; its Deferred, or None if no backward ran."""
+        recorder, self._recorder = self._recorder, None
+        if recorder is None:
             return None
-        cm, later = rec
-        cm.__exit__(None, None, None)  # the watch's own hooks are not listed as the user's: they are hookwidget's
+        recorder.__exit__(None, None, None)  # the watch's own hooks are not listed as the user's: hookwidget's
+        return self._ended(recorder.records, recorder)
+
+    def _ended(self, records, recorder):
+        later, self._rec = self._rec, None
+        later.ended(records, recorder)
         return later if later.steps else None
 
     def step_ended(self, step: int, flagged) -> None:
-        """Backward of `step` ended: close its recording, open the next, decide on the step before."""
-        trace = self.close()
-        self.open()
+        """Backward of `step` ended: cut its recording off (what the recorder holds of it, unassembled), start the
+        next, decide on the step before."""
+        from hookwidget.session import Deferred
+
+        later = self._ended(self._recorder.cut(self.session.tracer()), self._recorder)
+        self._rec = Deferred(self.session)
         if self.latest is not None:
             self.decide(*self.latest, flagged)
-        self.latest = (step, trace) if trace is not None else None
+        self.latest = (step, later) if later is not None else None
 
     def finish(self, flagged) -> None:
         self.close()
