@@ -150,6 +150,7 @@ class Tracer:
             h.remove()
         self.hooks.active = False  # a δ hook left on a graph that outlives the step stays quiet
         stack, thread = self._stack, self.thread
+        fresh._answers = self._answers  # the registry's answers for the same modules: asked once per tracer
         vars(self).update(vars(fresh))
         self._stack, self.thread, self.hooks.active = stack, thread, True
         return records
