@@ -17,24 +17,23 @@ class FlightRecorder:
     recordings besides the kept Traces are alive (the latest, and the one being recorded)."""
 
     def __init__(self, tracer, model, budget_mb: float, max_kept: int):
-        from hookwidget.session import Session
+        from hookwidget.session import Deferred, Session
 
         self.tracer, self.max_kept = tracer, max_kept  # the watch's own tracer (keep strategy "stats")
         self.session = Session(None, model, {"capture": "full", "budget_mb": budget_mb, "node_grads": False},
                                kept_by="hw.watch")
         self._recorder = None  # the recording's one Tracer, its hooks on from open() to close(), cut every step
+        self._new = lambda: Deferred(self.session)
         self._rec = None  # the open recording (session.Deferred)
         self.latest = None  # (step, Deferred) of the latest completed step, not judged yet
         self.kept: dict = {}
         self.dropped = 0  # anomalous steps whose Trace was not kept (max_kept reached)
 
     def open(self) -> None:
-        from hookwidget.session import Deferred
-
         recorder = self.session.tracer()
         recorder.__enter__()
         self._recorder = recorder
-        self._rec = Deferred(self.session)
+        self._rec = self._new()
         # The watch listens after the recording's tracer: that must end its step before the watch closes it.
         autograd_calls.unlisten(self.tracer)
         autograd_calls.listen(self.tracer)
@@ -55,10 +54,8 @@ class FlightRecorder:
     def step_ended(self, step: int, flagged) -> None:
         """Backward of `step` ended: cut its recording off (what the recorder holds of it, unassembled), start the
         next, decide on the step before."""
-        from hookwidget.session import Deferred
-
         later = self._ended(self._recorder.cut(self.session.tracer()), self._recorder)
-        self._rec = Deferred(self.session)
+        self._rec = self._new()
         if self.latest is not None:
             self.decide(*self.latest, flagged)
         self.latest = (step, later) if later is not None else None
