@@ -1,7 +1,7 @@
 """What hw.watch costs per training step, on CPU with one thread.
 
     PYTHONPATH=. .venv/bin/python benchmarks/watch_overhead.py [--steps 500] [--repeats 3]
-        [--models mlp,transformer,gpt2] [--variants plain,floor,watch,watch+fr,per_sample,histograms]
+        [--models mlp,transformer,gpt2] [--variants plain,floor,watch,watch+fr,per_sample,histograms] [--memory]
 
 Loops (Adam, zero_grad / forward / backward / step):
   plain        no hooks
@@ -24,6 +24,9 @@ of 50 steps comes first (a process's first loop pays one-off costs that would be
 Each variant runs `--steps` timed steps after 20 warm-up steps; the variants alternate within each of
 `--repeats` rounds (so load changes hit them alike) and the median per-step time is reported with its
 ratio to plain's median.
+--memory: instead, peak memory per variant, each in a process of its own (the resident set's high-water mark,
+ru_maxrss, after `--steps` steps), reported with its excess over plain's: what a watch holds at its peak (the
+flight recorder: the latest step's and the running step's detail, and the kept Traces).
 """
 
 from __future__ import annotations
@@ -226,12 +229,39 @@ def time_loop(model, x, y, steps: int, variant: str, watch=watch) -> float:
     return elapsed / steps
 
 
+def peak_mb(name: str, variant: str, steps: int) -> float:
+    """ru_maxrss (MiB) of this process after `steps` steps of `variant` on model `name`: run it in a fresh one."""
+    import resource
+
+    model, x, y = build(name)
+    time_loop(model, x, y, steps, variant)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory(models: list, variants: list, steps: int) -> None:
+    import subprocess
+
+    print(f"peak resident memory (MiB, ru_maxrss, one process per variant), {steps} steps")
+    for name in models:
+        peaks = {}
+        for v in variants:
+            code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+                    f"import torch; torch.set_num_threads(1); import watch_overhead as b; "
+                    f"print(b.peak_mb({name!r}, {v!r}, {steps}))")
+            peaks[v] = float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                            text=True).stdout.split()[-1])
+        print(f"\n{name}")
+        for v in variants:
+            print(f"  {v:<12}{peaks[v]:>10.1f} MiB{peaks[v] - peaks['plain']:>+10.1f} over plain", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default="mlp,transformer,gpt2")
     ap.add_argument("--variants", default="plain,floor,watch,watch+fr,per_sample,histograms")
+    ap.add_argument("--memory", action="store_true", help="peak memory per variant instead of time (see above)")
     ap.add_argument("--default-malloc", action="store_true", help="keep glibc's default trimming (see above)")
     args = ap.parse_args()
     if not args.default_malloc and "MALLOC_TRIM_THRESHOLD_" not in os.environ:
@@ -246,6 +276,8 @@ def main() -> None:
                 if v != "per_sample" or "per_sample" in inspect.signature(watch).parameters]
     if "plain" not in variants:
         variants.insert(0, "plain")
+    if args.memory:
+        return memory(args.models.split(","), variants, args.steps)
     print(f"torch {torch.__version__}, 1 thread, {args.steps} steps, median of {args.repeats} rounds, "
           f"process_time")
     for name in args.models.split(","):

@@ -86,16 +86,20 @@ class Session:
             return "rerun needs the code to run again: use hw.trace(fn) or %%hooktrace, not `with hw.tracing()`"
         return ""
 
-    @contextmanager
-    def recording(self, state: RunState | None = None):
-        """Hooks on for the block; the Trace's record is assembled when it ends, whatever happens in it."""
+    def tracer(self, state: RunState | None = None) -> Tracer:
+        """A Tracer for one recording, with this session's options and hooks (its hooks go on when it is entered)."""
         opts = self.options
         layer_ivs, node_ivs = defaultdict(list), defaultdict(list)
         for iv in self.interventions:
             (layer_ivs if isinstance(iv.anchor, nn.Module) else node_ivs)[iv.anchor].append(iv)
-        tracer = Tracer(self.modules, capture=opts.capture, budget_mb=opts.budget_mb, node_grads=opts.node_grads,
-                        backward_hooks=opts.backward_hooks, layer_interventions=layer_ivs, node_interventions=node_ivs,
-                        norms_rule=_norms_rule(opts.capture), state=state)
+        return Tracer(self.modules, capture=opts.capture, budget_mb=opts.budget_mb, node_grads=opts.node_grads,
+                      backward_hooks=opts.backward_hooks, layer_interventions=layer_ivs, node_interventions=node_ivs,
+                      norms_rule=_norms_rule(opts.capture), state=state)
+
+    @contextmanager
+    def recording(self, state: RunState | None = None):
+        """Hooks on for the block; the Trace's record is assembled when it ends, whatever happens in it."""
+        tracer = self.tracer(state)
         pending = Pending()
         t = Trace(self, pending, applied=self.interventions)
         failed = True
@@ -106,15 +110,15 @@ class Session:
         finally:
             if tracer.records is not None:
                 try:
-                    self._ended(t, pending, tracer, state, failed)
+                    self._ended(t, pending, tracer.records, tracer, state, failed)
                 except Exception:
                     if not failed:
                         raise  # otherwise the code's own exception propagates, not hookwidget's
 
-    def _ended(self, t: Trace, pending: Pending, tracer: Tracer, state: RunState | None, failed: bool) -> None:
-        """The run's record assembled (record/assemble.py) and given to its Trace; coverage settled while the
-        modules are as the run left them; the first run becomes the baseline."""
-        rec, opts = tracer.records, self.options
+    def _ended(self, t: Trace, pending: Pending, rec, tracer: Tracer, state: RunState | None, failed: bool) -> None:
+        """The run's record (`rec`: what `tracer` captured) assembled (record/assemble.py) and given to its Trace;
+        coverage settled while the modules are as the run left them; the first run becomes the baseline."""
+        opts = self.options
         if state is not None:
             for s in rec.steps:
                 state.on_grads(s.before)
@@ -198,6 +202,29 @@ class Session:
             return target
         raise KeyError(f"unknown target {shown(target)}: give a layer name ({suggest(target, t.layers, 'layers')}) "
                        f"or a graph node id (e.g. {next(iter(t.graph.nodes), 'AddmmBackward0#0')!r})")
+
+
+class Deferred:
+    """One recording whose record is assembled on demand: the flight recorder's (hw.watch), which judges a step
+    after it ended and drops most steps unassembled. Its Trace exists from the start (as a recording's does);
+    `ended(records, tracer)` gives it what the tracer captured (`steps`: how many backward passes);
+    `assemble()` builds the record once and returns the Trace."""
+
+    def __init__(self, session: Session):
+        self.session, self.pending = session, Pending()
+        self.trace = Trace(session, self.pending, applied=session.interventions)
+        self.steps = 0
+        self._captured = None
+
+    def ended(self, records, tracer: Tracer) -> None:
+        if records is not None:
+            self.steps, self._captured = len(records.steps), (records, tracer)
+
+    def assemble(self) -> Trace:
+        captured, self._captured = self._captured, None
+        if captured is not None:
+            self.session._ended(self.trace, self.pending, *captured, None, False)
+        return self.trace
 
 
 def _few(items: list, k: int = 4) -> str:

@@ -141,6 +141,20 @@ class Tracer:
         finally:
             self._stack.close()
 
+    def cut(self, fresh: Tracer):
+        """The records so far, as `records` would be at exit, while the hooks stay on: from now on this tracer
+        records as `fresh` (a Tracer made alike, never entered) would, from nothing (the flight recorder's one
+        tracer per watch, cut at each step's end, instead of hooks put on and off every step)."""
+        records = self._finish()
+        for h in self.hooks.tensor + self.hooks.node:
+            h.remove()
+        self.hooks.active = False  # a δ hook left on a graph that outlives the step stays quiet
+        stack, thread = self._stack, self.thread
+        fresh._answers = self._answers  # the registry's answers for the same modules: asked once per tracer
+        vars(self).update(vars(fresh))
+        self._stack, self.thread, self.hooks.active = stack, thread, True
+        return records
+
     def _install(self) -> None:
         s = self._stack
         # First on the stack, so last to run: whatever an interrupt left half-registered is swept away.

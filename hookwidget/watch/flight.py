@@ -1,5 +1,10 @@
-"""The flight recorder: one full recording per step, of which only the first, the latest and the
-anomalous steps' Traces are kept."""
+"""The flight recorder: one recording per step, of which only the first, the latest and the anomalous steps'
+Traces are kept.
+
+A recording costs what the running step already holds: references to a and δ (copy-on-write clones where the
+code may write them later), no gradient norms at graph nodes, and no Trace record assembled. When a step is
+judged (the next one's backward ended), a kept step's record is assembled from those references; a dropped
+step's are let go, so at most two steps' detail (within `budget_mb` each) is alive besides the kept Traces."""
 
 from __future__ import annotations
 
@@ -8,42 +13,52 @@ from hookwidget.capture import backward as autograd_calls
 
 class FlightRecorder:
     """Recording k runs from the end of backward k-1 (or the opening of the watch) to the end of
-    backward k. When step k ends, the Trace of step k-1 is kept or dropped: so at most two Traces
-    besides the kept ones are alive (the latest, and the one being recorded)."""
+    backward k. When step k ends, step k-1 is kept (its Trace assembled) or dropped: so at most two
+    recordings besides the kept Traces are alive (the latest, and the one being recorded)."""
 
     def __init__(self, tracer, model, budget_mb: float, max_kept: int):
-        from hookwidget.session import Session
+        from hookwidget.session import Deferred, Session
 
         self.tracer, self.max_kept = tracer, max_kept  # the watch's own tracer (keep strategy "stats")
-        self.session = Session(None, model, {"capture": "full", "budget_mb": budget_mb}, kept_by="hw.watch")
-        self._rec = None  # the open recording's context manager and Trace
-        self.latest = None  # (step, Trace) of the latest completed step, not decided yet
+        self.session = Session(None, model, {"capture": "full", "budget_mb": budget_mb, "node_grads": False},
+                               kept_by="hw.watch")
+        self._recorder = None  # the recording's one Tracer, its hooks on from open() to close(), cut every step
+        self._new = lambda: Deferred(self.session)
+        self._rec = None  # the open recording (session.Deferred)
+        self.latest = None  # (step, Deferred) of the latest completed step, not judged yet
         self.kept: dict = {}
         self.dropped = 0  # anomalous steps whose Trace was not kept (max_kept reached)
 
     def open(self) -> None:
-        cm = self.session.recording()
-        self._rec = (cm, cm.__enter__())
+        recorder = self.session.tracer()
+        recorder.__enter__()
+        self._recorder = recorder
+        self._rec = self._new()
         # The watch listens after the recording's tracer: that must end its step before the watch closes it.
         autograd_calls.unlisten(self.tracer)
         autograd_calls.listen(self.tracer)
 
     def close(self):
-        """End the open recording; its Trace, or None if no backward ran in it."""
-        rec, self._rec = self._rec, None
-        if rec is None:
+        """End the open recording and take the recorder's hooks off; its Deferred, or None if no backward ran."""
+        recorder, self._recorder = self._recorder, None
+        if recorder is None:
             return None
-        cm, trace = rec
-        cm.__exit__(None, None, None)  # the watch's own hooks are not listed as the user's: they are hookwidget's
-        return trace if trace.steps else None
+        recorder.__exit__(None, None, None)  # the watch's own hooks are not listed as the user's: hookwidget's
+        return self._ended(recorder.records, recorder)
+
+    def _ended(self, records, recorder):
+        later, self._rec = self._rec, None
+        later.ended(records, recorder)
+        return later if later.steps else None
 
     def step_ended(self, step: int, flagged) -> None:
-        """Backward of `step` ended: close its recording, open the next, decide on the step before."""
-        trace = self.close()
-        self.open()
+        """Backward of `step` ended: cut its recording off (what the recorder holds of it, unassembled), start the
+        next, decide on the step before."""
+        later = self._ended(self._recorder.cut(self.session.tracer()), self._recorder)
+        self._rec = self._new()
         if self.latest is not None:
             self.decide(*self.latest, flagged)
-        self.latest = (step, trace) if trace is not None else None
+        self.latest = (step, later) if later is not None else None
 
     def finish(self, flagged) -> None:
         self.close()
@@ -51,12 +66,13 @@ class FlightRecorder:
             self.decide(*self.latest, flagged, latest=True)
             self.latest = None
 
-    def decide(self, step: int, trace, flagged, latest: bool = False) -> None:
+    def decide(self, step: int, later, flagged, latest: bool = False) -> None:
+        """Keep step `step`'s Trace (assembled now, from what its recording holds) or let the recording go."""
         if step == 0 or latest:
-            self.kept[step] = trace
+            self.kept[step] = later.assemble()
         elif flagged(step):
             if sum(1 for k in self.kept if k != 0) < self.max_kept:
-                self.kept[step] = trace
+                self.kept[step] = later.assemble()
             else:
                 self.dropped += 1
 
@@ -65,7 +81,7 @@ class FlightRecorder:
 
     def trace(self, k: int):
         if self.latest is not None and self.latest[0] == k:
-            return self.latest[1]
+            return self.latest[1].assemble()  # asked before it is judged: assembled now (once)
         if k not in self.kept:
             raise KeyError(f"step {k} was not kept; kept steps: {self.steps()} (the first, the latest and "
                            "anomalous ones)")

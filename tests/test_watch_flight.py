@@ -1,0 +1,120 @@
+"""The flight recorder costs what the running step already holds: its hooks go on once per watch, a step's record
+is assembled only when the step is kept, a dropped step's detail is let go when it is judged, and a kept step is
+what the step was even where the code writes tensors in place (in-place ReLU, .grad zeroed in place)."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hookwidget.record.assemble as assemble_mod
+import hookwidget.session as session_mod
+from hookwidget.capture.tracer import Tracer
+from hookwidget.record.calls import Call
+from hookwidget.watch import watch
+
+
+def model_and_data(inplace=False):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(inplace=inplace), nn.Linear(16, 16), nn.ReLU(inplace=inplace),
+                          nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    return model, torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g)
+
+
+def loop(model, x, y, steps, set_to_none=True, on_step=None):
+    opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
+    for k in range(steps):
+        opt.zero_grad(set_to_none=set_to_none)
+        F.mse_loss(model(x), y).backward()
+        if on_step is not None:
+            on_step(k)
+        opt.step()
+
+
+def test_only_kept_steps_are_assembled(monkeypatch):
+    """20 steps, nothing anomalous: the records of the first and the latest step are assembled, no other."""
+    built = []
+    real = session_mod.assemble
+
+    def counting(rec, **kw):
+        built.append(rec)
+        return real(rec, **kw)
+
+    monkeypatch.setattr(session_mod, "assemble", counting)
+    assert assemble_mod.assemble is real
+    model, x, y = model_and_data()
+    with watch(model) as w:
+        loop(model, x, y, 20)
+    assert w.kept == [0, 19] and len(built) == 2
+    w.trace(0), w.trace(19)  # asked again: assembled once
+    assert len(built) == 2
+
+
+def test_recorder_hooks_go_on_once(monkeypatch):
+    """One Tracer for the recording of every step (cut at each step's end), not hooks put on and off per step."""
+    entered = []
+    real = Tracer.__enter__
+
+    def counting(self):
+        entered.append(self)
+        return real(self)
+
+    monkeypatch.setattr(Tracer, "__enter__", counting)
+    model, x, y = model_and_data()
+    with watch(model) as w:
+        loop(model, x, y, 12)
+    assert len(entered) == 2  # the watch's statistics tracer and the recorder's
+    assert w.kept == [0, 11]
+
+
+def test_dropped_steps_are_let_go():
+    """What the recorder holds of the steps it dropped is released when they are judged: the calls alive stay
+    within the kept Traces', the latest step's and the running one's, whatever the number of steps."""
+    model, x, y = model_and_data()
+    alive = []
+
+    def calls():
+        gc.collect()
+        return sum(type(o) is Call for o in gc.get_objects())
+
+    base = calls()  # what earlier tests left alive
+
+    def count(k):
+        alive.append(calls() - base)
+
+    with watch(model) as w:
+        loop(model, x, y, 30, on_step=count)
+    per_step = 6  # the Sequential and its five layers, one call each
+    assert alive[0] == per_step and set(alive[1:]) == {2 * per_step}  # step 0 (kept) and the latest, no other
+    assert w.kept == [0, 29]
+
+
+def test_kept_step_under_in_place_writes():
+    """ReLU(inplace=True) rewrites Linear outputs, zero_grad(set_to_none=False) rewrites .grad in place: the kept
+    Trace still holds each layer's a and δ and the .grad of its own step, as hand-written hooks cloned them."""
+    model, x, y = model_and_data(inplace=True)
+    ref = nn.Sequential(*[m for m in model_and_data(inplace=True)[0]])
+    seen, steps, grads = {}, {}, {}
+    for i in (0, 2, 4):
+        def hook(m, inp, out, i=i):
+            seen[f"{i}.a"] = inp[0].detach().clone()
+            out.register_hook(lambda g: seen.__setitem__(f"{i}.d", g.clone()))
+        ref[i].register_forward_hook(hook)
+
+    def on_ref(k):
+        steps[k] = dict(seen)
+        grads[k] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+    loop(ref, x, y, 8, set_to_none=False, on_step=on_ref)
+    with watch(model, keep=lambda step, stats: step == 3) as w:
+        loop(model, x, y, 8, set_to_none=False)
+    assert w.kept == [0, 3, 7]
+    for k in w.kept:
+        t = w.trace(k)
+        for i in ("0", "2", "4"):
+            assert torch.equal(t.layers[i].a, steps[k][i + ".a"]) and torch.equal(t.layers[i].delta, steps[k][i + ".d"])
+            assert torch.equal(t.steps[-1].grads[i + ".weight"], grads[k][i + ".weight"])
