@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Callable
 
-from hookwidget.options import check_callable
+from hookwidget.options import check_callable, check_path
 from hookwidget.record import saved
 from hookwidget.session import Session
 from hookwidget.trace import Trace
@@ -61,6 +61,7 @@ def load(path):
     `rerun` and hooks need the code, and say so. A file `w.save(path)` wrote, or a folder that
     hw.watch(model, log_dir=path) wrote (up to its last complete shard), comes back as a read-only watch: stats,
     series, anomalies, notes, its view, and (from w.save) the kept Traces as loaded Traces."""
+    check_path(path, "hw.load(path)", "hw.load('step.pt')")
     if os.path.isdir(path):
         return SavedWatch.from_log(path)
     kind, tree = saved.read(path)

@@ -8,6 +8,7 @@ import difflib
 import inspect
 import math
 import numbers
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -226,3 +227,9 @@ def check_callable(fn) -> None:
         kind = "an async generator" if inspect.isasyncgenfunction(fn) else "a coroutine"
         raise TypeError(f"hw.trace runs fn() once and needs a plain function; got {kind} function {name}: "
                         f"trace it as a block instead, e.g. `with hw.tracing() as t: await {name}()` in a notebook")
+
+
+def check_path(value, what: str, example: str) -> None:
+    """A file or folder argument is a str or os.PathLike; else one line naming the argument and an example."""
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, str) and not value:
+        raise TypeError(f"{what} takes a file path (a str or os.PathLike), got {shown(value, 40)}; e.g. {example}")

@@ -22,7 +22,7 @@ from hookwidget.analysis.facts import Facts, Refusal
 from hookwidget.analysis.generic import generic_rows
 from hookwidget.layers import factors as fx
 from hookwidget.layers import registry
-from hookwidget.options import check_name, shown, suggest
+from hookwidget.options import check_name, check_path, shown, suggest
 from hookwidget.record.notes import Note, render
 from hookwidget.record.run import Layer, Pending, RunRecord, Step
 
@@ -302,6 +302,7 @@ class Trace:
         `hw.load(path)`: a read-only Trace that answers the same queries, without rerun or hooks."""
         from hookwidget.record import saved
 
+        check_path(path, "t.save(path)", "t.save('step.pt')")
         saved.write(path, "trace", self.to_data())
 
     def to_data(self) -> dict:

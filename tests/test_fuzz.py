@@ -36,7 +36,7 @@ DOCUMENTED = (ValueError, TypeError, KeyError, RuntimeError)  # InterventionErro
 RAW = re.compile(r"unhashable type|is not iterable|not subscriptable|has no attribute|expected Tensor as element|"
                  r"unsupported operand|object of type .* has no len|positional argument|Exceeds the limit|"
                  r"maximum recursion|index out of range|not supported between instances|cannot convert|"
-                 r"must be real number, not")
+                 r"must be real number, not|os.PathLike object|path should be string")
 MAX_LINE = 320
 
 
@@ -109,6 +109,9 @@ queries = st.tuples(st.sampled_from(["weight_grad", "bias_grad", "per_sample_gra
                     st.dictionaries(st.sampled_from(["step", "param", "loss_reduction"]),
                                     st.one_of(values, st.sampled_from(["weight", "bias", "mean", "sum", 0, -1])),
                                     max_size=2))
+SAVED = os.path.join(tempfile.gettempdir(), "hw_fuzz_trace.pt")  # what "save" writes and "load" reads back
+SAVED_WATCH = os.path.join(tempfile.gettempdir(), "hw_fuzz_watch.pt")
+
 ops = st.one_of(
     st.tuples(st.just("add_hook"), targets, kinds, params),
     st.tuples(st.just("remove_hook"), targets, kinds, st.booleans()),
@@ -124,6 +127,9 @@ ops = st.one_of(
                                                            st.text(max_size=5)), values, max_size=2)),
     st.tuples(st.just("to_html"), st.one_of(values.filter(lambda v: not isinstance(v, (str, bytes))),
                                             st.just(os.path.join(tempfile.gettempdir(), "hw_fuzz.html")))),
+    st.tuples(st.just("save"), st.one_of(values.filter(lambda v: not isinstance(v, (str, bytes))), st.just(SAVED))),
+    st.tuples(st.just("load"), st.one_of(values.filter(lambda v: not isinstance(v, (str, bytes))),
+                                         st.sampled_from([SAVED, SAVED_WATCH, tempfile.gettempdir(), __file__]))),
 )
 
 
@@ -182,6 +188,14 @@ def _run(state: dict, call: tuple) -> None:
         attempt(lambda: t.health(**call[1]))
     elif op == "to_html":
         attempt(lambda: t.to_html(call[1]))
+    elif op == "save":
+        attempt(lambda: t.save(call[1]))
+        if state["w"] is not None:
+            attempt(lambda: state["w"].save(SAVED_WATCH if call[1] == SAVED else call[1]))
+    elif op == "load":
+        loaded = attempt(lambda: hw.load(call[1]))
+        if isinstance(loaded, hw.Trace):
+            state["t"] = loaded  # what follows runs on a read-only Trace: hooks and reruns refused in one line
     elif op == "watch" and state["w"] is None:
         state["w"] = attempt(lambda: hw.watch(MODEL, **call[1]))
     elif op == "step":

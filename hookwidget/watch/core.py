@@ -19,6 +19,7 @@ from hookwidget.capture.sample_stats import PerSample
 from hookwidget.capture.stat_rows import STAT_NAMES, STEP_STAT_NAMES
 from hookwidget.capture.step_stats import STATS, Watched
 from hookwidget.capture.tracer import Tracer
+from hookwidget.options import check_path
 from hookwidget.watch import amp, compiled
 from hookwidget.watch.amp import ScaleTrack
 from hookwidget.watch.detect import Detector
@@ -382,4 +383,5 @@ class Watch:
         code), for `hw.load(path)`: a read-only watch that answers the same queries and shows the same view."""
         from hookwidget.watch.saved import write
 
+        check_path(path, "w.save(path)", "w.save('run.pt')")
         write(self, path)
