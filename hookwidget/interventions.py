@@ -219,7 +219,8 @@ def make(target: str, kind: str, params: dict, *, from_frontend: bool = False) -
         raise ValueError(f"{kind!r} takes a Python function: set it from Python with t.add_hook(...)")
     unknown = set(params) - set(spec.params)
     if unknown:
-        raise ValueError(f"{kind} takes {_signature(spec)}; got unknown parameter(s) {', '.join(sorted(unknown))}")
+        names = ", ".join(_one_line(repr(u))[:30] for u in sorted(unknown)[:5])
+        raise ValueError(f"{kind} takes {_signature(spec)}; got unknown parameter(s) {names}")
     checked: dict[str, Any] = {}
     for name, (typ, default) in spec.params.items():
         if name not in params:
@@ -247,7 +248,7 @@ def _signature(spec: Kind) -> str:
 def _number(spec: Kind, name: str, value) -> float:
     """A float parameter: finite, or the one infinity that means "no bound" there (grad_clamp's min=-inf)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        got = " ".join(repr(value).split())  # one line, cut short: a module's repr spans many
+        got = _one_line(repr(value))  # cut short: a module's repr spans many lines
         raise ValueError(f"{spec.name}: {name} must be a number, got {got[:60]}; e.g. {_example(spec)}")
     try:
         number = float(value)
@@ -261,6 +262,10 @@ def _number(spec: Kind, name: str, value) -> float:
     raise ValueError(f"{spec.name}: {name}={number} means nothing here, it must be a finite number"
                      + (f" or {spec.open_ends[name]} for no bound" if name in spec.open_ends else "")
                      + f"; e.g. {_example(spec)}")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _example(spec: Kind) -> str:
