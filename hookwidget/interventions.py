@@ -219,7 +219,7 @@ def make(target: str, kind: str, params: dict, *, from_frontend: bool = False) -
         raise ValueError(f"{kind!r} takes a Python function: set it from Python with t.add_hook(...)")
     unknown = set(params) - set(spec.params)
     if unknown:
-        names = ", ".join(_one_line(repr(u))[:30] for u in sorted(unknown)[:5])
+        names = ", ".join(_one_line(u)[:30] or repr(u) for u in sorted(unknown)[:5])
         raise ValueError(f"{kind} takes {_signature(spec)}; got unknown parameter(s) {names}")
     checked: dict[str, Any] = {}
     for name, (typ, default) in spec.params.items():
