@@ -2,7 +2,8 @@
 
 Per sample b, a parameter's gradient is a sum over tokens t of a small product of δ_bt with
 something built from a_bt. A Factor holds those pieces; KINDS says, per kind, how they give the
-summed gradient (W.grad), per-sample gradients and, where cheaper, per-sample squared norms.
+summed gradient (W.grad), per-sample gradients and, where a kind has one, per-sample squared norms in
+ghost (Gram) form; layers/cost.py says when that form is the cheaper.
 """
 
 from __future__ import annotations
