@@ -108,7 +108,10 @@ def markdown(res: dict) -> str:
     out = [f"# Per-sample gradient norms (issue 24)\n\n{res['device']}, torch {res['torch']}, "
            f"{res['threads']} threads; load average {res['load_average']} → {res.get('load_average_end')}.\n"]
     if res.get("models"):
-        out += ["Medians (minimums in brackets) as ratios to plain forward+backward, interleaved in one process.", "",
+        out += ["Medians (minimums in brackets) as ratios to plain forward+backward, interleaved in one process. "
+                "hookwidget: hw.trace(step, capture='norms') + per_sample_grad_norms(); torch.func: vmap(grad). "
+                "The CPU is shared with other jobs: the load average above says how much; minimums are the "
+                "steadier figure.", "",
                 "| model | plain | hookwidget norms | torch.func norms | hookwidget vs torch.func (max rel diff) |",
                 "|---|---|---|---|---|"]
         for name, r in res["models"].items():
