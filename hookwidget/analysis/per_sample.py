@@ -179,10 +179,7 @@ def _norm_sq(trace, names: list, k: int) -> torch.Tensor:
         reasons = {h: None if h in asked else "not among the layers asked" for h in holders.get(pid, ())}
         if coverage_gap(trace, holder_of[pid], k, reasons, lambda ok, fs=fs: fs) is not None:
             continue
-        if len(fs) == 1:
-            sq = sq + fx.per_sample_norm_sq(fs[0])
-        else:
-            sq = sq + sum(fx.per_sample_grad(f) for f in fs).flatten(1).pow(2).sum(1)
+        sq = sq + fx.shared_norm_sq(fs)  # one contribution, or tied weights' ghost terms and cross terms
     return sq
 
 

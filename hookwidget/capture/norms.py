@@ -3,7 +3,8 @@
 Used by capture="norms": a layer's norms are computed as soon as the δ of its last pending
 call arrives (or when the backward pass ends, for calls no gradient reached), and its a and δ
 are dropped. A parameter shared by several layers (weight tying) keeps its factors until the
-pass ends, since its per-sample gradient is the sum over those layers. Each backward pass (step)
+pass ends, since its per-sample gradient is the sum over those layers: its norm then comes from each
+contribution's ghost norm and their cross terms where that is cheaper (layers/shared.py). Each backward pass (step)
 has its own rows: under gradient accumulation every micro-batch's samples are kept, in order.
 """
 
@@ -63,7 +64,7 @@ class StreamingNorms:
         for p, pairs in self._shared.items():
             # counted only where every module holding it contributed (else its per-sample gradient is partial)
             if len({f.D.shape[0] for _, f in pairs}) == 1 and len({id(m) for m, _ in pairs}) == self._owners[id(p)]:
-                self._add(pairs[0][0], sum(fx.per_sample_grad(f) for _, f in pairs).flatten(1).pow(2).sum(1))
+                self._add(pairs[0][0], fx.shared_norm_sq([f for _, f in pairs]))
         self._steps.append(self._step_result(model_batch))
         self._sq, self._layers, self._shared, self._readers, self._grams = {}, {}, {}, None, {}
         self._open = {}

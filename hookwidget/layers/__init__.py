@@ -1,4 +1,6 @@
-"""Layer specs: one small module per layer family registers its exact (a, δ) rule (see registry.py).
+"""Layer specs: one small module per layer family registers its exact (a, δ) rule (see registry.py);
+cost.py chooses per factor between the ghost norm and the materialised per-sample gradient, shared.py adds
+the cross terms of a parameter several layers hold (tied weights).
 
 Floor: above _torch, which is all of hookwidget it imports (torch internals only through it)."""
 

@@ -2,17 +2,19 @@
 
 Per sample b, a parameter's gradient is a sum over tokens t of a small product of δ_bt with
 something built from a_bt. A Factor holds those pieces; KINDS says, per kind, how they give the
-summed gradient (W.grad), per-sample gradients and, where cheaper, per-sample squared norms.
+summed gradient (W.grad), per-sample gradients and, where a kind has one, per-sample squared norms in
+ghost (Gram) form; layers/cost.py says when that form is the cheaper.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from hookwidget.layers import cost
 
 
 class Factor:
@@ -125,7 +127,7 @@ class ConvCalls:
 class Kind:
     summed: Callable  # f -> tensor with prod(f.shape) elements
     per_sample: Callable  # f -> (B, ...) with prod(f.shape) elements per sample
-    norm_sq: Callable | None = None  # (f, x_gram) -> (B,) squared norms, or None where not cheaper
+    norm_sq: Callable | None = None  # (f, x_gram) -> (B,) squared norms by the ghost form (cost.method chooses)
 
 
 def _outer_summed(f):
@@ -141,14 +143,11 @@ def _outer_per_sample(f):
 
 
 def gram_applies(f) -> bool:
-    """Whether the Gram form Σ_{t,t'} (a_t·a_t')(δ_t·δ_t') is cheaper than the gradient itself."""
-    T = f.D.shape[1]
-    return T * T < math.prod(f.shape)
+    """Whether the Gram form Σ_{t,t'} (a_t·a_t')(δ_t·δ_t') is cheaper than the gradient itself (layers/cost.py)."""
+    return cost.method(f) == "ghost"
 
 
 def _outer_norm_sq(f, x_gram=None):
-    if not gram_applies(f):
-        return None
     gx = x_gram(f.X) if x_gram is not None else torch.bmm(f.X, f.X.transpose(1, 2))
     return (gx * torch.bmm(f.D, f.D.transpose(1, 2))).sum((1, 2))
 
@@ -164,9 +163,6 @@ def _onehot_per_sample(f):
 
 
 def _onehot_norm_sq(f, x_gram=None):
-    T = f.D.shape[1]
-    if T * T >= f.rows * f.D.shape[-1]:
-        return None
     same = (f.X.unsqueeze(2) == f.X.unsqueeze(1)).to(f.D.dtype)
     return (same * torch.bmm(f.D, f.D.transpose(1, 2))).sum((1, 2))
 

@@ -32,6 +32,7 @@ from hookwidget.layers import (  # noqa: F401  (the import surface)
     ConvCalls,
     Factor,
     LayerSpec,
+    cost,
     exact_reason,
     forward_state,
     gram_applies,
@@ -40,6 +41,7 @@ from hookwidget.layers import (  # noqa: F401  (the import surface)
     needs_input,
     per_sample_meaning,
     register,
+    shared,
     spec_for,
     supported_types,
     unsupported_reason,
@@ -107,12 +109,21 @@ def per_sample_grad(f: Factor) -> torch.Tensor:
     return KINDS[f.kind].per_sample(f).reshape(f.D.shape[0], *f.shape)
 
 
-def per_sample_norm_sq(f: Factor, x_gram: Callable | None = None) -> torch.Tensor:
-    """(B,) squared norms of per-sample gradients, by the cheaper exact method. `x_gram(X)` may
-    supply X Xᵀ (layers reading the same input, like q, k and v, share it)."""
+def per_sample_norm_sq(f: Factor, x_gram: Callable | None = None, method: str | None = None) -> torch.Tensor:
+    """(B,) squared norms of per-sample gradients, by the cheaper exact method (layers/cost.py chooses from the
+    shapes; method 'ghost' or 'grad' forces one). `x_gram(X)` may supply X Xᵀ (layers reading the same input,
+    like q, k and v, share it)."""
     norm = KINDS[f.kind].norm_sq
-    sq = norm(f, x_gram) if norm is not None else None
-    return sq if sq is not None else per_sample_grad(f).flatten(1).pow(2).sum(1)
+    if norm is not None and (method or cost.method(f)) == "ghost":
+        return norm(f, x_gram)
+    return per_sample_grad(f).flatten(1).pow(2).sum(1)
+
+
+def shared_norm_sq(fs: list[Factor], method: str | None = None) -> torch.Tensor:
+    """(B,) squared per-sample norms of one parameter from several contributions (tied weights, a layer called
+    twice in separate passes over the same samples): their ghost norms and cross terms, or their summed
+    per-sample gradient, whichever layers/cost.py finds cheaper (see layers/shared.py)."""
+    return per_sample_norm_sq(fs[0], method=method) if len(fs) == 1 else shared.shared_norm_sq(fs, method)
 
 
 def per_sample_norm_sq_with_bias(w: Factor, b: Factor, x_gram: Callable | None = None) -> torch.Tensor | None:
