@@ -134,6 +134,15 @@ ops = st.one_of(
 
 
 # -- the tests ---------------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True, scope="module")
+def _in_a_scratch_folder(tmp_path_factory):
+    """Random paths (tensorboard=, to_html, save) land in a scratch folder, not in the checkout."""
+    here = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("fuzz"))
+    yield
+    os.chdir(here)
+
+
 @FUZZ
 @given(opts=options)
 def test_random_options_work_or_raise_one_line(opts):
