@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hookwidget.capture.tensors import _NO_LAZY, _copy, _lazy_clone
+from hookwidget.capture.tensors import _NO_LAZY, _copy, lazy_clone
 from hookwidget.record.notes import Note
 from hookwidget.stats import StatsBatch, stats_on_device, to_summaries
 
@@ -61,11 +61,11 @@ class Budget:
         """keep_grad of many .grads."""
         for g in grads:
             self.kept += g.numel() * g.element_size()
-        if _lazy_clone is None or _NO_LAZY:
+        if lazy_clone is None or _NO_LAZY:
             return [_copy(g) for g in grads]
         with torch.no_grad():
             try:
-                return [_lazy_clone(g) for g in grads]
+                return [lazy_clone(g) for g in grads]
             except Exception:  # a layout without plain storage (sparse): copies, one by one
                 return [_copy(g) for g in grads]
 

@@ -11,22 +11,21 @@ import weakref
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from hookwidget._torch.tensors import hook_dict, storage_key, storage_users, view_base
-from hookwidget._torch.tensors import lazy_clone as _lazy_clone
+from hookwidget._torch.tensors import hook_dict, lazy_clone, storage_key, storage_users, view_base
 
 # A copy-on-write clone: it shares the .grad's memory until either is written to (the user's
 # zero_grad(set_to_none=False), clip_grad_norm_, the next backward accumulating into .grad), and only
 # then is the memory copied. A training step that sets .grad to None copies nothing at all.
 
 
-_NO_LAZY: set = set()  # device types where _lazy_clone failed once: plain copies there
+_NO_LAZY: set = set()  # device types where lazy_clone failed once: plain copies there
 
 
 def _copy(g: torch.Tensor) -> torch.Tensor:
     g = g.detach()
-    if _lazy_clone is not None and g.layout == torch.strided and g.device.type not in _NO_LAZY:
+    if lazy_clone is not None and g.layout == torch.strided and g.device.type not in _NO_LAZY:
         try:
-            return _lazy_clone(g)
+            return lazy_clone(g)
         except Exception:  # a device or tensor subclass whose storage cannot be shared copy-on-write
             if type(g) is torch.Tensor:
                 _NO_LAZY.add(g.device.type)

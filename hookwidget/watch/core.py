@@ -381,7 +381,18 @@ class Watch:
     def save(self, path) -> None:
         """Write this watch to `path` as data (statistics, steps, names, anomalies, notes, the kept Traces; no
         code), for `hw.load(path)`: a read-only watch that answers the same queries and shows the same view."""
-        from hookwidget.watch.saved import write
+        from hookwidget.record import saved
 
         check_path(path, "w.save(path)", "w.save('run.pt')")
-        write(self, path)
+        try:
+            ps = self.per_sample
+        except KeyError:  # per_sample=False
+            ps = None
+        tree = {"layers": list(self.layer_names), "stat_names": list(self.stat_names),
+                "step_stat_names": list(self.step_stat_names), "every": self.every, "stats": self.stats,
+                "step_stats": self.step_stats, "steps": torch.tensor(self.steps, dtype=torch.int64),
+                "per_sample": ps, "anomalies": [tuple(a) for a in self.anomalies],
+                "notes": [str(n) for n in self.notes], "skipped": list(self.skipped), "seen": int(self._n),
+                "dropped": self.dropped_traces,
+                "traces": None if self._flight is None else [(k, self.trace(k).to_data()) for k in self.kept]}
+        saved.write(path, "watch", tree)  # a loaded watch saves the same way (watch/saved.py's SavedWatch)

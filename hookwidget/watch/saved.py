@@ -12,28 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from hookwidget.record import saved
 from hookwidget.trace import Trace
 from hookwidget.watch.core import Watch
 from hookwidget.watch.detect import Anomaly
-
-KIND = "watch"
-
-
-def write(w, path) -> None:
-    """Write watch `w` (live or loaded) to `path`: every row on the host (an open watch's pending rows moved
-    first), its anomalies, notes and kept Traces."""
-    try:
-        ps = w.per_sample
-    except KeyError:  # per_sample=False
-        ps = None
-    tree = {"layers": list(w.layer_names), "stat_names": list(w.stat_names),
-            "step_stat_names": list(w.step_stat_names), "every": w.every, "stats": w.stats,
-            "step_stats": w.step_stats, "steps": torch.tensor(w.steps, dtype=torch.int64), "per_sample": ps,
-            "anomalies": [tuple(a) for a in w.anomalies], "notes": [str(n) for n in w.notes],
-            "skipped": list(w.skipped), "seen": int(w._n), "dropped": w.dropped_traces,
-            "traces": None if w._flight is None else [(k, w.trace(k).to_data()) for k in w.kept]}
-    saved.write(path, KIND, tree)
 
 
 class _Found:
@@ -102,7 +83,7 @@ class SavedWatch:
     series, loss, grad_norm = Watch.series, Watch.loss, Watch.grad_norm
     widget, _repr_mimebundle_, to_html = Watch.widget, Watch._repr_mimebundle_, Watch.to_html
     to_tensorboard, to_wandb = Watch.to_tensorboard, Watch.to_wandb
-    save = write
+    save = Watch.save
 
     @property
     def anomalies(self) -> list:
