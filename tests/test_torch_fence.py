@@ -56,9 +56,11 @@ def test_module_hooks_hold_what_register_adds():
         found = modules.module_hooks(m)
         assert list(found) == ["forward_pre", "forward", "backward", "backward_pre"]
         for h, (kind, d) in zip(handles, found.items()):
+            assert modules.has_module_hooks(m), kind
             assert d[h.id] is hook, kind
             h.remove()
             assert h.id not in d, kind
+        assert not modules.has_module_hooks(m)
 
 
 def test_global_module_hooks_and_their_flags():

@@ -44,6 +44,13 @@ def children(module: nn.Module) -> dict:
     return module._modules
 
 
+def has_module_hooks(module: nn.Module) -> bool:
+    """Whether any of the module's own hook dicts holds a hook (asked of every layer when a trace ends: no dicts
+    built)."""
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
 def module_hooks(module: nn.Module | None = None) -> dict:
     """kind -> the dict torch calls that kind of hook from (handle id -> hook), kinds "forward_pre", "forward",
     "backward", "backward_pre": the module's own, or (module None) the global ones every module runs."""

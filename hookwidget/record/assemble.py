@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hookwidget._torch.modules import module_hooks
+from hookwidget._torch.modules import has_module_hooks, module_hooks
 from hookwidget._torch.tensors import backward_hooks, post_accumulate_hooks
 from hookwidget.record.calls import PREVIOUS, Records
 from hookwidget.record.naming import name_filter, qualified_names
@@ -134,9 +134,8 @@ def _user_hooks(layers: dict, leaves: dict) -> dict:
     hookwidget's own are not the user's: the trace's are gone by now, a watch's around it are left out."""
     kinds = {}
     for name, layer in layers.items():
-        hooks = module_hooks(layer.module)
-        if any(hooks.values()):
-            kinds[name] = tuple(hooks.items())
+        if has_module_hooks(layer.module):
+            kinds[name] = tuple(module_hooks(layer.module).items())
     for name, leaf in leaves.items():
         tensor_hooks = backward_hooks(leaf)
         post = post_accumulate_hooks(leaf)
