@@ -94,7 +94,7 @@ class Session:
             (layer_ivs if isinstance(iv.anchor, nn.Module) else node_ivs)[iv.anchor].append(iv)
         return Tracer(self.modules, capture=opts.capture, budget_mb=opts.budget_mb, node_grads=opts.node_grads,
                       backward_hooks=opts.backward_hooks, layer_interventions=layer_ivs, node_interventions=node_ivs,
-                      norms_rule=_norms_rule(opts.capture), state=state)
+                      state=state)
 
     @contextmanager
     def recording(self, state: RunState | None = None):
@@ -244,11 +244,3 @@ def check_filters(modules, names, options: Options) -> None:
         pattern = (options.include or ("",))[0]
         raise ValueError(f"{given} match no module: {suggest(pattern, named, 'modules', 6)}; "
                          "e.g. include='fc*' (a glob on these names)")
-
-
-def _norms_rule(capture: str):
-    if capture != "norms":
-        return None
-    from hookwidget.capture.norms import StreamingNorms
-
-    return StreamingNorms()

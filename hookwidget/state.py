@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hookwidget._torch.modules import own_buffers, own_parameters
-from hookwidget._torch.tensors import version
+from hookwidget._torch.tensors import versions
 
 try:
     import numpy as np
@@ -76,13 +76,13 @@ class RunState:
         for name, b in own_buffers(module).items():
             if b is not None and b not in self.buffers:
                 self.buffers[b] = (module, name, b.detach().clone())
-        versions = self._versions
-        for p in own_parameters(module).values():
-            if p is not None:
-                if id(p) not in versions:
-                    versions[id(p)] = p, version(p)
-                if eager and p not in self.params:
-                    self.params[p] = p.detach().clone()
+        seen = self._versions
+        params = [p for p in own_parameters(module).values() if p is not None]
+        for p, v in zip(params, versions(params)):
+            if id(p) not in seen:
+                seen[id(p)] = p, v
+            if eager and p not in self.params:
+                self.params[p] = p.detach().clone()
 
     def on_optimizer_step(self, opt: torch.optim.Optimizer) -> None:
         """Before an optimizer's first step in the run: its state, hyper-parameters and parameters."""
@@ -134,7 +134,9 @@ class RunState:
         """What a rerun cannot put back, in words."""
         lost = sum(1 for g in self.grads.values() if g is not None and not isinstance(g, torch.Tensor))
         out = list(self.notes)
-        changed = sum(1 for p, v in self._versions.values() if version(p) != v and p not in self.params)
+        kept = list(self._versions.values())
+        now = versions([p for p, _ in kept])
+        changed = sum(1 for (p, v), n in zip(kept, now) if n != v and p not in self.params)
         if changed:
             out.append(f"{changed} parameters were changed in place outside an optimizer step (a hand-written "
                        "update?): a rerun cannot put them back; pass restore=model to have them copied first")

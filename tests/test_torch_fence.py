@@ -151,6 +151,8 @@ def test_sequence_numbers_order_the_nodes_a_forward_makes():
         b = a + 1
         end = autograd.next_sequence_nr()
         assert start <= autograd.sequence_nr(a.grad_fn) < autograd.sequence_nr(b.grad_fn) < end
+        assert autograd.sequence_nrs([a.grad_fn, b.grad_fn]) == [autograd.sequence_nr(a.grad_fn),
+                                                                 autograd.sequence_nr(b.grad_fn)]
 
 
 def test_in_transform_inside_vmap_only():
@@ -205,6 +207,7 @@ def test_version_counts_in_place_writes():
         v = tensors.version(t)
         t.add_(1)
         assert tensors.version(t) == v + 1
+        assert tensors.versions([t, None, torch.zeros(1)]) == [v + 1, None, 0]
         with torch.inference_mode():
             inf = torch.zeros(2)
         with pytest.raises(RuntimeError):

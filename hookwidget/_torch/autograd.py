@@ -28,6 +28,11 @@ def in_transform() -> bool:
     return peek_transform() is not None
 
 
+def sequence_nrs(nodes) -> list:
+    """sequence_nr of each node: one call for the hundreds of nodes a backward pass walks."""
+    return [node._sequence_nr() for node in nodes]
+
+
 def sequence_nr(node) -> int:
     """The node's sequence number: nodes made later in a forward get larger ones (per thread)."""
     return node._sequence_nr()

@@ -29,6 +29,11 @@ def version(t: torch.Tensor) -> int:
     return t._version
 
 
+def versions(ts) -> list:
+    """version(t) of each tensor in `ts` (None for None): one call for the many leaves a step or a run reaches."""
+    return [None if t is None else t._version for t in ts]
+
+
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor t is a view of, or None."""
     return t._base

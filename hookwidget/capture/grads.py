@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 
-from hookwidget._torch.tensors import version
+from hookwidget._torch.tensors import version, versions
 from hookwidget.capture.budget import Budget
 from hookwidget.record.calls import PREVIOUS
 
@@ -35,11 +35,12 @@ class GradCopies:
         grads = [leaf.grad for leaf in leaves]
         copies = iter(self.budget.copy_grads([g for g in grads if g is not None]))
         step.after.update(zip(leaves, [None if g is None else next(copies) for g in grads]))
-        self.state.update(zip(leaves, [None if g is None else (weakref.ref(g), version(g)) for g in grads]))
+        kept = [None if g is None else (weakref.ref(g), v) for g, v in zip(grads, versions(grads))]
+        self.state.update(zip(leaves, kept))
         self.budget.trim_grad_copies(steps)
 
     def unchanged(self) -> dict:
         """leaf -> whether its .grad is still what the last step left (the same tensor, unwritten since)."""
-        return {leaf: state is None and leaf.grad is None or state is not None and state[0]() is leaf.grad
-                and leaf.grad is not None and state[1] == version(leaf.grad)
-                for leaf, state in self.state.items()}
+        grads = [leaf.grad for leaf in self.state]
+        return {leaf: state is None and g is None or state is not None and g is not None and state[0]() is g
+                and state[1] == v for (leaf, state), g, v in zip(self.state.items(), grads, versions(grads))}

@@ -17,11 +17,10 @@ counts a tensor against budget_mb, `summarize(call, attr, t)` keeps a summary in
 strategy streams into or None (Tracer's `norms_rule=`: StreamingNorms for "norms"; the watch's reducer for a
 per-step statistics strategy). The tracer calls, in this order over a trace:
 
-- `deciding(answers)`: a context manager around a module's first call's decisions (NormsKeep asks the registry
-  from the trace's table of answers there);
-- `decide(rec, module, spec)`: at a module's first call (ModuleRecord rec; spec: registry's LayerSpec, GENERIC or
-  None), set rec.generic (the generic rule's capture: every input, every output's δ), rec.broadcast (watch for
-  a (1, ...) output broadcast to the batch) and anything of the strategy's own (rec.norms);
+- `decide(rec, module, spec, answers)`: at a module's first call (ModuleRecord rec; spec: registry's LayerSpec,
+  GENERIC or None; answers: the tracer's table of the registry's answers, for registry.memo), set rec.generic
+  (the generic rule's capture: every input, every output's δ), rec.broadcast (watch for a (1, ...) output
+  broadcast to the batch) and anything of the strategy's own (rec.norms);
 - `on_input(rec, call, a)`: a call's first input tensor, as the call starts (a call of a generic-rule module
   whose inputs were kept gets `on_generic_inputs(call, tree)` instead, with the kept copies);
 - `begin_step(step)`: a backward pass starts (record.calls.StepRecord: its index, its kind, "backward" or "grad",
@@ -53,8 +52,6 @@ on the trace's thread.
 
 from __future__ import annotations
 
-import contextlib
-
 from torch import nn
 
 from hookwidget._torch.modules import children, own_parameters
@@ -66,7 +63,6 @@ from hookwidget.layers import registry
 from hookwidget.options import CAPTURES
 
 FULL, SUMMARY, NORMS = CAPTURES  # the names, from options.py: a new user-facing mode needs a strategy here
-_NO_CONTEXT = contextlib.nullcontext()
 
 
 class Keep:
@@ -81,10 +77,7 @@ class Keep:
         self.budget = budget
         self.rule = rule
 
-    def deciding(self, answers: dict):
-        return _NO_CONTEXT
-
-    def decide(self, rec, module: nn.Module, spec) -> None:
+    def decide(self, rec, module: nn.Module, spec, answers: dict) -> None:
         rec.generic = rec.broadcast = False
 
     def on_input(self, rec, call, a) -> None:
@@ -136,7 +129,7 @@ class SummaryKeep(Keep):
 class FullKeep(Keep):
     """a and δ as tensors within the memory budget, summaries past it; the generic rule's inputs and outputs."""
 
-    def decide(self, rec, module: nn.Module, spec) -> None:
+    def decide(self, rec, module: nn.Module, spec, answers: dict) -> None:
         rec.generic = spec is registry.GENERIC
         rec.broadcast = spec is not None and _trainable(module)
 
@@ -177,12 +170,10 @@ class NormsKeep(FullKeep):
     def __init__(self, budget: Budget, rule=None):
         super().__init__(budget, StreamingNorms() if rule is None else rule)
 
-    def deciding(self, answers: dict):
-        return registry.memo(answers)  # rule.wants asks the registry again
-
-    def decide(self, rec, module: nn.Module, spec) -> None:
-        super().decide(rec, module, spec)
-        rec.norms = self.rule.wants(module)
+    def decide(self, rec, module: nn.Module, spec, answers: dict) -> None:
+        super().decide(rec, module, spec, answers)
+        with registry.memo(answers):  # rule.wants asks the registry again
+            rec.norms = self.rule.wants(module)
 
     def on_input(self, rec, call, a) -> None:
         if rec.norms:

@@ -93,21 +93,21 @@ def own(slots: list) -> None:
     live tensor, a .grad autograd stole a gradient for) is copied, once per distinct view of that memory, and
     every slot holding that view gets the one copy. Memory the slots alone share (one δ kept by a model and its
     last layer, one input kept by q, k and v) is not copied at all."""
+    tensors = [_get(obj, key) for obj, key in slots]
+    storages = [_storage_key(t) for t in tensors]
     groups: dict = {}  # storage -> {id(tensor): tensor}
-    for obj, key in slots:
-        t = _get(obj, key)
-        groups.setdefault(_storage_key(t), {})[id(t)] = t
+    for t, storage in zip(tensors, storages):
+        groups.setdefault(storage, {})[id(t)] = t
     copies: dict = {}  # (storage, view) -> the copy
-    for storage, tensors in groups.items():
-        if isinstance(storage, int) and _uses(next(iter(tensors.values()))) <= len(tensors):
+    for storage, group in groups.items():
+        if isinstance(storage, int) and storage_users(next(iter(group.values()))) <= len(group):
             continue  # held by these slots alone
-        for t in tensors.values():
+        for t in group.values():
             copies.setdefault((storage, _view(t)), None)
     if not copies:
         return
-    for obj, key in slots:
-        t = _get(obj, key)
-        k = (_storage_key(t), _view(t))
+    for (obj, key), t, storage in zip(slots, tensors, storages):
+        k = (storage, _view(t))
         if k in copies:
             if copies[k] is None:
                 copies[k] = t.clone()
@@ -133,11 +133,6 @@ def _storage_key(t: torch.Tensor):
         return ("own", id(t))
 
 
-def _uses(t: torch.Tensor) -> int:
-    """How many tensors hold t's memory (the temporary storage object made to ask is not counted)."""
-    return storage_users(t)
-
-
 def _view(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype
 
@@ -145,7 +140,7 @@ def _view(t: torch.Tensor) -> tuple:
 def _sole_owner(t: torch.Tensor) -> bool:
     """Whether no other tensor shares t's memory."""
     try:
-        return _uses(t) <= 1
+        return storage_users(t) <= 1
     except Exception:  # a tensor subclass without plain storage: assume shared
         return False
 

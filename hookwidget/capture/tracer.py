@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 from contextlib import ExitStack
+from functools import partial
 
 import torch
 from torch import nn
@@ -69,31 +70,37 @@ class Tracer:
     def __init__(self, modules=None, capture: str = keep_mod.FULL, budget_mb: float = DEFAULT_BUDGET_MB,
                  layer_interventions=None, node_interventions=None, node_grads: bool | None = None, norms_rule=None,
                  backward_hooks: bool = False, state=None):
+        self._options = capture, budget_mb, norms_rule, node_grads, node_interventions or {}
+        self.targets = module_list(modules)
+        self.layer_interventions = layer_interventions or {}
+        # Full module backward hooks show grad_input too, but raise when an in-place op follows a
+        # module and add nodes to the graph: opt-in only.
+        self.backward_hooks = backward_hooks
+        self.state = state  # a RunState to tell what the code changes (state.py), or None
+        self.thread = threading.get_ident()  # the thread whose code this trace records
+        self._stack = ExitStack()
+        self._answers: dict = {}  # the registry's answers, asked at each module's first call (registry.memo)
+        self._start_run()
+
+    def _start_run(self) -> None:
+        """What one recording fills, from nothing: made at __init__, and again by `cut` (hooks staying on)."""
+        capture, budget_mb, norms_rule, node_grads, node_interventions = self._options
         self.budget = Budget(budget_mb)
         self.keep = keep_mod.make(capture, self.budget, norms_rule)
         self.norms_rule = self.keep.rule  # what the strategy streamed (capture="norms": per-sample norms)
-        self.targets = module_list(modules)
-        self.layer_interventions = layer_interventions or {}
         self.hooks = Hooks()
         self._handles = self.hooks.tensor  # tensor hook handles on module outputs
         self._notes: list = []
         # A pre-hook on every node costs a Python call and a reduction per node: on by default only
         # for small graphs (None: decided when backward starts); module outputs and leaves get
         # their norms from δ and .grad anyway (see nodes.py).
-        self.graph = NodeNorms(node_grads if self.keep.node_grads else False, node_interventions or {}, self.hooks,
+        self.graph = NodeNorms(node_grads if self.keep.node_grads else False, node_interventions, self.hooks,
                                self._notes)
         self._generic = GenericCapture(self.hooks, self.budget)
         self._folds = Folds()
         self._batches = Counter()  # this step's outermost calls: their inputs' leading dimensions (Call.batch)
-        # Full module backward hooks show grad_input too, but raise when an in-place op follows a
-        # module and add nodes to the graph: opt-in only.
-        self.backward_hooks = backward_hooks
-        self.state = state  # a RunState to tell what the code changes (state.py), or None
-        self.thread = threading.get_ident()  # the thread whose code this trace records
         self.records: Records | None = None
-        self._stack = ExitStack()
         self._module_records: dict = {}
-        self._answers: dict = {}  # the registry's answers, asked at each module's first call (registry.memo)
         self._steps: list[StepRecord] = []
         self._depth = 0  # nested backward calls inside one pass (reentrant checkpoint)
         self._grads = GradCopies(self.budget)  # the .grad each step leaves
@@ -141,18 +148,17 @@ class Tracer:
         finally:
             self._stack.close()
 
-    def cut(self, fresh: Tracer):
+    def cut(self) -> Records | None:
         """The records so far, as `records` would be at exit, while the hooks stay on: from now on this tracer
-        records as `fresh` (a Tracer made alike, never entered) would, from nothing (the flight recorder's one
-        tracer per watch, cut at each step's end, instead of hooks put on and off every step)."""
+        records from nothing, with the same options (the flight recorder's one tracer per watch, cut at each
+        step's end, instead of hooks put on and off every step). The registry's answers are kept: the modules
+        are the same."""
         records = self._finish()
         for h in self.hooks.tensor + self.hooks.node:
             h.remove()
-        self.hooks.active = False  # a δ hook left on a graph that outlives the step stays quiet
-        stack, thread = self._stack, self.thread
-        fresh._answers = self._answers  # the registry's answers for the same modules: asked once per tracer
-        vars(self).update(vars(fresh))
-        self._stack, self.thread, self.hooks.active = stack, thread, True
+        self.hooks.active = False  # a δ hook left on a graph that outlives the step stays quiet: it holds these hooks
+        self._start_run()
+        self.hooks.active = True
         return records
 
     def _install(self) -> None:
@@ -254,16 +260,15 @@ class Tracer:
     def _new_record(self, module) -> ModuleRecord:
         """A module's first call: what does not change between its calls is decided once, and so is the
         registry's answer for it, which the trace's factor queries and notes take from the record."""
-        with self.keep.deciding(self._answers):
-            rec = self._module_records[module] = ModuleRecord(module)
-            spec, rec.needs_input, rec.stateful, rec.keeps_rows = registry.capture_facts(module, self._answers)
-            rec.compiled = is_compiled(module)
-            self.keep.decide(rec, module, spec)
-            if self.state is not None:
-                self.state.on_call(module)
-            if isinstance(module, _DDP):
-                self._ddp = True
-            return rec
+        rec = self._module_records[module] = ModuleRecord(module)
+        spec, rec.needs_input, rec.stateful, rec.keeps_rows = registry.capture_facts(module, self._answers)
+        rec.compiled = is_compiled(module)
+        self.keep.decide(rec, module, spec, self._answers)
+        if self.state is not None:
+            self.state.on_call(module)
+        if isinstance(module, _DDP):
+            self._ddp = True
+        return rec
 
     def _saw(self, what: str, module) -> None:
         self._seen.setdefault(what, {}).setdefault(type(module).__name__, None)
@@ -368,26 +373,24 @@ class Tracer:
         self.keep.on_input(rec, call, a)
 
     def _delta_hook(self, module, call, streaming: bool = False):
-        hooks, keep, modules = self.hooks, self.keep, self._module_records
-        if streaming:  # the strategy takes its own lock, after reducing δ (call: its token)
-            def stream(grad):
-                if hooks.active:
-                    keep.on_delta(module, call, grad, modules)
+        """The δ hook of one call (streaming: `call` is the strategy's token). It holds this run's Hooks, so
+        that a hook left on a graph that outlives the run (or a cut) stays quiet; a partial is two objects
+        per call where a closure is eight."""
+        return partial(self._stream_delta if streaming else self._record_delta, self.hooks, module, call)
 
-            return stream
+    def _stream_delta(self, hooks: Hooks, module, token, grad) -> None:
+        if hooks.active:  # the strategy takes its own lock, after reducing δ
+            self.keep.on_delta(module, token, grad, self._module_records)
 
-        def hook(grad):
-            if not hooks.active:
-                return
-            with hooks.lock:
-                if hooks.step is None:  # δ of a pass the stand-in did not see start (an imported grad)
-                    self._unseen = True
-                hooks.step_index(call)
-                if keep.on_delta(module, call, grad, modules):
-                    self._passes_summed += 1
+    def _record_delta(self, hooks: Hooks, module, call: Call, grad) -> None:
+        if not hooks.active:
             return
-
-        return hook
+        with hooks.lock:
+            if hooks.step is None:  # δ of a pass the stand-in did not see start (an imported grad)
+                self._unseen = True
+            hooks.step_index(call)
+            if self.keep.on_delta(module, call, grad, self._module_records):
+                self._passes_summed += 1
 
     # -- backward (called by autograd_calls for every backward / autograd.grad of this thread) ---
     def on_backward(self, tensors: list, kind: str, create_graph: bool) -> None:

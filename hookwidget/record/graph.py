@@ -13,7 +13,7 @@ from collections import Counter
 
 import networkx as nx
 
-from hookwidget._torch.autograd import sequence_nr
+from hookwidget._torch.autograd import sequence_nrs
 from hookwidget.stats import fused_norms, norms_to_floats, remember_l2
 
 # Nodes that hooks add to the graph (full module backward hooks); hidden unless asked for.
@@ -106,7 +106,7 @@ class GraphWalk:
         if self.nodes is None:
             return
         self.variables = [n.variable if name == "AccumulateGrad" else None for n, name in zip(self.nodes, self.names)]
-        self.seq = [sequence_nr(n) for n in self.nodes]
+        self.seq = sequence_nrs(self.nodes)
         self.nodes, self._index = None, {}
 
     def _add(self, node) -> int:

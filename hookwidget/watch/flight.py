@@ -54,7 +54,7 @@ class FlightRecorder:
     def step_ended(self, step: int, flagged) -> None:
         """Backward of `step` ended: cut its recording off (what the recorder holds of it, unassembled), start the
         next, decide on the step before."""
-        later = self._ended(self._recorder.cut(self.session.tracer()), self._recorder)
+        later = self._ended(self._recorder.cut(), self._recorder)
         self._rec = self._new()
         if self.latest is not None:
             self.decide(*self.latest, flagged)
