@@ -24,28 +24,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hookwidget.layers import (  # noqa: F401  (the import surface)
-    GENERIC,
-    KINDS,
-    SPECS,
-    ConvCall,
-    ConvCalls,
-    Factor,
-    LayerSpec,
-    cost,
-    exact_reason,
-    forward_state,
-    gram_applies,
-    is_generic,
-    keeps_rows,
-    needs_input,
-    per_sample_meaning,
-    register,
-    shared,
-    spec_for,
-    supported_types,
-    unsupported_reason,
-)
+# The package's surface (hookwidget.layers.__all__: specs, kinds, registry look-ups) is this module's too, so that
+# callers reach all of it as `fx.name`; the list itself lives once, in layers/__init__.py.
+from hookwidget.layers import *  # noqa: F403
+from hookwidget.layers import KINDS, SPECS, ConvCalls, Factor, cost, shared, spec_for, unsupported_reason
 from hookwidget.layers.linear import linear_norm_sq
 
 # type -> rule(module, a, delta), for layer types that are classes (derived from SPECS)

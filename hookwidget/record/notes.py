@@ -36,7 +36,7 @@ class Note:
 
 def render(note: Note) -> str:
     """The note's text, one line."""
-    return TEXT[note.id](**note.fields)
+    return _fill(TEXT[note.id], note.fields)
 
 
 def _few(names, k: int = 3) -> str:
@@ -72,40 +72,33 @@ def _budget(budget_mb, dropped, dropped_grads, **_) -> str:
             + " kept as summaries only (shape, norm, min/max/mean, NaN/Inf); raise budget_mb to keep them")
 
 
-# id -> its text from the note's fields (each takes them by keyword; `layers` and other fields it does not show
-# are ignored)
-TEXT: dict[str, Callable[..., str]] = {
+# id -> its text: a template that the note's fields fill (str.format: each field by name, the others ignored), or,
+# where the text chooses between wordings or lists things, a function of the fields (by keyword, `**_` the rest)
+TEXT: dict[str, str | Callable[..., str]] = {
     # -- capture (capture/tracer.py) -----------------------------------------------------------
-    "graph_large": lambda nodes, **_: (
-        f"the graph has {nodes} nodes: gradient norms are shown for layer outputs and parameters only; trace with "
-        "node_grads=True for every node"),
+    "graph_large": ("the graph has {nodes} nodes: gradient norms are shown for layer outputs and parameters only; "
+                    "trace with node_grads=True for every node"),
     "budget_reached": _budget,
-    "no_grads": lambda **_: "no gradients captured: the code ran no backward (activations only)",
+    "no_grads": "no gradients captured: the code ran no backward (activations only)",
     "backward_unseen": lambda stepped, **_: (
         ("besides the passes in t.steps, a" if stepped else "a") + " backward pass ran that hookwidget did not see "
         "start (`from torch.autograd import grad` before the trace?): δ is kept, but that pass is no step (no loss, "
         "no .grad copy) and weight_grad / per-sample gradients are refused; call torch.autograd.grad(...)"),
-    "autograd_grad_used": lambda **_: "torch.autograd.grad was used: parameters reached only by it keep .grad None",
-    "compiled": lambda where, **_: (
-        f"torch.compile: hooks added after compilation are not honoured, so the layers inside {where} are not shown; "
-        "trace the uncompiled model (model._orig_mod), or call torch.compile after tracing"),
-    "torch_func": lambda where, **_: (
-        f"torch.func transforms (vmap, grad, ...) ran {where}: calls inside a transform are not captured (hooks see "
-        "wrapped tensors); trace a plain forward and backward instead"),
+    "autograd_grad_used": "torch.autograd.grad was used: parameters reached only by it keep .grad None",
+    "compiled": ("torch.compile: hooks added after compilation are not honoured, so the layers inside {where} are not "
+                 "shown; trace the uncompiled model (model._orig_mod), or call torch.compile after tracing"),
+    "torch_func": ("torch.func transforms (vmap, grad, ...) ran {where}: calls inside a transform are not captured "
+                   "(hooks see wrapped tensors); trace a plain forward and backward instead"),
     "script_module": lambda classes, **_: (
         f"ScriptModule ({', '.join(classes)}): hooks do not fire inside TorchScript, so its layers are not shown; "
         "trace the module before torch.jit.script"),
-    "ddp": lambda **_: (
-        "DistributedDataParallel: .grad is averaged over ranks after backward; a, δ, weight_grad and per-sample "
-        "gradients are this rank's own (its samples, before the all-reduce)"),
-    "create_graph": lambda **_: (
-        "create_graph=True (double backward): .grad then holds terms that (a, δ) do not, and δ sums every backward "
-        "pass; weight_grad and per-sample gradients are refused"),
-    "retain_graph": lambda **_: (
-        "backward ran through the same graph more than once (retain_graph=True): δ and weight_grad are summed over "
-        "those passes, as .grad is"),
-    "input_modified": lambda module_type, **_: (
-        f"{module_type}: an input was modified in place after the call; its activation was not kept"),
+    "ddp": ("DistributedDataParallel: .grad is averaged over ranks after backward; a, δ, weight_grad and per-sample "
+            "gradients are this rank's own (its samples, before the all-reduce)"),
+    "create_graph": ("create_graph=True (double backward): .grad then holds terms that (a, δ) do not, and δ sums every "
+                     "backward pass; weight_grad and per-sample gradients are refused"),
+    "retain_graph": ("backward ran through the same graph more than once (retain_graph=True): δ and weight_grad are "
+                     "summed over those passes, as .grad is"),
+    "input_modified": "{module_type}: an input was modified in place after the call; its activation was not kept",
     "checkpoint_recomputed": lambda module_types, **_: (
         "torch.utils.checkpoint reran forward during backward for: " + ", ".join(module_types)
         + "; only their calls that received a gradient are kept"),
@@ -118,10 +111,9 @@ TEXT: dict[str, Callable[..., str]] = {
     "grad_changed_after_backward": lambda leaves, **_: (
         f"the code changed .grad after its last backward pass ({_few(leaves)}; e.g. opt.zero_grad() or "
         "clip_grad_norm_): param_grads show .grad as backward left it"),
-    "intervention_not_fired": lambda intervention, **_: (
-        f"intervention {intervention} did not fire: its module was not called (was the model created anew inside "
-        "the cell?)"),
-    "rerun_unrestorable": lambda what, **_: f"rerun: {what}",
+    "intervention_not_fired": ("intervention {intervention} did not fire: its module was not called (was the model "
+                               "created anew inside the cell?)"),
+    "rerun_unrestorable": "rerun: {what}",
     # -- coverage (analysis/coverage.py) -------------------------------------------------------
     "no_factor_rule": lambda reasons, **_: (
         "no (a, δ) factor rule, so no weight_grad / per-sample gradients for: " + _pairs(reasons, ", ")),
@@ -130,18 +122,22 @@ TEXT: dict[str, Callable[..., str]] = {
         + _pairs(reasons, "; ")),
 }
 
-# id -> the short line that starts a refusal a note explains (`count`: the parameters it leaves out); `refusal`
-REFUSAL: dict[str, Callable[..., str]] = {
-    "compiled": lambda count, **_: f"{count} parameters of a compiled model: trace the model before torch.compile",
-    "script_module": lambda count, **_: f"{count} parameters inside TorchScript: trace the module before "
-                                        "torch.jit.script",
-    "torch_func": lambda count, **_: f"{count} parameters reached inside torch.func transforms: trace a plain "
-                                     "forward and backward",
-    "no_grads": lambda **_: "the code ran no backward: call loss.backward() inside the trace",
+# id -> the short line that starts a refusal a note explains, as in TEXT (`count`: the parameters it leaves out);
+# `refusal`
+REFUSAL: dict[str, str | Callable[..., str]] = {
+    "compiled": "{count} parameters of a compiled model: trace the model before torch.compile",
+    "script_module": "{count} parameters inside TorchScript: trace the module before torch.jit.script",
+    "torch_func": "{count} parameters reached inside torch.func transforms: trace a plain forward and backward",
+    "no_grads": "the code ran no backward: call loss.backward() inside the trace",
     "filters_matched_none": lambda given, **_: _filters(given),
-    "backward_unseen": lambda **_: ("a backward pass ran unseen (torch.autograd.grad bound before the trace?): call "
-                                    "torch.autograd.grad(...) in the code"),
+    "backward_unseen": ("a backward pass ran unseen (torch.autograd.grad bound before the trace?): call "
+                        "torch.autograd.grad(...) in the code"),
 }
+
+
+def _fill(text: str | Callable[..., str], fields: dict, **more) -> str:
+    """A TEXT or REFUSAL entry made from these fields (and `more`)."""
+    return text(**fields, **more) if callable(text) else text.format(**fields, **more)
 
 
 def refusal(notes, what: str, otherwise: str, limit: int = 240) -> str:
@@ -153,7 +149,7 @@ def refusal(notes, what: str, otherwise: str, limit: int = 240) -> str:
     count = "all" if left is None else f"{left:,}"
     for n in notes:
         if n.id in REFUSAL:
-            return f"{what}: {REFUSAL[n.id](**n.fields, count=count)} (t.notes has the details)"
+            return f"{what}: {_fill(REFUSAL[n.id], n.fields, count=count)} (t.notes has the details)"
     if not notes:
         return f"{what}: {otherwise}"
     text = render(notes[0])

@@ -4,6 +4,7 @@ import os
 import pathlib
 
 import pytest
+from browser_session import new_page
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -12,7 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Screenshots go under an ignored path; docs/img is rewritten only by update_docs_img.py (HW_UPDATE_DOCS_IMG=1).
 SHOTS = ROOT / "tests" / "artifacts" / "screenshots"
 IMG = ROOT / "docs" / "img" if os.environ.get("HW_UPDATE_DOCS_IMG") == "1" else SHOTS
-STATIC = pathlib.Path(__file__).resolve().parents[2] / "hookwidget" / "static"
+STATIC = ROOT / "hookwidget" / "static"
+BUILT = ("widget.js", "standalone.js", "watch.js", "watch_standalone.js")  # npm run build makes all four
 
 
 def pytest_collection_modifyitems(items):
@@ -25,8 +27,9 @@ def pytest_collection_modifyitems(items):
 def browser():
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} missing: install Debian's chromium (scripts/install.sh)")
-    if not (STATIC / "widget.js").exists() or not (STATIC / "standalone.js").exists():
-        pytest.fail("front-end not built: run `npm run build`")
+    missing = [n for n in BUILT if not (STATIC / n).exists()]
+    if missing:
+        pytest.fail(f"front-end not built ({', '.join(missing)} missing): run `npm run build`")
     sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
@@ -36,13 +39,8 @@ def browser():
 
 @pytest.fixture
 def page(browser):
-    """A fresh page that records uncaught errors and console errors."""
-    ctx = browser.new_context(viewport={"width": 1360, "height": 760})
-    pg = ctx.new_page()
-    pg.set_default_timeout(15_000)
-    pg.errors = []
-    pg.on("pageerror", lambda e: pg.errors.append(f"pageerror: {e}"))
-    pg.on("console", lambda m: pg.errors.append(f"console: {m.text}") if m.type == "error" else None)
+    """A fresh page that records uncaught errors and console errors (browser_session.new_page)."""
+    ctx, pg = new_page(browser, 1360, 760)
     yield pg
     ctx.close()
 

@@ -4,9 +4,11 @@ graph is in view or a scroll away, a pool called twice draws no edge back up int
 module inside its frames), the layer table keeps its health column, and the diff ranks a real change first.
 Screenshots of each view go to tests/artifacts/screenshots/notebook_*.png."""
 
+import contextlib
 import json
 
 import pytest
+from browser_session import notebook
 from explorer_models import CNN_SOURCE, GPT2_SOURCE
 from lab_server import jupyter, write_notebook
 
@@ -58,31 +60,22 @@ def _shot(page, el, path):
     page.screenshot(path=str(path))
 
 
-def _open(browser, url, width):
-    ctx = browser.new_context(viewport={"width": width, "height": 900})
-    page = ctx.new_page()
-    page.errors = []
-    page.on("pageerror", lambda e: page.errors.append(str(e)))
-    page.set_default_timeout(60_000)
-    page.goto(url)
-    page.wait_for_function("window.jupyterapp && document.querySelector('.jp-Notebook .jp-Cell')")
-    page.wait_for_function("""() => {
-        const w = window.jupyterapp.shell.currentWidget;
-        return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
-            && w.sessionContext.session.kernel.status === 'idle';
-    }""")
-    # The file browser open, as JupyterLab opens it by default.
-    if not page.locator(".jp-FileBrowser").is_visible():
-        page.evaluate("window.jupyterapp.commands.execute('filebrowser:activate')")
-    page.locator(".jp-FileBrowser").wait_for(state="visible")
-    page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
-    page.locator(".hw-root").nth(1).locator(".hw-nodes > g").first.wait_for(timeout=180_000)
-    page.locator(".hw-root").nth(0).locator('[data-testid="diff"] tr[data-param]').first.wait_for(timeout=120_000)
-    news = page.get_by_role("button", name="No", exact=True)  # JupyterLab's "notified about news?" toast
-    if news.count():
-        news.first.click()
-    page.wait_for_timeout(500)
-    return ctx, page
+@contextlib.contextmanager
+def _open(browser, url, width, img_dir):
+    """The notebook with the file browser open, every cell run and both explorers drawn; closed on exit."""
+    with notebook(browser, url, width, 900, failure=img_dir / f"notebook_failure_{width}.png") as page:
+        # The file browser open, as JupyterLab opens it by default.
+        if not page.locator(".jp-FileBrowser").is_visible():
+            page.evaluate("window.jupyterapp.commands.execute('filebrowser:activate')")
+        page.locator(".jp-FileBrowser").wait_for(state="visible")
+        page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        page.locator(".hw-root").nth(1).locator(".hw-nodes > g").first.wait_for(timeout=180_000)
+        page.locator(".hw-root").nth(0).locator('[data-testid="diff"] tr[data-param]').first.wait_for(timeout=120_000)
+        news = page.get_by_role("button", name="No", exact=True)  # JupyterLab's "notified about news?" toast
+        if news.count():
+            news.first.click()
+        page.wait_for_timeout(500)
+        yield page
 
 
 def _scroll_reach(page, root):
@@ -134,8 +127,7 @@ def _check_graph(page, root):
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_explorer_in_jupyterlab(browser, lab, width, img_dir):
-    ctx, page = _open(browser, lab, width)
-    try:
+    with _open(browser, lab, width, img_dir) as page:
         cnn, gpt2 = page.locator(".hw-root").nth(0), page.locator(".hw-root").nth(1)
         _first_view(page, cnn, "cnn", width, img_dir)
         _first_view(page, gpt2, "gpt2", width, img_dir)
@@ -202,11 +194,6 @@ def test_explorer_in_jupyterlab(browser, lab, width, img_dir):
         gpt2.locator('[data-pane-toggle="left"]').click()
         assert ov.is_visible()
         assert page.errors == []
-    except Exception:
-        page.screenshot(path=str(img_dir / f"notebook_failure_{width}.png"))
-        raise
-    finally:
-        ctx.close()
 
 
 def _fully_in_view(root, selector):

@@ -3,6 +3,7 @@ kernel's answer."""
 
 
 import pytest
+from browser_session import notebook, toggle_grad_zero
 from lab_server import jupyter, write_notebook
 
 pytestmark = pytest.mark.browser
@@ -62,44 +63,22 @@ def lab(request, tmp_path_factory):
         yield {"url": f"{base}/{path}/explore.ipynb?token={token}", "root": root, "name": request.param}
 
 
+def _anywidget_console(page):
+    return f"anywidget console: {[w for w in page.console if 'anywidget' in w.lower()]}"
+
+
 def test_toggle_grad_zero_live(browser, lab, img_dir):
-    ctx = browser.new_context(viewport={"width": 1500, "height": 1000})
-    page = ctx.new_page()
-    errors = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    warnings = []
-    page.on("console", lambda m: warnings.append(m.text) if "anywidget" in m.text.lower() else None)
-    try:
-        page.set_default_timeout(60_000)
-        page.goto(lab["url"])
-        page.wait_for_function("window.jupyterapp && document.querySelector('.jp-Notebook .jp-Cell')")
-        # Wait for the kernel, then run every cell.
-        page.wait_for_function("""() => {
-            const w = window.jupyterapp.shell.currentWidget;
-            return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
-                && w.sessionContext.session.kernel.status === 'idle';
-        }""")
+    with notebook(browser, lab["url"], 1500, 1000, failure=img_dir / f"live_failure_{lab['name']}.png",
+                  report=_anywidget_console) as page:
         page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
         live = page.locator(".hw-root").nth(0)
-        live.locator('[data-module="fc1"]').wait_for(timeout=90_000)
-        live.locator('[data-module="fc1"]').click()
-        live.locator('[data-testid="detail"] [data-testid="maxdiff"]').wait_for()
-        assert live.locator('[data-testid="shape-a"]').inner_text().startswith("(5, 6, 4)")
-        before = float(live.locator('[data-testid="detail"] [data-testid="grad-norm"]').inner_text())
-        assert before > 0
-        if lab["name"] == "jupyterlab":
-            live.screenshot(path=str(img_dir / "toggle_before.png"))
-        live.locator('[data-hook="grad_zero"]').click()
-        status = live.locator('[data-testid="status"]')
-        done = "el => el.getAttribute('data-state') === 'done' && el.textContent.includes('rerun done')"
-        page.wait_for_function(done, arg=status.element_handle(), timeout=60_000)
-        assert "loss" in status.inner_text()
-        after = live.locator('[data-testid="diff"] [data-param="fc1.weight"] [data-testid="after"]')
-        assert after.inner_text() == "0"
-        assert live.locator('[data-testid="diff"] [data-param="fc2.weight"]').get_attribute("class") == ""
-        live.locator('[data-testid="detail"] [data-testid="maxdiff"]').wait_for()
-        assert live.locator('[data-module="fc1"]').get_attribute("class").split().count("changed") == 1
-        assert live.locator('[data-hook="grad_zero"]').is_checked()
+
+        def shot_before():
+            if lab["name"] == "jupyterlab":
+                live.screenshot(path=str(img_dir / "toggle_before.png"))
+
+        toggle_grad_zero(page, live, before_toggle=shot_before)
+        assert live.locator('[data-module="fc1"]').count() == 1  # one box for fc1 (toggle_grad_zero reads the first)
         live.locator('[data-testid="diff"]').scroll_into_view_if_needed()
         if lab["name"] == "jupyterlab":
             live.screenshot(path=str(img_dir / "toggle_after.png"))
@@ -126,6 +105,7 @@ def test_toggle_grad_zero_live(browser, lab, img_dir):
         row.locator('[data-hook="grad_clamp"]').click()
         page.wait_for_timeout(2000)
         assert "min is empty" in err.inner_text() and err.is_visible()
+        warnings = [w for w in page.console if "anywidget" in w.lower()]
         assert not [w for w in warnings if "deprecat" in w.lower()], warnings
         # Python and the explorer agree: the hooks on, and the current trace is the UI's rerun.
         def python(code):
@@ -168,9 +148,3 @@ def test_toggle_grad_zero_live(browser, lab, img_dir):
         assert "blocks.</script><script>__pwned=2</script>" in names
         assert evil.locator("img").count() == 0
         assert page.evaluate("typeof window.__pwned") == "undefined"
-    except Exception:
-        page.screenshot(path=str(img_dir / f"live_failure_{lab['name']}.png"))
-        print("page errors:", errors, "anywidget console:", warnings)
-        raise
-    finally:
-        ctx.close()

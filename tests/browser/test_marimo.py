@@ -10,13 +10,11 @@ import os
 import pathlib
 import secrets
 import shutil
-import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
-from lab_server import free_port
+from browser_session import open_kept_step, opened, shot_on_failure, toggle_grad_zero
+from lab_server import free_port, serving
 
 pytestmark = pytest.mark.browser
 pytest.importorskip("marimo")
@@ -40,31 +38,11 @@ def marimo_server(root: pathlib.Path, notebook: pathlib.Path, mode: str = "edit"
     env = {**os.environ, **{k: str(v) for k, v in xdg.items()}, "PYTHONPATH": str(REPO), "HOOKWIDGET_SMOKE": "1",
            "MARIMO_SKIP_UPDATE_CHECK": "1"}
     exe = pathlib.Path(sys.executable).parent / "marimo"
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen(
-        [str(exe), mode, notebook.name, "--headless", "--host", "127.0.0.1", f"--port={port}",
-         f"--token-password={token}", "--no-sandbox"],
-        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    argv = [str(exe), mode, notebook.name, "--headless", "--host", "127.0.0.1", f"--port={port}",
+            f"--token-password={token}", "--no-sandbox"]
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except Exception:
-                if proc.poll() is not None or time.time() > deadline:
-                    pytest.fail(f"marimo {mode} did not start: " + (root / "server.log").read_text()[-2000:])
-                time.sleep(0.3)
+    with serving(argv, root, env, f"{base}/health", f"marimo {mode}"):
         yield f"{base}/?access_token={token}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 # Installed before marimo's page loads: every 50 ms, the step count of the watch's heatmap (inside the shadow
@@ -94,29 +72,25 @@ def notebook(browser, tmp_path_factory, request):
     """The example notebook open in marimo, every cell run from the page's load; the page's errors in `.errors`,
     the server's mode in `.mode`."""
     root = tmp_path_factory.mktemp(f"marimo_{request.param}")
-    with marimo_server(root, NOTEBOOK, request.param) as url:
-        ctx = browser.new_context(viewport={"width": 1500, "height": 1600})
-        page = ctx.new_page()
-        page.set_default_timeout(30_000)
-        page.errors, page.mode = [], request.param
-        page.on("pageerror", lambda e: page.errors.append(f"pageerror: {e}"))
-        page.on("console", lambda m: page.errors.append(f"console: {m.text}") if m.type == "error" else None)
+    with marimo_server(root, NOTEBOOK, request.param) as url, opened(browser, None, 1500, 1600, timeout=30_000) as page:
+        page.mode = request.param
         page.add_init_script(OBSERVE)
         page.goto(url)
-        try:
-            yield page
-        finally:
-            ctx.close()
+        yield page
 
 
-def _failure_shot(page, img_dir, name):
-    with contextlib.suppress(Exception):
-        page.screenshot(path=str(img_dir / f"marimo_{page.mode}_failure_{name}.png"))
+def _on_failure(page, img_dir, name, report=None):
+    """A failing test leaves its screenshot (and prints the page's errors)."""
+    return shot_on_failure(page, img_dir / f"marimo_{page.mode}_failure_{name}.png", report)
+
+
+def _growth(page):
+    return f"growth: {page.evaluate('window.__growth || null')}"
 
 
 def test_watch_view_grows_while_the_training_cell_runs(notebook, img_dir):
     page = notebook
-    try:
+    with _on_failure(page, img_dir, "watch", _growth):
         watch = page.locator('[data-testid="watch"]')
         watch.wait_for(timeout=90_000)
         # While the training cell runs (in the notebook view, marimo's running mark on it; the app view shows
@@ -140,61 +114,27 @@ def test_watch_view_grows_while_the_training_cell_runs(notebook, img_dir):
         assert watch.locator(".hw-w-label").all_inner_texts() == ["fc1", "fc2"]
         watch.screenshot(path=str(img_dir / f"marimo_{page.mode}_watch_done.png"))
         assert not page.errors, page.errors
-    except Exception:
-        _failure_shot(page, img_dir, "watch")
-        print("page errors:", page.errors, "growth:", page.evaluate("window.__growth || null"))
-        raise
 
 
 def test_explorer_click_a_layer_toggle_a_hook_and_see_the_rerun(notebook, img_dir):
     page = notebook
-    try:
+    with _on_failure(page, img_dir, "explorer"):
         # The explorer is the notebook's first widget (the watch view holds its own, once a step is opened).
         live = page.locator("marimo-anywidget").first.locator(".hw-root")
-        live.locator('[data-module="fc1"]').first.wait_for(timeout=90_000)
-        live.locator('[data-module="fc1"]').first.click()
-        # The kernel answers once it is idle (after the training cell).
-        live.locator('[data-testid="detail"] [data-testid="maxdiff"]').wait_for(timeout=90_000)
-        assert live.locator('[data-testid="shape-a"]').inner_text().startswith("(5, 6, 4)")
-        assert float(live.locator('[data-testid="detail"] [data-testid="grad-norm"]').inner_text()) > 0
-        live.locator('[data-hook="grad_zero"]').click()
-        status = live.locator('[data-testid="status"]')
-        done = "el => el.getAttribute('data-state') === 'done' && el.textContent.includes('rerun done')"
-        page.wait_for_function(done, arg=status.element_handle(), timeout=60_000)
-        assert "loss" in status.inner_text()
-        after = live.locator('[data-testid="diff"] [data-param="fc1.weight"] [data-testid="after"]')
-        assert after.inner_text() == "0"
-        assert live.locator('[data-testid="diff"] [data-param="fc2.weight"]').get_attribute("class") == ""
-        assert live.locator('[data-module="fc1"]').first.get_attribute("class").split().count("changed") == 1
-        assert live.locator('[data-hook="grad_zero"]').is_checked()
+        toggle_grad_zero(page, live)
         live.screenshot(path=str(img_dir / f"marimo_{page.mode}_explorer_rerun.png"))
         assert not page.errors, page.errors
-    except Exception:
-        _failure_shot(page, img_dir, "explorer")
-        print("page errors:", page.errors)
-        raise
 
 
 def test_a_kept_step_of_the_watch_opens_in_the_explorer(notebook, img_dir):
     page = notebook
-    try:
+    with _on_failure(page, img_dir, "kept_step"):
         watch = page.locator('[data-testid="watch"]')
         watch.locator('[data-testid="watch-state"]', has_text="closed").wait_for(timeout=120_000)
-        kept = watch.locator("[data-kept-step]")
-        assert [k.get_attribute("data-kept-step") for k in kept.all()][:1] == ["0"]
-        kept.first.click()
-        opened = watch.locator('[data-testid="watch-trace"] .hw-root')
-        opened.locator('[data-module="fc1"]').first.wait_for(timeout=60_000)
-        assert "step 0" in watch.locator('[data-testid="watch-status"]').inner_text()
-        opened.locator('[data-module="fc1"]').first.click()
-        opened.locator('[data-testid="detail"] [data-testid="maxdiff"]').wait_for(timeout=60_000)
-        assert opened.locator('[data-testid="shape-a"]').inner_text().startswith("(6, 4)")
+        opened_trace = open_kept_step(watch, 0)
+        assert opened_trace.locator('[data-testid="shape-a"]').inner_text().startswith("(6, 4)")
         watch.screenshot(path=str(img_dir / f"marimo_{page.mode}_watch_trace.png"))
         assert not page.errors, page.errors
-    except Exception:
-        _failure_shot(page, img_dir, "kept_step")
-        print("page errors:", page.errors)
-        raise
 
 
 class FakeContext:

@@ -2,11 +2,13 @@
 GPT-2-, ResNet-50- and ViT-B-shaped models at the default view, a graph that uses the page's height, keyboard
 and selection."""
 
+import contextlib
 import statistics
 import time
 
 import pytest
 import torch
+from browser_session import opened
 from gpt2_shaped import gpt2_step
 from vision_shaped import resnet50_step, vit_b_step
 
@@ -24,18 +26,15 @@ def gpt2_page(tmp_path_factory):
     return t.to_html(tmp_path_factory.mktemp("gpt2") / "gpt2.html"), [n for n in t.layers]
 
 
+@contextlib.contextmanager
 def _open(browser, path, width, height=800):
-    ctx = browser.new_context(viewport={"width": width, "height": height})
-    pg = ctx.new_page()
-    pg.set_default_timeout(15_000)
-    pg.errors = []
-    pg.on("pageerror", lambda e: pg.errors.append(f"pageerror: {e}"))
-    pg.on("console", lambda m: pg.errors.append(f"console: {m.text}") if m.type in ("error", "warning") else None)
-    start = time.perf_counter()
-    pg.goto(path.as_uri())
-    pg.wait_for_selector("body[data-ready]")
-    pg.load_ms = (time.perf_counter() - start) * 1000
-    return ctx, pg
+    """The page `path` once drawn (its load time in `.load_ms`), console warnings counted as errors too."""
+    with opened(browser, None, width, height, console=("error", "warning")) as pg:
+        start = time.perf_counter()
+        pg.goto(path.as_uri())
+        pg.wait_for_selector("body[data-ready]")
+        pg.load_ms = (time.perf_counter() - start) * 1000
+        yield pg
 
 
 LABELS = """() => {
@@ -49,21 +48,17 @@ LABELS = """() => {
 def test_forward_only_trace_shows_its_note(browser, tmp_path, width, img_dir):
     lin = torch.nn.Linear(3, 2)
     t = hw.trace(lambda: lin(torch.randn(4, 3)))
-    ctx, pg = _open(browser, t.to_html(tmp_path / "fwd.html"), width)
-    try:
+    with _open(browser, t.to_html(tmp_path / "fwd.html"), width) as pg:
         note = pg.locator('[data-testid="no-grads"]')
         assert note.is_visible() and "no gradients captured" in note.inner_text()
         pg.screenshot(path=str(img_dir / f"forward_only_{width}.png"))
         assert pg.errors == []
-    finally:
-        ctx.close()
 
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_gpt2_shaped_default_view_is_readable(browser, gpt2_page, width, img_dir):
     path, layers = gpt2_page
-    ctx, pg = _open(browser, path, width)
-    try:
+    with _open(browser, path, width) as pg:
         boxes = pg.locator(".hw-svg .hw-nodes > g").count()
         assert 0 < boxes <= 40
         # Repeated blocks fold: one box for h.0 … h.11.
@@ -101,8 +96,6 @@ def test_gpt2_shaped_default_view_is_readable(browser, gpt2_page, width, img_dir
         assert "T × d per sample" in pg.locator('[data-testid="detail"]').inner_text()
         pg.screenshot(path=str(img_dir / f"gpt2_selected_{width}.png"))
         assert pg.errors == []
-    finally:
-        ctx.close()
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +110,7 @@ def test_gpt2_shaped_layer_overview_is_visible_first(browser, gpt2_page, gpt2_pa
     """Issue 16: a deep model opens on a sortable table of its layers, one row per layer with parameters,
     in view without scrolling; its norm cells share one colour scale; a row click selects the layer."""
     path, _ = gpt2_page
-    ctx, pg = _open(browser, path, width)
-    try:
+    with _open(browser, path, width) as pg:
         ov = pg.locator('[data-testid="overview"]')
         assert ov.is_visible()
         rows = ov.locator("tr[data-layer-row]")
@@ -148,14 +140,11 @@ def test_gpt2_shaped_layer_overview_is_visible_first(browser, gpt2_page, gpt2_pa
         pg.locator(f'.hw-nodes [data-module="{name}"]').wait_for()
         pg.screenshot(path=str(img_dir / f"gpt2_overview_selected_{width}.png"))
         assert pg.errors == []
-    finally:
-        ctx.close()
 
 
 def test_keyboard_moves_selects_and_clears(browser, gpt2_page):
     path, _ = gpt2_page
-    ctx, pg = _open(browser, path, 1500)
-    try:
+    with _open(browser, path, 1500) as pg:
         pg.locator('[data-tab="tree"]').click()
         pg.locator(".hw-tree-row").first.focus()
         pg.keyboard.press("ArrowDown")
@@ -167,21 +156,16 @@ def test_keyboard_moves_selects_and_clears(browser, gpt2_page):
         pg.keyboard.press("Escape")
         assert pg.locator('[data-testid="detail-target"]').count() == 0
         assert pg.locator(".hw-tree-row.selected").count() == 0
-    finally:
-        ctx.close()
 
 
 def test_first_paint_and_layout_times(browser, gpt2_page):
     """Measured, reported (docs/frontend_measurements.md), and bounded loosely."""
     path, _ = gpt2_page
-    ctx, pg = _open(browser, path, 1500)
-    try:
+    with _open(browser, path, 1500) as pg:
         first = pg.evaluate("window.__hwFirstPaintMs")
         layout = float(pg.locator(".hw-graph-info").inner_text().split("layout ")[1].split(" ms")[0])
         print(f"gpt2-shaped: first paint {first:.0f} ms, layout {layout:.0f} ms, page load {pg.load_ms:.0f} ms")
         assert first < 2000 and layout < 1000
-    finally:
-        ctx.close()
 
 
 VISION = {"resnet50": resnet50_step, "vit_b": vit_b_step}
@@ -199,8 +183,7 @@ def test_vision_shaped_default_view_is_readable(browser, vision_page, width, img
     """Issue 16 on a ResNet-50 and a ViT-B shape: repeated blocks fold, ≤ 40 boxes, labels ≥ 11 px, the graph
     ≥ 60% of the page's height; layout and first paint measured (printed, kept in tests/artifacts) and bounded."""
     name, path = vision_page
-    ctx, pg = _open(browser, path, width)
-    try:
+    with _open(browser, path, width) as pg:
         boxes = pg.locator(".hw-svg .hw-nodes > g").count()
         assert 0 < boxes <= 40, boxes
         assert pg.locator(".hw-svg .hw-chunk").count() >= 1  # a run of repeated blocks is one box
@@ -219,5 +202,3 @@ def test_vision_shaped_default_view_is_readable(browser, vision_page, width, img
         assert first < 2000 and layout < 1000
         pg.screenshot(path=str(img_dir / f"{name}_default_{width}.png"))
         assert pg.errors == []
-    finally:
-        ctx.close()

@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+from browser_session import KERNEL_IDLE, notebook
 from lab_server import jupyter, write_notebook
 
 pytestmark = pytest.mark.browser
@@ -17,7 +18,6 @@ CELLS = [
     "model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))\nx = torch.randn(5, 4)",
     "t = hw.trace(lambda: model(x).pow(2).sum().backward())\nt",
 ]
-IDLE = """() => window.jupyterapp?.shell?.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'"""
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +37,14 @@ def _outputs(page):
 
 
 def test_restart_and_reopen_show_a_snapshot_not_model_not_found(browser, lab, img_dir):
-    ctx = browser.new_context(viewport={"width": 1300, "height": 1000})
-    page = ctx.new_page()
-    page.set_default_timeout(60_000)
-    try:
-        page.goto(lab["url"]("snap.ipynb"))
-        page.wait_for_function(IDLE)
+    with notebook(browser, lab["url"]("snap.ipynb"), 1300, 1000, failure=img_dir / "snapshot_failure.png",
+                  report=lambda page: f"outputs: {_outputs(page)}") as page:
         page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
         live = page.locator(".hw-root")
         live.locator('[data-module="0"]').first.wait_for(timeout=90_000)
         live.locator('[data-module="0"]').first.click()
         live.locator('[data-testid="detail"] [data-testid="maxdiff"]').wait_for()
-        page.wait_for_function(IDLE)
+        page.wait_for_function(KERNEL_IDLE)
         page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
         saved = lab["root"] / "snap.ipynb"
         deadline = time.time() + 30
@@ -70,7 +66,7 @@ def test_restart_and_reopen_show_a_snapshot_not_model_not_found(browser, lab, im
         # 2. Reopened (page reload; the restarted kernel no longer has the model) from the notebook saved with
         # its widget state: the explorer renders from that state, read-only, and says why in one line.
         page.reload()
-        page.wait_for_function(IDLE)
+        page.wait_for_function(KERNEL_IDLE)
         reopened = page.locator(".hw-root")
         reopened.locator('[data-module="2"]').first.wait_for()
         assert not any("model not found" in o for o in _outputs(page))
@@ -93,9 +89,3 @@ def test_restart_and_reopen_show_a_snapshot_not_model_not_found(browser, lab, im
         assert ["0", "Linear"] == cells[:2] and "2" in cells
         assert not any("model not found" in o for o in _outputs(page))
         page.screenshot(path=str(img_dir / "snapshot_untrusted.png"))
-    except Exception:
-        page.screenshot(path=str(img_dir / "snapshot_failure.png"))
-        print("outputs:", _outputs(page))
-        raise
-    finally:
-        ctx.close()

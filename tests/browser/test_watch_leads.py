@@ -4,13 +4,11 @@ step 200's learning-rate change (recorded by the watch, with the update ratio th
 axis zooms (the wheel, the lead's button) until step 200 is a column wide enough to click, the readout and the
 box above the kept Trace show the step's learning rate, and the to_html page of the same watch shows the same."""
 
-import pathlib
-
 import pytest
+from browser_session import notebook, run_cell
 from lab_server import jupyter, write_notebook
 
 pytestmark = pytest.mark.browser
-STATIC = pathlib.Path(__file__).resolve().parents[2] / "hookwidget" / "static"
 
 SETUP = """\
 import torch
@@ -34,19 +32,7 @@ for step in range(300):
 
 EXPORT = "w.to_html('watch.html')"
 
-# The n-th cell has run (an execution count) and the kernel is idle.
-IDLE_AFTER = """(i) => {
-    const nb = window.jupyterapp.shell.currentWidget;
-    const c = nb.content.widgets[i].model;
-    return c.executionCount !== null && nb.sessionContext.session.kernel.status === 'idle';
-}"""
 LEAD = "lead: step 200: learning rate ×300 (0.01 → 3) in 3 layers"
-
-
-@pytest.fixture(autouse=True)
-def _built():
-    if not (STATIC / "watch.js").exists() or not (STATIC / "watch_standalone.js").exists():
-        pytest.fail("front-end not built: run `npm run build`")
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +41,6 @@ def lab(tmp_path_factory):
     write_notebook(root / "leads.ipynb", [SETUP, LOOP, EXPORT])
     with jupyter(root) as (base, token):
         yield {"url": f"{base}/lab/tree/leads.ipynb?token={token}", "root": root}
-
-
-def run_cell(page, i):
-    page.evaluate(f"window.jupyterapp.shell.currentWidget.content.activeCellIndex = {i}")
-    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-cell'); }")
-    page.wait_for_function(IDLE_AFTER, arg=i, timeout=120_000)
 
 
 def layout(watch):
@@ -125,16 +105,7 @@ def check_lead_and_zoom(page, watch, img_dir, name):
 
 @pytest.mark.parametrize("width", [1100, 1500])
 def test_first_anomaly_names_the_learning_rate_change(browser, lab, img_dir, width):
-    ctx = browser.new_context(viewport={"width": width, "height": 1400})
-    page = ctx.new_page()
-    errors = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    try:
-        page.set_default_timeout(60_000)
-        page.goto(lab["url"])
-        page.wait_for_function("""() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
-            return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
-                && w.sessionContext.session.kernel.status === 'idle'; }""")
+    with notebook(browser, lab["url"], width, 1400, failure=img_dir / f"watch_lead_failure_{width}.png") as page:
         page.add_style_tag(content=".Toastify { display: none !important; }")
         if width == 1500:
             page.evaluate("window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")
@@ -148,9 +119,4 @@ def test_first_anomaly_names_the_learning_rate_change(browser, lab, img_dir, wid
         page.goto((lab["root"] / "watch.html").as_uri())
         page.wait_for_selector("body[data-ready='1']")
         check_lead_and_zoom(page, page.locator('[data-testid="watch"]'), img_dir, f"page_{width}")
-        assert not errors, errors
-    except Exception:
-        page.screenshot(path=str(img_dir / f"watch_lead_failure_{width}.png"))
-        raise
-    finally:
-        ctx.close()
+        assert not page.errors, page.errors

@@ -1,20 +1,12 @@
 """The watch explorer in a real JupyterLab: %%hookwatch shows it before the loop, the heatmap grows while
 the loop runs (the kernel still busy), and clicking a kept step opens its Trace in the trace explorer."""
 
-import pathlib
-
 import pytest
+from browser_session import notebook, open_kept_step, run_cell, start_cell
 from lab_server import jupyter, write_notebook
 
 pytestmark = pytest.mark.browser
-STATIC = pathlib.Path(__file__).resolve().parents[2] / "hookwidget" / "static"
 
-
-@pytest.fixture(autouse=True)
-def _built():
-    missing = [n for n in ("watch.js", "watch_standalone.js") if not (STATIC / n).exists()]
-    if missing:
-        pytest.fail(f"front-end not built ({', '.join(missing)} missing): run `npm run build`")
 
 SETUP = """\
 import time
@@ -59,14 +51,6 @@ def lab(tmp_path_factory):
         yield {"url": f"{base}/lab/tree/watch.ipynb?token={token}", "root": root}
 
 
-# The first cell has run (an execution count) and the kernel is idle.
-IDLE_AFTER_RUN = """() => {
-    const nb = window.jupyterapp.shell.currentWidget;
-    const c = nb.content.widgets[0].model;
-    return c.executionCount !== null && nb.sessionContext.session.kernel.status === 'idle';
-}"""
-
-
 # Records, from before the loop's cell runs, every step count the heatmap shows with the kernel's status then.
 OBSERVE = """() => {
     window.__growth = [];
@@ -85,31 +69,16 @@ OBSERVE = """() => {
 
 @pytest.mark.parametrize("width", [1100, 1500])
 def test_watch_grows_live_and_opens_a_kept_step(browser, lab, img_dir, width):
-    ctx = browser.new_context(viewport={"width": width, "height": 1400})
-    page = ctx.new_page()
-    errors = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    try:
-        page.set_default_timeout(60_000)
-        page.goto(lab["url"])
-        page.wait_for_function("window.jupyterapp && document.querySelector('.jp-Notebook .jp-Cell')")
-        page.wait_for_function("""() => {
-            const w = window.jupyterapp.shell.currentWidget;
-            return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
-                && w.sessionContext.session.kernel.status === 'idle';
-        }""")
+    with notebook(browser, lab["url"], width, 1400, failure=img_dir / f"watch_live_failure_{width}.png",
+                  report=lambda page: f"growth: {page.evaluate('window.__growth || null')}") as page:
         if width == 1500:  # the module-scoped server still holds the first run's kernel: start from scratch
             page.evaluate("window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")
         # JupyterLab's "news?" toast would cover the widget.
         page.add_style_tag(content=".Toastify { display: none !important; }")
         # The setup cell first, then (the kernel idle again) the loop.
-        page.evaluate("window.jupyterapp.shell.currentWidget.content.activeCellIndex = 0")
-        page.evaluate("window.jupyterapp.commands.execute('notebook:run-cell-and-select-next')")
-        page.wait_for_function(IDLE_AFTER_RUN, timeout=90_000)
+        run_cell(page, 0, timeout=90_000)
         page.evaluate(OBSERVE)
-        page.evaluate("window.jupyterapp.shell.currentWidget.content.activeCellIndex = 1")
-        # Not awaited: the command's promise resolves when the cell ends.
-        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-cell'); }")
+        start_cell(page, 1)
         heat = page.locator('[data-testid="watch-heatmap"]')
         heat.wait_for(timeout=90_000)
         watch = page.locator('[data-testid="watch"]')
@@ -137,28 +106,15 @@ def test_watch_grows_live_and_opens_a_kept_step(browser, lab, img_dir, width):
         assert watch.locator('[data-testid="watch-readout"]').inner_text().startswith("fc1 · step ")
         watch.screenshot(path=str(img_dir / f"watch_live_done_{width}.png"))
         # A kept step opens its Trace in the trace explorer, which talks to its own kernel-side widget.
-        kept = watch.locator("[data-kept-step]")
-        assert kept.count() >= 2
-        assert kept.first.get_attribute("data-kept-step") == "0"
-        kept.first.click()
-        opened = watch.locator('[data-testid="watch-trace"] .hw-root')
-        opened.locator('[data-module="fc1"]').first.wait_for(timeout=60_000)
-        assert "step 0" in watch.locator('[data-testid="watch-status"]').inner_text()
-        opened.locator('[data-module="fc1"]').first.click()
-        opened.locator('[data-testid="detail"] [data-testid="maxdiff"]').wait_for(timeout=60_000)
+        assert watch.locator("[data-kept-step]").count() >= 2
+        opened = open_kept_step(watch, 0)
         watch.screenshot(path=str(img_dir / f"watch_live_trace_{width}.png"))
         # every panel of the kept Trace's explorer inside its frame: in a narrow output the detail goes below
         inside = opened.evaluate("""(root) => { const r = root.getBoundingClientRect();
             return [...root.querySelectorAll(':scope > *')]
                 .every((c) => c.getBoundingClientRect().right <= r.right + 1); }""")
         assert inside, f"a panel of the kept Trace's explorer sticks out of it at {width} px"
-        assert not errors, errors
-    except Exception:
-        page.screenshot(path=str(img_dir / f"watch_live_failure_{width}.png"))
-        print("page errors:", errors, "growth:", page.evaluate("window.__growth || null"))
-        raise
-    finally:
-        ctx.close()
+        assert not page.errors, page.errors
 
 
 def test_standalone_page_of_a_diverging_run(page, img_dir, tmp_path):
