@@ -55,8 +55,7 @@ class RunState:
         """Take note of an object the code uses: module, optimizer, scheduler, scaler, iterator.
         `eager`: copy a module's parameters now (objects named in restore=)."""
         if isinstance(obj, nn.Module):
-            for m in obj.modules():
-                self.on_call(m, eager)
+            self._note_modules(list(obj.modules()), eager)
         elif isinstance(obj, torch.optim.Optimizer):
             self.on_optimizer_step(obj)
         elif (_has_state(obj) or eager and callable(getattr(obj, "state_dict", None))
@@ -70,19 +69,27 @@ class RunState:
 
     def on_call(self, module: nn.Module, eager: bool = False) -> None:
         """A module's first call: its buffers now; its parameters' versions (or copies, if eager)."""
-        if module in self._seen and not eager:
-            return
-        self._seen.add(module)
-        for name, b in own_buffers(module).items():
-            if b is not None and b not in self.buffers:
-                self.buffers[b] = (module, name, b.detach().clone())
+        if module not in self._seen or eager:
+            self._note_modules((module,), eager)
+
+    def _note_modules(self, modules, eager: bool) -> None:
+        """Buffers copied and parameters' versions read (one call for all) of the modules not seen before."""
+        params = []
+        for module in modules:
+            if module in self._seen and not eager:
+                continue
+            self._seen.add(module)
+            for name, b in own_buffers(module).items():
+                if b is not None and b not in self.buffers:
+                    self.buffers[b] = (module, name, b.detach().clone())
+            params += own_parameters(module).values()
         seen = self._versions
-        params = [p for p in own_parameters(module).values() if p is not None]
-        for p, v in zip(params, versions(params)):
-            if id(p) not in seen:
-                seen[id(p)] = p, v
-            if eager and p not in self.params:
-                self.params[p] = p.detach().clone()
+        fresh = [p for p in params if p is not None and id(p) not in seen]
+        seen.update((id(p), (p, v)) for p, v in zip(fresh, versions(fresh)))
+        if eager:
+            for p in params:
+                if p is not None and p not in self.params:
+                    self.params[p] = p.detach().clone()
 
     def on_optimizer_step(self, opt: torch.optim.Optimizer) -> None:
         """Before an optimizer's first step in the run: its state, hyper-parameters and parameters."""
