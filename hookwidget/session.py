@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from torch import nn
 
 from hookwidget.analysis import coverage
+from hookwidget.capture.recording import Recording
 from hookwidget.capture.tracer import Tracer
 from hookwidget.interventions import KINDS, Intervention, make
 from hookwidget.options import Options, check_modules, check_name, did_you_mean, shown, suggest
@@ -207,8 +208,9 @@ class Session:
 class Deferred:
     """One recording whose record is assembled on demand: the flight recorder's (hw.watch), which judges a step
     after it ended and drops most steps unassembled. Its Trace exists from the start (as a recording's does);
-    `ended(records, tracer)` gives it what the tracer captured (`steps`: how many backward passes);
-    `assemble()` builds the record once and returns the Trace."""
+    `ended(captured, tracer)` gives it what the tracer captured, its Records or a settled Recording that a cut
+    returned (`steps`: how many backward passes); `assemble()` builds the record once (finishing the Recording
+    first) and returns the Trace."""
 
     def __init__(self, session: Session):
         self.session, self.pending = session, Pending()
@@ -216,14 +218,16 @@ class Deferred:
         self.steps = 0
         self._captured = None
 
-    def ended(self, records, tracer: Tracer) -> None:
-        if records is not None:
-            self.steps, self._captured = len(records.steps), (records, tracer)
+    def ended(self, captured, tracer: Tracer) -> None:
+        if captured is not None:
+            self.steps, self._captured = len(captured.steps), (captured, tracer)
 
     def assemble(self) -> Trace:
-        captured, self._captured = self._captured, None
-        if captured is not None:
-            self.session._ended(self.trace, self.pending, *captured, None, False)
+        held, self._captured = self._captured, None
+        if held is not None:
+            captured, tracer = held
+            records = captured.finish(tracer.answers) if isinstance(captured, Recording) else captured
+            self.session._ended(self.trace, self.pending, records, tracer, None, False)
         return self.trace
 
 

@@ -416,18 +416,18 @@ def test_summary_of_an_input_rewritten_in_place_is_taken_before_the_call():
 
 def test_a_long_training_loop_holds_no_graph_of_earlier_steps():
     """Each step lets its graph go: the tensor hooks left alive stay few however many steps run."""
-    from hookwidget.capture import tracer as capture
+    from hookwidget.capture.recording import Recording
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(5, 4)
     alive = []
-    end_step = capture.Tracer._end_step
+    end_step = Recording.end_step
 
     def spy(self):
         end_step(self)
-        alive.append(len(self._handles))
+        alive.append(len(self.hooks.tensor))
 
     def loop():
         for _ in range(30):
@@ -435,11 +435,11 @@ def test_a_long_training_loop_holds_no_graph_of_earlier_steps():
             model(x).pow(2).sum().backward()
             opt.step()
 
-    capture.Tracer._end_step = spy
+    Recording.end_step = spy
     try:
         t = hw.trace(loop)
     finally:
-        capture.Tracer._end_step = end_step
+        Recording.end_step = end_step
     assert len(t.steps) == 30 and max(alive) == alive[0]
 
 

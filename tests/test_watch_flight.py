@@ -118,3 +118,41 @@ def test_kept_step_under_in_place_writes():
         for i in ("0", "2", "4"):
             assert torch.equal(t.layers[i].a, steps[k][i + ".a"]) and torch.equal(t.layers[i].delta, steps[k][i + ".d"])
             assert torch.equal(t.steps[-1].grads[i + ".weight"], grads[k][i + ".weight"])
+
+
+def test_a_batch_buffer_reused_in_place_is_named_not_copied_every_step():
+    """The recorder holds the batch by reference (no copy per step): a loop that copies each batch into one buffer
+    (as a static-input loop does) has overwritten it by the time a step is judged, so the kept Trace leaves that
+    input out with a note naming the layer; what the loop does not overwrite is kept as hand-written hooks saw it,
+    and the latest step (judged at close) keeps its input."""
+    model, _, y = model_and_data()
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(32, 6, generator=g) for _ in range(6)]
+    buffer = torch.empty(32, 6)
+    seen = {}
+    ref = model_and_data()[0]
+
+    def hook(m, inp, out):  # returns None: a forward hook that returns a tensor replaces the output
+        seen[len(seen)] = inp[0].detach().clone()
+
+    ref[2].register_forward_hook(hook)
+    opt_ref = torch.optim.SGD(ref.parameters(), 0.05, momentum=0.9)
+    for b in batches:
+        opt_ref.zero_grad()
+        F.mse_loss(ref(b), y).backward()
+        opt_ref.step()
+    opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
+    with watch(model, keep=lambda step, stats: step == 2) as w:
+        for b in batches:
+            buffer.copy_(b)
+            opt.zero_grad()
+            F.mse_loss(model(buffer), y).backward()
+            opt.step()
+    assert w.kept == [0, 2, 5]
+    for k in (0, 2):
+        t = w.trace(k)
+        assert t.layers["0"].a is None and torch.equal(t.layers["2"].a, seen[k])
+        note = next(n for n in t.note_records if n.id == "held_written")
+        assert note.layers == ("0",) and "left out, in 0" in str(note)
+    last = w.trace(5)
+    assert torch.equal(last.layers["0"].a, batches[5]) and not any(n.id == "held_written" for n in last.note_records)

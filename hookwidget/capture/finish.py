@@ -11,7 +11,6 @@ import torch
 
 from hookwidget._torch.tensors import version
 from hookwidget.capture.generic import link_first_delta
-from hookwidget.capture.tensors import own
 from hookwidget.record.notes import Note
 
 
@@ -32,13 +31,15 @@ def drop_recomputed_calls(modules: dict, notes: list) -> None:
                                                     "modules": tuple(names)}))
 
 
-def own_what_is_kept(modules: dict, shares_inputs: bool, notes: list) -> None:
-    """Make the record immune to what the user does next: an input kept by reference (it was
-    guarded by autograd's version check while the trace ran, or kept unguarded by a strategy that
-    `shares_inputs`) or a δ that shares memory with a live tensor (a .grad that autograd stole it for)
-    is copied, unless the trace alone holds it (tensors.own: memory several calls keep is one copy at most)."""
-    slots = []
+def held_by_reference(modules: dict, shares_inputs: bool, notes: list) -> tuple[list, list]:
+    """The slots ((container, key), as tensors.own takes them) of what the record holds by reference: an input
+    kept by reference (guarded by autograd's version check while the trace ran, or kept unguarded by a strategy
+    that `shares_inputs`), δ and the generic rule's parts. tensors.own then copies those that share memory with a
+    live tensor (a .grad that autograd stole a δ for), so that what the user does next cannot change the record.
+    An input written in place during the run is let go here, with a note. Returns (slots, the module of each)."""
+    slots, owners = [], []
     for rec in modules.values():
+        start = len(slots)
         for call in rec.calls:
             if call._a_version >= 0 and call.a is not None and version(call.a) != call._a_version:
                 call.a = None
@@ -54,7 +55,25 @@ def own_what_is_kept(modules: dict, shares_inputs: bool, notes: list) -> None:
                 if parts:
                     slots += [(parts, k) for k, v in (enumerate(parts) if isinstance(parts, list) else
                                                       parts.items()) if v is not None]
-    own(slots)
+        owners += [rec.module] * (len(slots) - start)
+    return slots, owners
+
+
+def slot_value(slot: tuple):
+    """The tensor a slot of held_by_reference holds."""
+    obj, key = slot
+    return obj[key] if isinstance(obj, (list, dict)) else getattr(obj, key)
+
+
+def drop_written(slots: list, owners: list) -> Note:
+    """Slots whose tensor was written in place after the recording was settled, let go (owners: their modules);
+    the note that says so."""
+    for obj, key in slots:
+        if isinstance(obj, (list, dict)):
+            obj[key] = None
+        else:
+            setattr(obj, key, None)
+    return Note("held_written", {"count": len(slots), "modules": tuple(dict.fromkeys(owners))})
 
 
 def closing_notes(modules: dict, seen: dict, ddp: bool, *, stepped: bool, used_grad: bool, create_graph: bool,

@@ -99,6 +99,9 @@ TEXT: dict[str, str | Callable[..., str]] = {
     "retain_graph": ("backward ran through the same graph more than once (retain_graph=True): δ and weight_grad are "
                      "summed over those passes, as .grad is"),
     "input_modified": "{module_type}: an input was modified in place after the call; its activation was not kept",
+    "held_written": lambda count, layers=(), **_: (
+        f"{count} tensors this step held by reference (an input, a δ) were written in place before the step was "
+        f"kept (a .grad clipped or zeroed in place, a batch buffer reused): left out, in {_few(layers) or 'no layer'}"),
     "checkpoint_recomputed": lambda module_types, **_: (
         "torch.utils.checkpoint reran forward during backward for: " + ", ".join(module_types)
         + "; only their calls that received a gradient are kept"),

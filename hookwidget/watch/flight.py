@@ -52,8 +52,8 @@ class FlightRecorder:
         return later if later.steps else None
 
     def step_ended(self, step: int, flagged) -> None:
-        """Backward of `step` ended: cut its recording off (what the recorder holds of it, unassembled), start the
-        next, decide on the step before."""
+        """Backward of `step` ended: cut its recording off (what the recorder holds of it, settled: unassembled and
+        uncopied), start the next, decide on the step before."""
         later = self._ended(self._recorder.cut(), self._recorder)
         self._rec = self._new()
         if self.latest is not None:
