@@ -169,6 +169,7 @@ class Floor:
 
     def _forward(self, i):
         def hook(module, inputs, out):
+            out = out[0] if isinstance(out, tuple) and out else out  # nn.MultiheadAttention: (output, weights)
             if not isinstance(out, torch.Tensor) or not out.requires_grad:
                 return
             a = inputs[0].detach()
@@ -365,7 +366,7 @@ def cell(x: float | None, floor: float | None) -> str:
 def markdown(res: dict) -> str:
     t, lines = res.get("timing"), ["# hw.watch beside the hand-written floor and its peers (CPU, 1 thread)", ""]
     if t:
-        models, notes = list(t["models"]), []
+        models = list(t["models"])
         lines += [f"{t['device']}, torch {t['torch']}, 1 thread, Adam, `python -m benchmarks.watch_overhead "
                   f"--steps {t['steps']} --repeats {t['repeats']}`: one process, each monitor set up and torn down "
                   f"per block (no hook left: checked), blocks interleaved over {t['repeats']} rounds, medians of "
@@ -375,19 +376,25 @@ def markdown(res: dict) -> str:
                   "| monitor: × plain (× the floor) | " + " | ".join(
                       f"{MODELS[m]} ({t['models'][m]['steps']} steps)" for m in models) + " |",
                   "|---" * (len(models) + 1) + "|"]
+        notes: dict = {}  # (variant, why) -> its number
+
+        def note(v, why):
+            return f"({notes.setdefault((v, why), len(notes) + 1)})"
+
         for v in t["variants"]:
             row = []
             for m in models:
                 r = t["models"][m]
                 if v in r["errors"]:
-                    notes.append(f"{len(notes) + 1}. {LABELS[v]} on {m}: {r['errors'][v]}")
-                    row.append(f"fails{len(notes)}")
+                    row.append(f"fails {note(v, r['errors'][v])}")
                 elif v == "plain":
                     row.append(f"1.00× ({r['ms']['plain']:.1f} ms)")
                 else:
                     row.append(cell(r["x_plain"].get(v), r["x_floor"].get(v)))
             lines.append(f"| {LABELS[v]} | " + " | ".join(row) + " |")
-        lines += ["", *notes, *([""] if notes else [])]
+        for v, why in t.get("not_run", {}).items():
+            lines.append(f"| {LABELS[v]} | " + " | ".join(f"not run {note(v, why)}" for _ in models) + " |")
+        lines += ["", *(f"({i}) {LABELS[v]}: {why}" for (v, why), i in notes.items()), *([""] if notes else [])]
     if res.get("memory"):
         mem, models = res["memory"], list(res["memory"]["models"])
         lines += ["Peak memory: one process per monitor, the resident high-water mark (VmHWM, plus child "
@@ -435,11 +442,12 @@ def main() -> None:
         env = dict(os.environ, MALLOC_TRIM_THRESHOLD_="4294967296", MALLOC_MMAP_THRESHOLD_="4294967296")
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     torch.set_num_threads(1)
-    variants, models = ["plain"], args.models.split(",")
+    variants, models, not_run = ["plain"], args.models.split(","), {}
     for v in args.variants.split(","):
         why = missing(v) if v in PEERS else None
         if why:
             print(f"{v}: {why}")
+            not_run[v] = why
         elif v not in variants:
             variants.append(v)
     out = Path(args.out)
@@ -450,8 +458,8 @@ def main() -> None:
         print(f"torch {torch.__version__}, 1 thread, {args.steps} steps a block, median of {args.repeats} rounds")
         timing = time_models(models, variants, args.steps, args.repeats)
         res["timing"] = {"device": _device(), "torch": torch.__version__, "steps": args.steps, "repeats": args.repeats,
-                         "variants": variants, "models": timing, "load_start": load, "load_end": os.getloadavg(),
-                         "seconds": time.time() - t0}
+                         "variants": variants, "not_run": not_run, "models": timing, "load_start": load,
+                         "load_end": os.getloadavg(), "seconds": time.time() - t0}
     from benchmarks import watch_memory
 
     res["memory"] = {"variants": variants, "models": watch_memory.peaks(models, variants, args.steps)}
