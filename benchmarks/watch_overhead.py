@@ -372,7 +372,8 @@ def markdown(res: dict) -> str:
                   f"per block (no hook left: checked), blocks interleaved over {t['repeats']} rounds, medians of "
                   f"CPU time per step (this process and its children). Load average (1/5/15 min) "
                   f"{'/'.join(f'{v:.2f}' for v in t['load_start'])} at the start, "
-                  f"{'/'.join(f'{v:.2f}' for v in t['load_end'])} at the end; {t['seconds'] / 60:.1f} minutes.", "",
+                  f"{'/'.join(f'{v:.2f}' for v in t['load_end'])} at the end; {t['seconds'] / 60:.1f} minutes "
+                  f"(the whole run, with peak memory and growth: {res.get('seconds_total', 0) / 60:.1f}).", "",
                   "| monitor: × plain (× the floor) | " + " | ".join(
                       f"{MODELS[m]} ({t['models'][m]['steps']} steps)" for m in models) + " |",
                   "|---" * (len(models) + 1) + "|"]
@@ -412,9 +413,10 @@ def markdown(res: dict) -> str:
     if res.get("growth"):
         g = res["growth"]
         layers = next(iter(g.values()))["layers"]
-        lines += [f"What a watch holds (everything reachable from `w` but the model and the optimizer), 3-layer MLP "
-                  f"({layers} layers), documented: layers × 13 + 2 float64 and a step index = {layers * 104 + 24} B "
-                  "per recorded step.", "", "| watch | held after 1/10 of the steps | after all | bytes per step |",
+        lines += [f"What a watch holds (everything reachable from `w` but the model and the optimizer), MLP "
+                  f"16-32-32-4 ({layers} layers), B 8, Adam, documented: layers × 13 + 2 float64 and a step index = "
+                  f"{layers * 104 + 24} B per recorded step.", "",
+                  "| watch | held after 1/10 of the steps | after all | bytes per step |",
                   "|---|---|---|---|"]
         for v, r in g.items():
             (a, ha), (b, hb) = sorted(r["held"].items(), key=lambda kv: int(kv[0]))
