@@ -44,3 +44,33 @@ def test_house_ab_times_both_versions_in_one_process(tmp_path):
     assert set(res["watch"]["mlp"]["cost"]) == {"watch", "watch+fr"}
     assert res["before"].startswith(BEFORE[:7])
     assert "| full |" in (tmp_path / "house_ab.md").read_text()
+
+
+@pytest.mark.slow
+def test_watch_overhead_times_every_monitor_and_none_leaves_a_hook(tmp_path):
+    """The side-by-side benchmark in a tiny configuration: every variant whose package imports has its row (timed,
+    or failing with its reason), peak memory and growth are measured, and no block left a hook on the model (the
+    benchmark raises HooksLeft otherwise). No timing is asserted."""
+    from benchmarks.watch_overhead import LABELS
+    from benchmarks.watch_peers import PEERS, missing
+
+    variants = ["plain", "floor", "watch", "watch+fr", "per_sample"] + [v for v in PEERS if missing(v) is None]
+    r = subprocess.run([sys.executable, "-m", "benchmarks.watch_overhead", "--steps", "3", "--repeats", "1",
+                        "--models", "mlp", "--variants", ",".join(variants), "--growth", "200", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "HooksLeft" not in r.stderr
+    res = json.loads((tmp_path / "watch_overhead.json").read_text())
+    mlp = res["timing"]["models"]["mlp"]
+    assert res["timing"]["variants"] == variants
+    assert set(mlp["x_plain"]) | set(mlp["errors"]) == set(variants), mlp["errors"]
+    assert {"plain", "floor", "watch", "watch+fr", "per_sample"} <= set(mlp["x_floor"])
+    peaks = res["memory"]["models"]["mlp"]
+    assert set(peaks["mib"]) | set(peaks["errors"]) == set(variants)
+    assert all(m > 0 for m in peaks["mib"].values())
+    assert set(res["growth"]) == {"watch", "watch+fr"}
+    assert all(g["bytes_per_step"] > 0 for g in res["growth"].values())
+    md = (tmp_path / "watch_overhead.md").read_text()
+    for v in variants:
+        assert md.count(f"| {LABELS[v]} |") >= 2, v  # a row in the time table and one in the memory table
+    assert "bytes per step" in md and "Load average" in md
