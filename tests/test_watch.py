@@ -994,3 +994,33 @@ def test_gradient_checkpointing_is_seen_or_named(reentrant):
         torch.testing.assert_close(stats[0][:, keep], stats[1][:, keep], equal_nan=True)
     else:
         torch.testing.assert_close(stats[0], stats[1], equal_nan=True)
+
+
+def test_layers_never_called_are_named_once():
+    """nn.MultiheadAttention uses out_proj's weight directly, never calling the module: its δ and activation
+    columns are NaN at every step, which one note says (and why), while its weight statistics are recorded."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, norm_first=True, dropout=0.0)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    opt = torch.optim.AdamW(enc.parameters())
+    x = torch.randn(3, 5, 16)
+    with watch(enc, flight_recorder=False) as w:
+        for _ in range(3):
+            opt.zero_grad()
+            enc(x).pow(2).mean().backward()
+            opt.step()
+    named = [n for n in w.notes if "no call of" in n]
+    assert len(named) == 1 and "layers.0.self_attn.out_proj, layers.1.self_attn.out_proj reached" in named[0]
+    out_proj = enc.layers[0].self_attn.out_proj
+    assert torch.isnan(w.series("layers.0.self_attn.out_proj", "delta_norm")).all()
+    grad_norm = w.series("layers.0.self_attn.out_proj", "grad_norm")
+    assert torch.isfinite(grad_norm).all() and grad_norm[-1] > 0 and out_proj.weight.grad is not None
+    assert not any("no call of" in n for n in _watched_mlp_notes())
+
+
+def _watched_mlp_notes():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with watch(model) as w:
+        model(torch.randn(5, 4)).sum().backward()
+    return w.notes

@@ -38,6 +38,11 @@ RERUN = ("hw.watch: layers run under reentrant gradient checkpointing (torch.uti
          "and update_ratio are exact. use_reentrant=False (or gradient_checkpointing_kwargs={{'use_reentrant': "
          "False}}) is seen in full")
 
+NOT_CALLED = ("hw.watch: no call of {layers} reached backward in the first recorded step: their delta_* and a_* "
+              "statistics are NaN (not measured); grad_norm, weight_norm and update_ratio are recorded wherever their "
+              "weights get a gradient. A layer whose weight another module uses directly is never called itself "
+              "(nn.MultiheadAttention's out_proj); a layer a step skips (a routed expert, a branch) has no call")
+
 
 class Watch:
     """Hooks on `model` across a training loop; see `hookwidget.watch.watch` for what it records."""
@@ -98,6 +103,7 @@ class Watch:
         self._warned = False  # the "hooks not seen" warning, given once
         self._rerun_layers: set = set()  # layers seen only inside backward (reentrant checkpointing)
         self._rerun_note = None  # where their note is in self.notes
+        self._called_checked = False  # the first recorded step's layers without a call: named once
         self._rows = HostRows(len(self._layers), self._detector, lambda: self._amp, ps is not None, self._tell)
         self._tracer = Tracer(self._layers, capture=STATS, norms_rule=Watched(
             self._layers, self._params, pairs, self.every, ps, self._scale_now, self._rows.add, self._rows.changed,
@@ -187,6 +193,8 @@ class Watch:
             self._unseen(step)
         if step.rerun and step.recorded:
             self._rerun(step.rerun)
+        if not self._called_checked and step.recorded and step.order and not step.compiled:
+            self._not_called(step)
         odd = self._ps.odd_note() if self._ps is not None else None
         if odd is not None and odd not in self.notes:
             self.notes.append(odd)
@@ -210,6 +218,14 @@ class Watch:
             warnings.warn(note, stacklevel=5)
         else:
             self.notes[self._rerun_note] = note
+
+    def _not_called(self, step) -> None:
+        """Watched layers no call of which reached backward in the first recorded step: named in one note."""
+        self._called_checked = True
+        seen = set(step.order) | step.rerun  # the layers whose δ arrived, and those rerun inside backward
+        names = [n for li, n in enumerate(self.layer_names) if li not in seen]
+        if names:
+            self.notes.append(NOT_CALLED.format(layers=", ".join(names[:8]) + (" ..." if len(names) > 8 else "")))
 
     def _unseen(self, step) -> None:
         """Backward reached the watched parameters, yet no hook of the watch ran: say once why, and the fix."""
