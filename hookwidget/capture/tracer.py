@@ -80,6 +80,7 @@ class Tracer:
 
     @property
     def hooks(self):
+        """The running recording's hooks state (handles.Hooks: `active`, the tensor and node handles)."""
         return self.run.hooks
 
     @property
@@ -109,7 +110,6 @@ class Tracer:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.run.hooks.active = False
         self._close()
         try:
             self.records = self.run.finish(self._answers)
