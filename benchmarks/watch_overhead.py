@@ -441,8 +441,11 @@ def main() -> None:
         # was 650 page faults and ~1 ms of system time per MLP step, varying with the heap's history (so from
         # variant to variant). Run again with trimming and mmap thresholds out of reach, so CPU time measures
         # the work, not the allocator's luck.
-        env = dict(os.environ, MALLOC_TRIM_THRESHOLD_="4294967296", MALLOC_MMAP_THRESHOLD_="4294967296")
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        env = dict(os.environ, MALLOC_TRIM_THRESHOLD_="4294967296", MALLOC_MMAP_THRESHOLD_="4294967296",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        # as a module again (`python -m benchmarks.watch_overhead`): re-run as a script, its folder would come first
+        # on sys.path and `benchmarks` could be another package of that name
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.watch_overhead", *sys.argv[1:]], env)
     torch.set_num_threads(1)
     variants, models, not_run = ["plain"], args.models.split(","), {}
     for v in args.variants.split(","):
