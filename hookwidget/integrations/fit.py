@@ -56,7 +56,7 @@ class Fit:
         moved are that step's. Returns whether it moved."""
         if not self.active or step == self._step:
             return False
-        n = self.watch._n
+        n = self.watch.seen
         self.micro_batches[step], self._first, self._step = list(range(self._first, n)), n, step
         return True
 

@@ -35,7 +35,7 @@ class TensorBoardLog:
         self._thread = None
         self.error = None  # the first exception the writing thread met (then it drops the rest)
 
-    def rows(self, stats, step_stats, steps) -> None:
+    def rows(self, stats, step_stats, steps, ps=None) -> None:
         w, add = self.watch, self.writer.add_scalar
         for r, k in enumerate(steps):
             for li, layer in enumerate(w.layer_names):
@@ -45,7 +45,7 @@ class TensorBoardLog:
                 add(f"step/{stat}", step_stats[r, si].item(), k)
 
     def anomalies(self) -> None:
-        found = self.watch._detector.anomalies
+        found = self.watch.found_anomalies
         if found:
             text = "\n".join(f"- step {a.step}, {a.where}: {a.reason}" for a in found)
             self.writer.add_text("anomalies", text, found[-1].step)

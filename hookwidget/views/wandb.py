@@ -60,7 +60,7 @@ class WandbLog(TensorBoardLog):
         for prefix in (*watch.stat_names, "step", "hookwidget"):
             run.define_metric(f"{prefix}/*", step_metric=X)
 
-    def rows(self, stats, step_stats, steps) -> None:
+    def rows(self, stats, step_stats, steps, ps=None) -> None:
         w, stats, step_stats = self.watch, stats.tolist(), step_stats.tolist()
         for r, k in enumerate(steps):
             row = {X: k}
@@ -70,7 +70,7 @@ class WandbLog(TensorBoardLog):
             self.run.log(row)
 
     def anomalies(self) -> None:
-        found = self.watch._detector.anomalies
+        found = self.watch.found_anomalies
         self.run.summary["hookwidget/anomaly_count"] = len(found)
         if found:
             table = _wandb().Table(columns=["step", "where", "reason"],
@@ -85,7 +85,7 @@ def write(watch, run=None):
     rows = watch.stats, watch.step_stats, watch.steps
     if watch.active:
         log("rows", *rows)  # the recorded rows first, through the same thread as the later ones
-        watch._listeners.append(log)
+        watch.listen(log)
     else:
         log.rows(*rows)
         log.anomalies()

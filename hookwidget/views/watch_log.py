@@ -56,17 +56,11 @@ class WatchLog(TensorBoardLog):
         d.mkdir(parents=True, exist_ok=True)
         self.watch, self.writer, self.log_dir = watch, self, str(d)
         self._queue, self._thread, self.error = queue.SimpleQueue(), None, None
-        self._ps = getattr(watch, "_ps", None) is not None
+        self._ps = watch.tracks_per_sample
         self._held: list = []  # (stats, step_stats, steps, per-sample) handed over, not written yet
         self._shards = self._anomalies = self._skipped = 0  # written so far
         self._due = time.monotonic() + SHARD_SECONDS
         self._meta(closed=False)
-
-    def __call__(self, event: str, *args) -> None:
-        if event == "rows" and self._ps:  # the per-sample maxima of these rows: the newest host chunk
-            chunk = self.watch._rows.ps_chunks[-1]
-            args = (*args, chunk[-len(args[2]):])
-        super().__call__(event, *args)
 
     def rows(self, stats, step_stats, steps, ps=None) -> None:
         """On the thread: hold the rows; a shard once `batch` rows are held or SHARD_SECONDS passed."""
@@ -121,7 +115,7 @@ class WatchLog(TensorBoardLog):
         w = self.watch
         meta = {"format": FORMAT, "version": VERSION, "layers": list(w.layer_names), "stats": list(w.stat_names),
                 "step_stats": list(w.step_stat_names), "every": w.every, "per_sample": self._ps, "closed": closed,
-                "notes": [str(n) for n in w.notes], "seen": int(w._n) if closed else None}
+                "notes": [str(n) for n in w.notes], "seen": int(w.seen) if closed else None}
         text = json.dumps(meta, indent=1).encode()
         _replace(Path(self.log_dir) / META, lambda f: f.write(text))
 

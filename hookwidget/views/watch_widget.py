@@ -78,7 +78,7 @@ class WatchWidget(anywidget.AnyWidget):
         self._cell = _marimo_cell()  # in marimo: the cell that made this widget, for the explorers it opens
         if len(watch.steps):  # rows recorded before the widget existed (public reads: one flush, outside the loop)
             self._add(watch.stats, watch.step_stats, watch.steps)
-        watch._listeners.append(self._on_watch)
+        watch.listen(self._on_watch)
         self._ip = _kernel_shell()
         if self._ip is not None and watch.active:
             self._ip.events.register("post_run_cell", self._after_cell)
@@ -105,7 +105,7 @@ class WatchWidget(anywidget.AnyWidget):
         except Exception as e:  # the loop must never fail because of the display
             log.warning("hookwidget: live watch update failed: %s", _one_line(e))
 
-    def _add(self, stats, step_stats, steps) -> None:
+    def _add(self, stats, step_stats, steps, ps=None) -> None:
         chunk = (stats, step_stats, list(steps))
         self._chunks.append(chunk)
         self._unsent.append(chunk)
@@ -118,9 +118,7 @@ class WatchWidget(anywidget.AnyWidget):
             self._stop_listening_cells()
             return
         try:
-            last = getattr(w, "_last", None)
-            if w.active and last is not None:
-                w._flush(upto=last.index - 1)  # outside the loop: one transfer, as a read would
+            w.sync()  # outside the loop: one transfer, as a read would
             if self._unsent:
                 self._push()
         except Exception as e:  # never a traceback after the user's cell because of the display
@@ -149,7 +147,7 @@ class WatchWidget(anywidget.AnyWidget):
             step_stats = torch.cat([c[1] for c in chunks]).to(torch.float64).contiguous()
         else:
             stats, step_stats = torch.zeros(0, L, K, dtype=torch.float64), torch.zeros(0, 2, dtype=torch.float64)
-        anomalies = list(w._detector.anomalies) if w is not None else []
+        anomalies = w.found_anomalies if w is not None else []
         self._anomalies_sent = len(anomalies)
         msg = {"type": "rows", "start": start, "count": int(stats.shape[0]),
                "steps": [int(s) for c in chunks for s in c[2]],

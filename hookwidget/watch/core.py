@@ -96,7 +96,7 @@ class Watch:
         ps = PerSample(self._layers, self.layer_names, pairs) if per_sample else None
         if ps is not None and ps.note:
             self.notes.append(ps.note)
-        self._listeners: list = []  # fn("rows", stats, step_stats, steps) as rows reach the host; fn("closed")
+        self._listeners: list = []  # see listen()
         self._amp = ScaleTrack(scaler) if scaler is not None else None
         self.thread = threading.get_ident()  # the thread whose GradScaler.scale() calls tell the scaler (amp.py)
         self._unseen_checks = 0  # steps checked for hooks that compiled code did not call (at most 3)
@@ -110,14 +110,15 @@ class Watch:
             self._step_ended))
         self._stats = self._tracer.keep  # the steps (capture/step_stats.StatsKeep)
         self._ps = ps
+        self.tracks_per_sample = ps is not None  # per_sample=True: each step's largest per-sample gradient norm
         if tensorboard is not None:  # written as rows reach the host
             from hookwidget.views.tensorboard import TensorBoardLog
 
-            self._listeners.append(TensorBoardLog(tensorboard, self))
+            self.listen(TensorBoardLog(tensorboard, self))
         if log_dir is not None:  # shards of rows as they reach the host (views/watch_log.py)
             from hookwidget.views.watch_log import WatchLog
 
-            self._listeners.append(WatchLog(log_dir, self))
+            self.listen(WatchLog(log_dir, self))
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Watch:
@@ -245,15 +246,28 @@ class Watch:
         """Whether the hooks are on (between open() and close())."""
         return self._tracer.hooks.active
 
-    @property
-    def _last(self):
-        """The latest step whose backward ended (the live widget flushes the rows before it)."""
-        return self._stats.last
+    def listen(self, fn) -> None:
+        """Call `fn(event, *args)` on the loop's thread, with host data only (never a device sync of its own):
+        ("rows", stats, step_stats, steps, per_sample maxima or None) as rows reach the host, and ("closed",)
+        when the watch closes. The live view, TensorBoard, W&B and log_dir= listen so."""
+        self._listeners.append(fn)
 
     @property
-    def _n(self) -> int:
-        """Backward passes seen so far."""
+    def found_anomalies(self) -> list:
+        """The anomalies found so far among the rows already on the host (w.anomalies moves the rest first)."""
+        return list(self._detector.anomalies)
+
+    @property
+    def seen(self) -> int:
+        """Backward passes seen so far (steps, recorded or not: every=k records one in k)."""
         return self._stats.n
+
+    def sync(self) -> None:
+        """Move the statistics of every step whose optimizer step has run to the host, in one transfer (as reading
+        w.stats does; the live view calls it after each cell). The running step's row stays on the device."""
+        last = self._stats.last
+        if self.active and last is not None:
+            self._flush(upto=last.index - 1)
 
     @property
     def skipped(self) -> list:
@@ -361,7 +375,7 @@ class Watch:
     def __repr__(self) -> str:
         state = "open" if self.active else "closed"
         n = len(self.steps)
-        return (f"Watch ({state}): {len(self.layer_names)} layers, {self._n} steps, {n} recorded, "
+        return (f"Watch ({state}): {len(self.layer_names)} layers, {self.seen} steps, {n} recorded, "
                 f"{len(self._detector.anomalies)} anomalies" + (f", traces kept at steps {self.kept}"
                                                                 if self.flight_recorder else ""))
 
@@ -408,7 +422,7 @@ class Watch:
                 "step_stat_names": list(self.step_stat_names), "every": self.every, "stats": self.stats,
                 "step_stats": self.step_stats, "steps": torch.tensor(self.steps, dtype=torch.int64),
                 "per_sample": ps, "anomalies": [tuple(a) for a in self.anomalies],
-                "notes": [str(n) for n in self.notes], "skipped": list(self.skipped), "seen": int(self._n),
+                "notes": [str(n) for n in self.notes], "skipped": list(self.skipped), "seen": int(self.seen),
                 "dropped": self.dropped_traces,
                 "traces": None if self._flight is None else [(k, self.trace(k).to_data()) for k in self.kept]}
         saved.write(path, "watch", tree)  # a loaded watch saves the same way (watch/saved.py's SavedWatch)

@@ -19,7 +19,7 @@ MERGE = 64  # small chunks on the host past which they are merged into one block
 class HostRows:
     """Recorded steps whose row is still on device (`pending`), and the rows on the host (`stats`, `step_stats`,
     `steps`, per-sample maxima). `amp()` gives the watch's ScaleTrack or None (it may appear mid-run);
-    `per_sample`: whether steps carry per-sample maxima; `tell(event, *args)`: the watch's listeners."""
+    `per_sample`: whether steps carry per-sample maxima; `tell(event, *args)`: the watch's listeners (Watch.listen)."""
 
     def __init__(self, n_layers: int, detector, amp, per_sample: bool, tell):
         self.L, self.detector, self.amp, self.per_sample, self.tell = n_layers, detector, amp, per_sample, tell
@@ -80,7 +80,8 @@ class HostRows:
                 self.skipped.append(s.index)
                 skip = SKIPPED.format(*skipped[r].tolist())
             self.detector.check(s.index, rows[r], step_rows[r], s.order, s.a_order, s.has_loss, skipped=skip)
-        self.tell("rows", rows, step_rows, [s.index for s in take])
+        maxima = self.ps_chunks[-1] if self.per_sample else None  # this chunk's per-sample maxima (n, 2)
+        self.tell("rows", rows, step_rows, [s.index for s in take], maxima)
 
     def _merge(self) -> None:
         """The chunks after the last block but the newest (its latest step's update ratio may still be written

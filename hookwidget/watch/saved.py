@@ -42,15 +42,15 @@ class SavedWatch:
     def __init__(self, source, meta: dict, stats, step_stats, steps, per_sample, anomalies: list, notes: list,
                  skipped: list, traces: dict | None, dropped: int = 0, seen: int | None = None):
         self.source = str(source)
-        self._listeners: list = []  # never told: the rows are all here (the widget listens to a live watch)
         self.layer_names, self.stat_names = list(meta["layers"]), tuple(meta["stat_names"])
         self.step_stat_names, self.every = tuple(meta["step_stat_names"]), int(meta["every"])
         self.stats, self.step_stats, self.steps = stats, step_stats, [int(k) for k in steps]
         self._per_sample, self.notes, self.skipped = per_sample, list(notes), [int(k) for k in skipped]
+        self.tracks_per_sample = per_sample is not None
         self._detector = _Found([Anomaly(int(k), str(where), str(why)) for k, where, why in anomalies])
         self._flight = None if traces is None else _Kept(traces, dropped)
         self.flight_recorder = traces is not None
-        self._n = len(self.steps) if seen is None else int(seen)
+        self.seen = len(self.steps) if seen is None else int(seen)  # backward passes the watch saw
 
     @classmethod
     def from_data(cls, tree: dict, source) -> SavedWatch:
@@ -88,6 +88,14 @@ class SavedWatch:
     @property
     def anomalies(self) -> list:
         return list(self._detector.anomalies)
+
+    found_anomalies = anomalies
+
+    def listen(self, fn) -> None:
+        """Never told: the rows are all here (the views listen to a live watch)."""
+
+    def sync(self) -> None:
+        """Nothing to move: the rows are all on the host."""
 
     @property
     def per_sample(self) -> torch.Tensor:
@@ -135,5 +143,5 @@ class SavedWatch:
 
     def __repr__(self) -> str:
         traces = f", traces kept at steps {self.kept}" if self._flight is not None else ""
-        return (f"Watch (loaded from {self.source}): {len(self.layer_names)} layers, {self._n} steps, "
+        return (f"Watch (loaded from {self.source}): {len(self.layer_names)} layers, {self.seen} steps, "
                 f"{len(self.steps)} recorded, {len(self.anomalies)} anomalies{traces}")
