@@ -530,3 +530,19 @@ def test_memory_the_trace_alone_holds_is_kept_once_and_what_the_cell_holds_is_co
     assert q.data_ptr() == k.data_ptr() == v.data_ptr()  # x is the cell's: one copy for the three
     whole, last = t.layers["Attn"].calls[0].delta, t.layers["out"].calls[0].delta
     assert whole.data_ptr() == last.data_ptr()  # one δ, kept once
+
+
+@pytest.mark.parametrize("capture", ["full", "summary", "norms"])
+def test_forward_only_under_inference_mode(capture):
+    """Inference tensors have no version counter: what a trace holds of them by reference is kept, not guarded
+    (and the trace does not fail settling its record)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    with torch.inference_mode():
+        x = torch.randn(2, 4)
+        t = hw.trace(lambda: model(x), capture=capture)
+        hidden = model[0](x)  # the reference, by hand
+    assert [n.id for n in t.note_records] == ["no_grads"]
+    if capture != "summary":  # norms keeps the input of the layers whose norms it streams only
+        assert torch.equal(t.layers["0"].a, x)
+        assert torch.equal(t.layers["1"].a, hidden) if capture == "full" else t.layers["1"].a is None

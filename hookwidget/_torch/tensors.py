@@ -30,8 +30,9 @@ def version(t: torch.Tensor) -> int:
 
 
 def versions(ts) -> list:
-    """version(t) of each tensor in `ts` (None for None): one call for the many leaves a step or a run reaches."""
-    return [None if t is None else t._version for t in ts]
+    """version(t) of each tensor in `ts`, one call for the many a step or a run holds; None for None and for an
+    inference-mode tensor (it has no version counter)."""
+    return [None if t is None or t.is_inference() else t._version for t in ts]
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor | None:

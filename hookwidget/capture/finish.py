@@ -11,6 +11,7 @@ import torch
 
 from hookwidget._torch.tensors import version
 from hookwidget.capture.generic import link_first_delta
+from hookwidget.capture.tensors import slot_set
 from hookwidget.record.notes import Note
 
 
@@ -59,20 +60,11 @@ def held_by_reference(modules: dict, shares_inputs: bool, notes: list) -> tuple[
     return slots, owners
 
 
-def slot_value(slot: tuple):
-    """The tensor a slot of held_by_reference holds."""
-    obj, key = slot
-    return obj[key] if isinstance(obj, (list, dict)) else getattr(obj, key)
-
-
 def drop_written(slots: list, owners: list) -> Note:
     """Slots whose tensor was written in place after the recording was settled, let go (owners: their modules);
     the note that says so."""
     for obj, key in slots:
-        if isinstance(obj, (list, dict)):
-            obj[key] = None
-        else:
-            setattr(obj, key, None)
+        slot_set(obj, key, None)
     return Note("held_written", {"count": len(slots), "modules": tuple(dict.fromkeys(owners))})
 
 

@@ -19,7 +19,7 @@ import torch
 from hookwidget._torch.modules import own_parameters
 from hookwidget._torch.pytree import tree_flatten, tree_unflatten
 from hookwidget._torch.tensors import version
-from hookwidget.capture.tensors import _copy, _get, _set, hook_output
+from hookwidget.capture.tensors import _copy, hook_output, slot_get, slot_set
 from hookwidget.layers import generic
 from hookwidget.record.calls import Call
 
@@ -210,11 +210,11 @@ class GenericCapture:
         """Keep gradient g in the slot (obj, key) (an item of a dict or list, else an attribute): added to what it
         holds (another backward through the same graph: summed, as .grad is), or kept within the memory budget.
         False where over it (nothing kept). The caller holds the lock."""
-        have = obj.get(key) if isinstance(obj, dict) else _get(obj, key)
+        have = obj.get(key) if isinstance(obj, dict) else slot_get(obj, key)
         if have is not None:
-            _set(obj, key, have + g.detach())
+            slot_set(obj, key, have + g.detach())
         elif self.budget.fits(g):
-            _set(obj, key, g.detach())
+            slot_set(obj, key, g.detach())
         else:
             return False
         return True

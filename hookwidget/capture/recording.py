@@ -22,7 +22,7 @@ from hookwidget.capture.generic import GenericCapture
 from hookwidget.capture.grads import GradCopies
 from hookwidget.capture.handles import Hooks
 from hookwidget.capture.nodes import NodeNorms
-from hookwidget.capture.tensors import own
+from hookwidget.capture.tensors import own, slot_get
 from hookwidget.record.calls import Records, StepRecord
 
 
@@ -104,7 +104,7 @@ class Recording:
         finish.drop_recomputed_calls(self.modules, self.notes)
         self.graph.finish(self.steps, self.passes_summed)
         slots, owners = finish.held_by_reference(self.modules, self.keep.shares_inputs, self.notes)
-        self._held = slots, owners, versions([finish.slot_value(s) for s in slots])
+        self._held = slots, owners, versions([slot_get(*s) for s in slots])
         self._grads_unchanged = self.grads.unchanged()  # as the recording ends, not as it is finished
         self.generic.release()
 
@@ -115,7 +115,7 @@ class Recording:
             return None
         self.settle()
         slots, owners, held = self._held
-        now = versions([finish.slot_value(s) for s in slots])
+        now = versions([slot_get(*s) for s in slots])
         written = [k for k, (v, w) in enumerate(zip(held, now)) if v != w]
         if written:
             self.notes.append(finish.drop_written([slots[k] for k in written], [owners[k] for k in written]))

@@ -93,7 +93,7 @@ def own(slots: list) -> None:
     live tensor, a .grad autograd stole a gradient for) is copied, once per distinct view of that memory, and
     every slot holding that view gets the one copy. Memory the slots alone share (one δ kept by a model and its
     last layer, one input kept by q, k and v) is not copied at all."""
-    tensors = [_get(obj, key) for obj, key in slots]
+    tensors = [slot_get(obj, key) for obj, key in slots]
     storages = [_storage_key(t) for t in tensors]
     groups: dict = {}  # storage -> {id(tensor): tensor}
     for t, storage in zip(tensors, storages):
@@ -111,14 +111,15 @@ def own(slots: list) -> None:
         if k in copies:
             if copies[k] is None:
                 copies[k] = t.clone()
-            _set(obj, key, copies[k])
+            slot_set(obj, key, copies[k])
 
 
-def _get(obj, key):
+def slot_get(obj, key):
+    """What slot (obj, key) holds: an item where obj is a list or dict, else an attribute."""
     return obj[key] if isinstance(obj, (list, dict)) else getattr(obj, key)
 
 
-def _set(obj, key, value) -> None:
+def slot_set(obj, key, value) -> None:
     if isinstance(obj, (list, dict)):
         obj[key] = value
     else:
