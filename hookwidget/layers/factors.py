@@ -46,6 +46,7 @@ from hookwidget.layers import (  # noqa: F401  (the import surface)
     supported_types,
     unsupported_reason,
 )
+from hookwidget.layers.base import sq_norms
 from hookwidget.layers.linear import linear_norm_sq
 
 # type -> rule(module, a, delta), for layer types that are classes (derived from SPECS)
@@ -116,7 +117,7 @@ def per_sample_norm_sq(f: Factor, x_gram: Callable | None = None, method: str | 
     norm = KINDS[f.kind].norm_sq
     if norm is not None and (method or cost.method(f)) == "ghost":
         return norm(f, x_gram)
-    return per_sample_grad(f).flatten(1).pow(2).sum(1)
+    return sq_norms(per_sample_grad(f))
 
 
 def shared_norm_sq(fs: list[Factor], method: str | None = None) -> torch.Tensor:
