@@ -127,7 +127,8 @@ def reference(case, key: str) -> dict:
     alone, shared = [p for p in params if id(p) not in mixing], [p for p in params if id(p) in mixing]
     out = {id(p): [] for p in params}
     for i in range(case.batch[0].shape[0]):
-        gs = list(torch.autograd.grad(case.loss(model, zoo._take(case.batch, i)), alone, allow_unused=True))
+        loss_i = case.loss(model, zoo._take(case.batch, i)) if alone else None
+        gs = list(torch.autograd.grad(loss_i, alone, allow_unused=True)) if alone else []
         gs += zoo._contribution(case, shared, i) if shared else []
         for p, g in zip(alone + shared, gs):
             out[id(p)].append(0.0 if g is None else float(g.double().pow(2).sum()))

@@ -44,3 +44,22 @@ def test_house_ab_times_both_versions_in_one_process(tmp_path):
     assert set(res["watch"]["mlp"]["cost"]) == {"watch", "watch+fr"}
     assert res["before"].startswith(BEFORE[:7])
     assert "| full |" in (tmp_path / "house_ab.md").read_text()
+
+
+@pytest.mark.slow
+def test_per_sample_zoo_writes_the_table_and_norms_are_exact(tmp_path):
+    pytest.importorskip("transformers")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.per_sample_zoo", "--models", "siamese,llama_like,gpt2",
+                        "--repeats", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "per_sample_zoo.json").read_text())
+    assert list(res["models"]) == ["siamese", "llama_like", "gpt2"]
+    for r in res["models"].values():
+        assert {"plain", "hookwidget"} <= set(r["ratio"]) and "torch.func" in r["ratio"], r["refused"]
+        assert r["max_rel_diff"]["hookwidget"] <= 1e-5 and r["max_rel_diff"]["torch.func"] <= 1e-5
+        assert r["peak_mb"]["plain"] > 0
+    assert "Opacus ghost" in res["models"]["gpt2"]["refused"]  # tied weights: ghost clipping refuses them
+    md = (tmp_path / "per_sample_zoo.md").read_text()
+    assert "| hookwidget vs fastest peer |" in md
+    assert "is never slower than every peer" in md
