@@ -276,7 +276,8 @@ def markdown(res: dict) -> str:
            "per_sample_grad_norms(); torch.func: vmap(grad); Opacus: GradSampleModule (hooks), Opacus ghost: its "
            "ghost clipping (get_norm_sample); BackPACK: BatchL2Grad. * skips parameters (timed on less work; compared "
            "on the rest); † norms differ from the reference by more than 1e-4; ¹ refuses (reasons below). Max rel "
-           "diff: to a loop of autograd over the samples, over the parameters each method covers.", "",
+           "diff: to a loop of autograd over the samples, over the parameters each method covers. A model whose "
+           "timings spread (a median over 1.5× its minimum) is timed twice, the steadier run kept.", "",
            "| model | plain ms | hookwidget | torch.func | Opacus | Opacus ghost | BackPACK | hookwidget vs fastest "
            "peer | max rel diff (hw / tf / op / og / bp) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in models.values():
