@@ -262,6 +262,32 @@ def _count(models: dict, fair: bool, limit: float) -> tuple[int, int]:
     return sum(x <= limit for x in judged), len(judged)
 
 
+# a peer's error message -> the short reason the table gives (the JSON keeps the message)
+SHORT = [
+    ("layer with buffers", "a layer with buffers (BatchNorm, a buffer-holding module)"),
+    ("Parameter tying is not supported", "tied parameters"),
+    ("stack expects each tensor to be equal size", "a table called on positions (rows that are not samples)"),
+    ("deepcopy protocol", "the model cannot be deep-copied (non-leaf tensors)"),
+    ("Only padding_idx=None", "an Embedding with padding_idx"),
+    ("Only scale_grad_by_freq=False", "an Embedding with scale_grad_by_freq"),
+    ("only num_layers = 1", "an LSTM of several layers"),
+    ("calling .item()", "data-dependent control flow under vmap"),
+    ("BackwardHookFunction is a view", "an in-place op on a hooked module output"),
+    ("has no attribute 'detach'", "a module called with a non-tensor argument"),
+    ("expected device meta", "tensors on the meta device inside the model"),
+    ("doesn't match the broadcast shape", "vmap cannot batch the recurrent layer's hidden state"),
+    ("has no attribute 'output'", "a module called twice per step"),
+    ("has no attribute '_norm_sample'", "a parameter of a layer it has no norm rule for"),
+    ("can be converted to an index", "its LSTM wrapper fails on this LSTM"),
+    ("as child module 'output'", "a module with a child named 'output' (where it keeps its own)"),
+    ("not enough values to unpack", "EmbeddingBag (no grad sampler)"),
+]
+
+
+def short(msg: str) -> str:
+    return next((why for key, why in SHORT if key in msg), msg[:90])
+
+
 def markdown(res: dict) -> str:
     models = res["models"]
     (never, judged), (within, _) = _count(models, False, 1.0), _count(models, False, 1.1)
@@ -293,7 +319,7 @@ def markdown(res: dict) -> str:
         out.append(f"| {r['name']} | {r['median_s']['plain'] * 1e3:.1f} | {cells} | {vs} | {diffs} |")
     out += ["", "## Refusals and skipped parameters", ""]
     for r in models.values():
-        items = [f"{v} refuses: {why}" for v, why in r["refused"].items()]
+        items = [f"{v} refuses: {short(why)}" for v, why in r["refused"].items()]
         items += [f"{v}: {n}" for v, n in r["notes"].items()]
         if items:
             out.append(f"- **{r['name']}**: " + "; ".join(items))
