@@ -169,19 +169,29 @@ class Scale2d(nn.Module):
         return x * (self.gamma.flip(0) if self.flipped else self.gamma)
 
 
+class LayerNorm2d(nn.LayerNorm):
+    """torchvision's LayerNorm2d: F.layer_norm over channels of an image, its weight passed in its own shape (B copies
+    do not broadcast there: the forward is vmapped over samples and copies instead)."""
+
+    def forward(self, x):
+        x = F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
 @pytest.mark.parametrize("make", [lambda: ForeignRMSNorm(6), lambda: ForeignRMSNorm(6, gemma=True),
-                                  lambda: Scale2d(3), lambda: Scale2d(3, flipped=True)],
-                         ids=["rmsnorm", "gemma", "scale2d", "flipped"])
+                                  lambda: Scale2d(3), lambda: Scale2d(3, flipped=True), lambda: LayerNorm2d(3)],
+                         ids=["rmsnorm", "gemma", "scale2d", "flipped", "layernorm2d"])
 def test_vector_parameters_of_generic_modules_are_exact(make):
     """layers/generic.vector_params: a module's own vector parameters get their rows from B copies broadcast
-    against the output (one backward), checked against a sample rerun alone; where the forward does not use them
-    elementwise (flipped) the vmap rule answers. Either way the norms equal torch.func's."""
+    against the output (one backward), or the forward vmapped over samples and copies (layernorm2d), checked against
+    a sample rerun alone; where the forward does not use them elementwise (flipped) the vmap rule answers. Either
+    way the norms equal torch.func's."""
     from hookwidget.analysis import generic as checked
     from hookwidget.layers import generic
 
     torch.manual_seed(0)
     norm = make().double()
-    image = isinstance(norm, Scale2d)
+    image = isinstance(norm, (Scale2d, LayerNorm2d))
     model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), norm) if image else nn.Sequential(nn.Linear(4, 6), norm)
     model = model.double()
     x = torch.randn(4, 2, 5, 5, dtype=F64) if image else torch.randn(4, 7, 4, dtype=F64)
