@@ -85,7 +85,8 @@ def make_torch_func(model, x, y, loss):
     return Step(run, [])
 
 
-def make_opacus(model, x, y, loss):
+def make_opacus(model, x, y, loss, mode="hooks"):
+    """mode "hooks": GradSampleModule's per-sample gradients; "ghost": its ghost clipping's norms (get_norm_sample)."""
     try:
         from opacus.grad_sample.utils import wrap_model
         from opacus.validators import ModuleValidator
@@ -106,7 +107,7 @@ def make_opacus(model, x, y, loss):
                      "with batch_first=True), so its norms are not compared")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        wrapped = wrap_model(m, grad_sample_mode="hooks", loss_reduction="sum")
+        wrapped = wrap_model(m, grad_sample_mode=mode, loss_reduction="sum")
     params = [p for p in wrapped.parameters() if p.requires_grad]
 
     def clear():
@@ -117,6 +118,8 @@ def make_opacus(model, x, y, loss):
         for p in params:
             p.grad, p.grad_sample = None, None
         loss(wrapped(x), y).backward()
+        if mode == "ghost":
+            return wrapped.get_norm_sample()
         return torch.stack([p.grad_sample.flatten(1).pow(2).sum(1) for p in params]).sum(0).sqrt()
 
     step = Step(run, params, note, clear)
@@ -124,36 +127,39 @@ def make_opacus(model, x, y, loss):
     return step
 
 
-def make_backpack(model, x, y, loss):
+def make_backpack(model, x, y, loss, extension="BatchGrad"):
+    """extension "BatchGrad": per-sample gradients (grad_batch); "BatchL2Grad": their squared norms (batch_l2)."""
     try:
         from backpack import backpack, extend
-        from backpack.extensions import BatchGrad
+        from backpack import extensions as ext
     except Exception as e:  # noqa: BLE001
         raise Unavailable(f"backpack does not import: {type(e).__name__}: {str(e).splitlines()[0][:100]}") from e
     m = extend(copy.deepcopy(model))
     params = [p for p in m.parameters() if p.requires_grad]
+    attr = {"BatchGrad": "grad_batch", "BatchL2Grad": "batch_l2"}[extension]
 
     def clear():
         for p in params:
-            if hasattr(p, "grad_batch"):
-                del p.grad_batch
+            if hasattr(p, attr):
+                delattr(p, attr)
 
     def run():
         for p in params:
             p.grad = None
         clear()
-        with backpack(BatchGrad()):
+        with backpack(getattr(ext, extension)()):
             loss(m(x), y).backward()
-        got = [p for p in params if hasattr(p, "grad_batch") and p.grad_batch.shape[0] == x.shape[0]]
+        got = [getattr(p, attr) for p in params if hasattr(p, attr) and getattr(p, attr).shape[0] == x.shape[0]]
         if not got:
-            raise Unavailable("BatchGrad computed no per-sample gradient for this model")
-        return torch.stack([p.grad_batch.flatten(1).pow(2).sum(1) for p in got]).sum(0).sqrt()
+            raise Unavailable(f"{extension} computed no per-sample gradient for this model")
+        return torch.stack([g.flatten(1).pow(2).sum(1) if g.dim() > 1 else g for g in got]).sum(0).sqrt()
 
     step = Step(run, params, extra_reset=clear)
     step()  # which parameters does it skip?
     names = {id(p): n for n, p in m.named_parameters()}
     # no grad_batch, or one whose leading dimension is not the batch (a position table called on arange(T))
-    missing = [names[id(p)] for p in params if not hasattr(p, "grad_batch") or p.grad_batch.shape[0] != x.shape[0]]
+    missing = [names[id(p)] for p in params if not hasattr(p, attr) or getattr(p, attr).shape[0] != x.shape[0]]
+    step.left_out = missing
     if missing:
         kinds = sorted({type(m.get_submodule(n.rpartition(".")[0])).__name__ for n in missing})
         step.note = (f"skips {len(missing)} of {len(params)} parameters ({', '.join(kinds)}): "

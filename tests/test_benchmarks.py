@@ -74,3 +74,22 @@ def test_watch_overhead_times_every_monitor_and_none_leaves_a_hook(tmp_path):
     for v in variants:
         assert md.count(f"| {LABELS[v]} |") >= 2, v  # a row in the time table and one in the memory table
     assert "bytes per step" in md and "Load average" in md
+
+
+@pytest.mark.slow
+def test_per_sample_zoo_writes_the_table_and_norms_are_exact(tmp_path):
+    pytest.importorskip("transformers")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.per_sample_zoo", "--models", "siamese,llama_like,gpt2",
+                        "--repeats", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "per_sample_zoo.json").read_text())
+    assert list(res["models"]) == ["siamese", "llama_like", "gpt2"]
+    for r in res["models"].values():
+        assert {"plain", "hookwidget"} <= set(r["ratio"]) and "torch.func" in r["ratio"], r["refused"]
+        assert r["max_rel_diff"]["hookwidget"] <= 1e-5 and r["max_rel_diff"]["torch.func"] <= 1e-5
+        assert r["peak_mb"]["plain"] > 0
+    assert "Opacus ghost" in res["models"]["gpt2"]["refused"]  # tied weights: ghost clipping refuses them
+    md = (tmp_path / "per_sample_zoo.md").read_text()
+    assert "| hookwidget vs fastest peer |" in md
+    assert "is never slower than every peer" in md

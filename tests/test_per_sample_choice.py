@@ -143,3 +143,81 @@ def test_the_tied_small_gpt_takes_the_ghost_terms():
     assert cost.shared_method([emb, head]) == "ghost"
     assert cost.shared_method([emb, Factor("weight", "outer", torch.empty(1, 4096, 4096), torch.empty(1, 4096, 192),
                                            (4096, 192))]) == "grad"  # a 4096-token sequence
+
+
+class ForeignRMSNorm(nn.Module):
+    """An RMSNorm as another package writes it (no exact rule: the generic rule serves it); gemma: (1 + w)."""
+
+    def __init__(self, d, gemma=False):
+        super().__init__()
+        self.weight, self.gemma = nn.Parameter(torch.randn(d) * 0.1 + (0 if gemma else 1)), gemma
+
+    def forward(self, x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h * (1 + self.weight) if self.gemma else self.weight * h
+
+
+class Scale2d(nn.Module):
+    """A layer scale of shape (C, 1, 1) on an image (torchvision's CNBlock), and one that reads its vector reversed
+    (not elementwise per output position: the vector rule's rows are wrong and the vmap rule must answer)."""
+
+    def __init__(self, c, flipped=False):
+        super().__init__()
+        self.gamma, self.flipped = nn.Parameter(torch.randn(c, 1, 1)), flipped
+
+    def forward(self, x):
+        return x * (self.gamma.flip(0) if self.flipped else self.gamma)
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """torchvision's LayerNorm2d: F.layer_norm over channels of an image, its weight passed in its own shape (B copies
+    do not broadcast there: the forward is vmapped over samples and copies instead)."""
+
+    def forward(self, x):
+        x = F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("make", [lambda: ForeignRMSNorm(6), lambda: ForeignRMSNorm(6, gemma=True),
+                                  lambda: Scale2d(3), lambda: Scale2d(3, flipped=True), lambda: LayerNorm2d(3)],
+                         ids=["rmsnorm", "gemma", "scale2d", "flipped", "layernorm2d"])
+def test_vector_parameters_of_generic_modules_are_exact(make):
+    """layers/generic.vector_params: a module's own vector parameters get their rows from B copies broadcast
+    against the output (one backward), or the forward vmapped over samples and copies (layernorm2d), checked against
+    a sample rerun alone; where the forward does not use them elementwise (flipped) the vmap rule answers. Either
+    way the norms equal torch.func's."""
+    from hookwidget.analysis import generic as checked
+    from hookwidget.layers import generic
+
+    torch.manual_seed(0)
+    norm = make().double()
+    image = isinstance(norm, (Scale2d, LayerNorm2d))
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), norm) if image else nn.Sequential(nn.Linear(4, 6), norm)
+    model = model.double()
+    x = torch.randn(4, 2, 5, 5, dtype=F64) if image else torch.randn(4, 7, 4, dtype=F64)
+    y = torch.randn(4, 3, 5, 5, dtype=F64) if image else torch.randn(4, 7, 6, dtype=F64)
+
+    def loss(out, y):
+        return ((out - y) ** 2).sum()
+
+    def step():
+        model.zero_grad()
+        loss(model(x), y).backward()
+
+    assert generic.has_vector_params(norm)
+    served = []
+    rule = checked._fast_rule_rows
+
+    def spy(r, module, *a):
+        rows = rule(r, module, *a)
+        served.append((r.__name__, rows is not None))
+        return rows
+
+    checked._fast_rule_rows = spy
+    try:
+        t = hw.trace(step, capture="norms")
+        norms = t.per_sample_grad_norms()
+    finally:
+        checked._fast_rule_rows = rule
+    assert served == [("vector_params", not getattr(norm, "flipped", False))]
+    assert torch.allclose(norms, ref_norms(model, x, y, loss), rtol=1e-10)

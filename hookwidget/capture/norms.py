@@ -11,6 +11,7 @@ has its own rows: under gradient accumulation every micro-batch's samples are ke
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 
 import torch
@@ -24,7 +25,7 @@ from hookwidget.layers import generic
 
 class StreamingNorms:
     def __init__(self):
-        self._sq: dict = {}  # this step: leading dimension -> (B,) sum of squared norms
+        self._sq: dict = {}  # this step: leading dimension -> list of (B,) squared norms, summed once at its end
         self._layers: dict = {}  # this step: leading dimension -> modules counted in it
         self._steps: list = []  # per finished step: (squared norms, modules left out)
         self._shared: dict = {}  # parameter -> list of (module, Factor)
@@ -128,7 +129,7 @@ class StreamingNorms:
 
     def _add(self, module, sq: torch.Tensor) -> None:
         b = sq.shape[0]
-        self._sq[b] = self._sq[b] + sq if b in self._sq else sq
+        self._sq.setdefault(b, []).append(sq)
         self._layers.setdefault(b, []).append(module)
 
     def _step_result(self, model_batch: int | None):
@@ -138,11 +139,17 @@ class StreamingNorms:
             return None, []
         batch = model_batch if model_batch in self._layers else max(self._layers, key=lambda b: len(self._layers[b]))
         left_out = [m for b, ms in self._layers.items() if b != batch for m in ms]
-        return self._sq[batch], left_out
+        return _summed(self._sq[batch]), left_out
 
     def result(self) -> list:
         """Per step: (squared norms or None, modules left out)."""
         return list(self._steps)
+
+
+def _summed(parts: list) -> torch.Tensor:
+    """One sum of the layers' (B,) squared norms: two kernels, where adding them as they come took one per layer."""
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in parts))
+    return torch.stack([t.to(dtype) for t in parts]).sum(0)
 
 
 def _per_sample_call(call):

@@ -142,6 +142,17 @@ def _outer_per_sample(f):
     return torch.einsum("bto,bti->boi", f.D, f.X)
 
 
+def batch_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(B,) Σ over all but the first dimension of a ⊙ b."""
+    return torch.linalg.vecdot(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))
+
+
+def sq_norms(g: torch.Tensor) -> torch.Tensor:
+    """(B,) squared norms of the rows of g (B, ...): one reduction, no g² in memory (a materialised per-sample
+    gradient is the largest tensor of the norms)."""
+    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
+
+
 def gram_applies(f) -> bool:
     """Whether the Gram form Σ_{t,t'} (a_t·a_t')(δ_t·δ_t') is cheaper than the gradient itself (layers/cost.py)."""
     return cost.method(f) == "ghost"
@@ -149,7 +160,7 @@ def gram_applies(f) -> bool:
 
 def _outer_norm_sq(f, x_gram=None):
     gx = x_gram(f.X) if x_gram is not None else torch.bmm(f.X, f.X.transpose(1, 2))
-    return (gx * torch.bmm(f.D, f.D.transpose(1, 2))).sum((1, 2))
+    return batch_dot(gx, torch.bmm(f.D, f.D.transpose(1, 2)))
 
 
 def _onehot_summed(f):
@@ -164,7 +175,7 @@ def _onehot_per_sample(f):
 
 def _onehot_norm_sq(f, x_gram=None):
     same = (f.X.unsqueeze(2) == f.X.unsqueeze(1)).to(f.D.dtype)
-    return (same * torch.bmm(f.D, f.D.transpose(1, 2))).sum((1, 2))
+    return batch_dot(same, torch.bmm(f.D, f.D.transpose(1, 2)))
 
 
 KINDS: dict[str, Kind] = {

@@ -28,6 +28,7 @@ from torch import nn
 # callers reach all of it as `fx.name`; the list itself lives once, in layers/__init__.py.
 from hookwidget.layers import *  # noqa: F403
 from hookwidget.layers import KINDS, SPECS, ConvCalls, Factor, cost, shared, spec_for, unsupported_reason
+from hookwidget.layers.base import sq_norms
 from hookwidget.layers.linear import linear_norm_sq
 
 # type -> rule(module, a, delta), for layer types that are classes (derived from SPECS)
@@ -98,7 +99,7 @@ def per_sample_norm_sq(f: Factor, x_gram: Callable | None = None, method: str | 
     norm = KINDS[f.kind].norm_sq
     if norm is not None and (method or cost.method(f)) == "ghost":
         return norm(f, x_gram)
-    return per_sample_grad(f).flatten(1).pow(2).sum(1)
+    return sq_norms(per_sample_grad(f))
 
 
 def shared_norm_sq(fs: list[Factor], method: str | None = None) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hookwidget.layers.base import Factor, gram_applies
+from hookwidget.layers.base import Factor, batch_dot, gram_applies
 from hookwidget.layers.registry import register
 
 
@@ -17,8 +17,10 @@ def linear_norm_sq(fs: list, x_gram=None) -> torch.Tensor | None:
     b = next((f for f in fs if f.param == "bias"), None)
     if w is None or b is None or not (w.kind == "outer" and b.kind == "sum" and b.D is w.D and gram_applies(w)):
         return None
-    gx = x_gram(w.X) if x_gram is not None else torch.bmm(w.X, w.X.transpose(1, 2))
-    return ((gx + 1) * torch.bmm(w.D, w.D.transpose(1, 2))).sum((1, 2))
+    X = w.X
+    # X Xᵀ + 1 in one kernel (baddbmm adds the ones as it writes), the product with D Dᵀ summed in another
+    gx = x_gram(X) + 1 if x_gram is not None else torch.baddbmm(X.new_ones(()), X, X.transpose(1, 2))
+    return batch_dot(gx, torch.bmm(w.D, w.D.transpose(1, 2)))
 
 
 @register(nn.Linear, norm_sq=linear_norm_sq, tokens=True)
