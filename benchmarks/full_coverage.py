@@ -25,7 +25,7 @@ import hookwidget as hw
 
 from . import models
 from .run import RESULTS, _loadavg, peak_memory, write_results
-from .variants import ALL_VARIANTS, Unavailable
+from .variants import ALL_VARIANTS, Unavailable, interleaved
 
 VARIANTS = ("plain", "hookwidget norms", "hookwidget full norms", "hookwidget norms (vmap rule only)",
             "hookwidget full norms (vmap rule only)", "torch.func norms", "Opacus norms", "BackPACK norms")
@@ -47,15 +47,9 @@ def bench(name: str, repeats: int) -> dict:
             msg = str(e) if isinstance(e, Unavailable) else f"{type(e).__name__}: {str(e).splitlines()[0]}"
             skipped[v] = msg[:200]
             steps.pop(v, None)
-    times = {v: [] for v in steps}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for _ in range(repeats):
-            for v, step in steps.items():
-                t0 = time.process_time()
-                step()
-                times[v].append(time.process_time() - t0)
-                step.reset()
+        times = interleaved(steps, repeats, clock=time.process_time)
         ref = steps["torch.func norms"]().double()
         agree = {}
         for v in ("hookwidget norms", "hookwidget full norms", "Opacus norms", "BackPACK norms"):

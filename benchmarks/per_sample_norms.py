@@ -26,7 +26,7 @@ from hookwidget.layers.factors import per_sample_norm_sq
 
 from .models import GPT2, _ce_seq
 from .run import RESULTS, write_results
-from .variants import make_hookwidget, make_plain, make_torch_func
+from .variants import interleaved, make_hookwidget, make_plain, make_torch_func
 
 GRID = [(8, T, i, o) for T in (4, 16, 64, 256) for i, o in ((16, 16), (12, 2), (192, 192), (256, 1024),
                                                            (1024, 256), (256, 10), (192, 4096))]
@@ -55,13 +55,7 @@ def bench(name: str, repeats: int) -> dict:
     for v, step in steps.items():  # warm-up, and the norms to compare
         norms[v] = step()
         step.reset()
-    times = {v: [] for v in steps}
-    for _ in range(repeats):
-        for v, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            times[v].append(time.perf_counter() - t0)
-            step.reset()
+    times = interleaved(steps, repeats)
     med = {v: statistics.median(ts) for v, ts in times.items()}
     ref = norms["torch.func norms"]
     diff = float(((norms["hookwidget norms"] - ref).abs() / ref.abs().clamp_min(1e-12)).max())

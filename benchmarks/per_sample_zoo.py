@@ -28,7 +28,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 import hookwidget as hw
 
 from .run import RESULTS, write_results
-from .variants import Unavailable, make_backpack, make_hookwidget, make_opacus, make_plain, make_torch_func
+from .variants import Unavailable, interleaved, make_backpack, make_hookwidget, make_opacus, make_plain, make_torch_func
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -151,18 +150,6 @@ def covered(v: str, step, sampled, hw_left: set) -> tuple[list, str]:
     ids = [id(p) for n, p in params.items() if n not in left]
     return ids, (f"skips {len(left)} of {len(params)} parameters: {', '.join(left[:3])}"
                  + (", ..." if len(left) > 3 else "") if left else "")
-
-
-def interleaved(steps: dict, repeats: int) -> dict:
-    """variant -> step times: one step of each variant in turn per repeat."""
-    times = {v: [] for v in steps}
-    for _ in range(repeats):
-        for v, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            times[v].append(time.perf_counter() - t0)
-            step.reset()
-    return times
 
 
 def _spread(times: dict) -> float:

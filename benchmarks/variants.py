@@ -9,6 +9,7 @@ leaves behind (.grad, grad_sample, ...) so memory is measured from the same stat
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 
 import torch
@@ -228,3 +229,16 @@ EXTRA_VARIANTS = {
 }
 ALL_VARIANTS = {**VARIANTS, **EXTRA_VARIANTS}
 NORM_VARIANTS = ("hookwidget norms", "hookwidget full norms", "torch.func norms", "Opacus norms", "BackPACK norms")
+
+
+def interleaved(steps: dict, repeats: int, clock=time.perf_counter) -> dict:
+    """variant -> step times: one step of each variant in turn per repeat (each step reset after it), so that load
+    and drift on a shared machine hit every variant alike."""
+    times = {v: [] for v in steps}
+    for _ in range(repeats):
+        for v, step in steps.items():
+            t0 = clock()
+            step()
+            times[v].append(clock() - t0)
+            step.reset()
+    return times

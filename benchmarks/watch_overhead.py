@@ -407,7 +407,7 @@ def markdown(res: dict) -> str:
             for m in models:
                 p = mem["models"][m]["mib"]
                 row.append(f"{p[v]:.0f} MiB" if v == "plain" else
-                           f"+{p[v] - p['plain']:.0f} MiB ({p[v] / p['plain']:.2f}×)" if v in p else "fails")
+                           f"{p[v] - p['plain']:+.0f} MiB ({p[v] / p['plain']:.2f}×)" if v in p else "fails")
             lines.append(f"| {LABELS[v]} | " + " | ".join(row) + " |")
         lines.append("")
     if res.get("growth"):
