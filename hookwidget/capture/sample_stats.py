@@ -4,22 +4,9 @@ sample, from each layer's (a, δ) shortcut as its δ arrives (the keep strategy 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from hookwidget._torch.tensors import version
 from hookwidget.capture.stat_rows import F64, NAN
-from hookwidget.layers.linear import linear
-
-
-def _factors(fx, m, calls: list) -> list:
-    """The layer's Factors from its calls (layers/factors.py). The common case, one call of an nn.Linear whose
-    a, δ and weight share a dtype, straight from its rule (layers/linear.py): factors() would merge nothing and
-    cast nothing there, and the per-sample norm is then linear_norm_sq's Gram form, weight and bias together."""
-    c = calls[0]
-    if len(calls) == 1 and type(m) is nn.Linear and c.a.is_floating_point() and c.a.dtype == c.delta.dtype == \
-            m.weight.dtype:
-        return [f for f in linear(m, c.a, c.delta) if getattr(m, f.param).requires_grad]
-    return fx.factors(m, calls)
 
 
 class _Call:
@@ -106,7 +93,7 @@ class PerSample:
         else:
             with torch.no_grad():
                 m = self.layers[li]
-                sq = self.fx.layer_norm_sq(m, _factors(self.fx, m, calls)).to(F64)
+                sq = self.fx.layer_norm_sq(m, self.fx.factors(m, calls)).to(F64)
             n = sq.shape[0]
             step.ps_sq[n] = step.ps_sq[n] + sq if n in step.ps_sq else sq
             if n != step.ps_batch:

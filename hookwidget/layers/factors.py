@@ -29,7 +29,7 @@ from torch import nn
 from hookwidget.layers import *  # noqa: F403
 from hookwidget.layers import KINDS, SPECS, ConvCalls, Factor, cost, shared, spec_for, unsupported_reason
 from hookwidget.layers.base import sq_norms
-from hookwidget.layers.linear import linear_norm_sq
+from hookwidget.layers.linear import linear, linear_norm_sq
 
 # type -> rule(module, a, delta), for layer types that are classes (derived from SPECS)
 RULES: dict[type, Callable] = {t: s.rule for t, s in SPECS.items() if isinstance(t, type)}
@@ -44,7 +44,14 @@ def rule_for(module: nn.Module):
 # -- generic mathematics -----------------------------------------------------------------------
 def factors(module: nn.Module, calls: list) -> list[Factor]:
     """Token factors of every parameter of `module`, all calls concatenated along tokens. A call may
-    carry `state` (forward_state(module) at its forward); without it the module's state now is used."""
+    carry `state` (forward_state(module) at its forward); without it the module's state now is used.
+    The common case, one call of an nn.Linear whose a, δ and weight share a dtype, goes straight to its rule: there
+    is nothing to merge or cast (streamed per-sample norms ask this for every Linear call of every step)."""
+    if len(calls) == 1 and type(module) is nn.Linear:
+        a, delta = calls[0].a, calls[0].delta
+        if a is not None and delta is not None and a.is_floating_point() and a.dtype == delta.dtype \
+                == module.weight.dtype:
+            return [f for f in linear(module, a, delta) if getattr(module, f.param).requires_grad]
     spec = spec_for(module)
     if spec is None:
         raise ValueError(f"{type(module).__name__} is not supported: {unsupported_reason(module)}")
