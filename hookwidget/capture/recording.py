@@ -113,9 +113,10 @@ class Recording:
         the tracer kept (registry.memo)."""
         if not self.keep.records:
             return None
+        settled_now = self._held is None  # then nothing can have written what it holds since: no second look
         self.settle()
         slots, owners, held = self._held
-        now = versions([slot_get(*s) for s in slots])
+        now = held if settled_now else versions([slot_get(*s) for s in slots])
         written = [k for k, (v, w) in enumerate(zip(held, now)) if v != w]
         if written:
             self.notes.append(finish.drop_written([slots[k] for k in written], [owners[k] for k in written]))
