@@ -1,8 +1,8 @@
 """The end of a trace: what is done to the calls recorded before they become the trace's Records.
 
-Calls that torch.utils.checkpoint reran are dropped, what the record holds by reference is made its own, and
-what hooks could not see is named in the notes. Functions of the recorded modules (module -> ModuleRecord), for
-tracer.Tracer when its block ends.
+Calls that torch.utils.checkpoint reran are dropped, what the record holds by reference is listed (and let go
+where written in place since), and what hooks could not see is named in the notes. Functions of the recorded
+modules (module -> ModuleRecord), for recording.Recording when it is settled and finished.
 """
 
 from __future__ import annotations
