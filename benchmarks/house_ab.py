@@ -32,6 +32,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import shutil
 import statistics
 import subprocess
@@ -65,12 +66,15 @@ def materialise(commit: str, into: pathlib.Path):
     static = ROOT / "hookwidget" / "static"  # built, not committed: the widgets load it
     if static.is_dir():
         shutil.copytree(static, pkg / "static", dirs_exist_ok=True)
+    for p in pkg.rglob("*.py"):  # a package that imports itself absolutely (the house's): renamed in its imports
+        p.write_text(re.sub(r"^(\s*)(from|import) hookwidget\b", r"\1\2 hookwidget_before", p.read_text(),
+                            flags=re.M))
     absolute = [f"{p.relative_to(into)}:{n.lineno}" for p in pkg.rglob("*.py")
                 for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))
                 and any(m == "hookwidget" or m.startswith("hookwidget.") for m in _imported(n))]
     if absolute:
-        raise SystemExit(f"hookwidget at {commit[:9]} imports itself absolutely ({', '.join(absolute[:5])}): "
-                         "it would not import as hookwidget_before")
+        raise SystemExit(f"hookwidget at {commit[:9]} imports the working tree's hookwidget "
+                         f"({', '.join(absolute[:5])})")
     sys.path.insert(0, str(into))
     before = importlib.import_module("hookwidget_before")
     stray = [m for m, mod in sys.modules.items() if m.startswith("hookwidget_before")

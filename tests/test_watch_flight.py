@@ -86,10 +86,14 @@ def test_dropped_steps_are_let_go():
     def count(k):
         alive.append(calls() - base)
 
+    running = []  # while the model runs: at the last layer's forward, every call of the running step is open
+    model[4].register_forward_hook(lambda *_: running.append(calls() - base))
     with watch(model) as w:
         loop(model, x, y, 30, on_step=count)
     per_step = 6  # the Sequential and its five layers, one call each
     assert alive[0] == per_step and set(alive[1:]) == {2 * per_step}  # step 0 (kept) and the latest, no other
+    # The step before was judged as this forward began (its optimizer step done): step 0 and the running one only.
+    assert running[0] == per_step and set(running[1:]) == {2 * per_step}
     assert w.kept == [0, 29]
 
 

@@ -33,7 +33,8 @@ class Watched(NamedTuple):
     `params` and the (layer index, parameter index) `pairs`; rows every `every` steps; `per_sample`: a
     sample_stats.PerSample or None. The callbacks: `scale()` the GradScaler's scale now (a device tensor) or
     None, asked as each backward starts; `add(step)` a recorded step's row is ready (on device); `changed()` a
-    row already on the host was written into; `ended(step)` a step's backward ended, recorded or not."""
+    row already on the host was written into; `ended(step)` a step's backward ended, recorded or not;
+    `began(step)` the first call of a step's forward (the optimizer steps of the step before have run)."""
 
     layers: list
     params: list
@@ -44,6 +45,7 @@ class Watched(NamedTuple):
     add: Callable
     changed: Callable
     ended: Callable
+    began: Callable
 
 
 class Step:
@@ -57,6 +59,7 @@ class Step:
         self.a_order: dict = {}  # layer index -> position in forward order (of the calls δ reached)
         self.ds: list = []  # (layer index, forward position, reduce_delta(δ), reduce_input(a) or None) per call
         self.calls = 0  # forward calls of watched layers so far
+        self.begun = False  # a watched layer's forward ran in this step (Watched.began told)
         self.loss = None
         self.has_loss = False
         self.row = self.step_row = None  # (layers, stats) and [loss, global grad norm], when backward ends
@@ -100,6 +103,9 @@ class StatsKeep(Keep):
 
     def on_call(self, module, inputs, out):
         cur = self.cur
+        if not cur.begun:
+            cur.begun = True
+            self.rule.began(cur)
         if not cur.recorded:
             return None
         a = first_tensor(inputs)

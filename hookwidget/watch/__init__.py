@@ -88,8 +88,9 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     of step k holds the optimizer step and zero_grad that followed step k-1, the forward of step k
     and its backward (t.steps[-1], its .grad, its graph). w.trace(k) returns it for the kept steps
     (w.kept): step 0, the latest step, and every anomalous step (at most max_kept of these;
-    w.dropped_traces counts the rest); w.trace() is the latest. The others are dropped when the next
-    step ends: besides the kept ones at most two are alive (the latest, and the one being recorded).
+    w.dropped_traces counts the rest); w.trace() is the latest. The others are dropped as the next
+    step's forward begins (under compile: when its backward ends): while the model runs, only the
+    running step's recording is alive besides the kept ones.
     A kept Trace costs what hw.trace of one step costs: each layer's input a and output gradient δ
     (up to trace_budget_mb, summaries beyond), copies of .grad as that backward found and left it
     (up to 2x the parameters' size), the graph of the step, and the loss. A long forward-only stretch

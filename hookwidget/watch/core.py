@@ -107,7 +107,7 @@ class Watch:
         self._rows = HostRows(len(self._layers), self._detector, lambda: self._amp, ps is not None, self._tell)
         self._tracer = Tracer(self._layers, capture=STATS, norms_rule=Watched(
             self._layers, self._params, pairs, self.every, ps, self._scale_now, self._rows.add, self._rows.changed,
-            self._step_ended))
+            self._step_ended, self._step_began))
         self._stats = self._tracer.keep  # the steps (capture/step_stats.StatsKeep)
         self._ps = ps
         self.tracks_per_sample = ps is not None  # per_sample=True: each step's largest per-sample gradient norm
@@ -200,10 +200,19 @@ class Watch:
         if odd is not None and odd not in self.notes:
             self.notes.append(odd)
         if self._flight is not None:
-            self._flush(upto=step.index - 1)
+            if self._flight.latest is not None:  # no forward ran since the step before (compiled code): judged now
+                self._flush(upto=step.index - 1)
             self._flight.step_ended(step.index, self._detector.flagged)
         elif len(self._rows.pending) > self.batch:
             self._flush(upto=step.index - 1)
+
+    def _step_began(self, step) -> None:
+        """The forward of `step` began: the step before is complete (its optimizer steps have run), so the flight
+        recorder judges it now, before this forward allocates: at most one step's detail alive beside the kept
+        Traces while the model runs."""
+        if self._flight is not None and self._flight.latest is not None:
+            self._flush(upto=step.index - 1)
+            self._flight.judge(self._detector.flagged)
 
     def _rerun(self, layers: set) -> None:
         """Layers that ran only inside backward (reentrant checkpointing): named in one note, warned once."""

@@ -3,8 +3,9 @@ Traces are kept.
 
 A recording costs what the running step already holds: references to a and δ (copy-on-write clones where the
 code may write them later), no gradient norms at graph nodes, and no Trace record assembled. When a step is
-judged (the next one's backward ended), a kept step's record is assembled from those references; a dropped
-step's are let go, so at most two steps' detail (within `budget_mb` each) is alive besides the kept Traces."""
+judged (as the next step's forward begins, its optimizer steps done; else when the next backward ends), a kept
+step's record is assembled from those references; a dropped step's are let go, so while the model runs at most one
+step's detail (within `budget_mb`) is alive besides the kept Traces: the running step's."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from hookwidget.capture import backward as autograd_calls
 
 class FlightRecorder:
     """Recording k runs from the end of backward k-1 (or the opening of the watch) to the end of
-    backward k. When step k ends, step k-1 is kept (its Trace assembled) or dropped: so at most two
-    recordings besides the kept Traces are alive (the latest, and the one being recorded)."""
+    backward k. When step k+1's forward begins (or, if no hook saw it, its backward ends), step k is kept (its
+    Trace assembled) or dropped."""
 
     def __init__(self, tracer, model, budget_mb: float, max_kept: int):
         from hookwidget.session import Deferred, Session
@@ -56,9 +57,14 @@ class FlightRecorder:
         uncopied), start the next, decide on the step before."""
         later = self._ended(self._recorder.cut(), self._recorder)
         self._rec = self._new()
-        if self.latest is not None:
-            self.decide(*self.latest, flagged)
+        self.judge(flagged)
         self.latest = (step, later) if later is not None else None
+
+    def judge(self, flagged) -> None:
+        """Keep or let go the latest completed step (its row is on the host, judged by `flagged`)."""
+        if self.latest is not None:
+            latest, self.latest = self.latest, None
+            self.decide(*latest, flagged)
 
     def finish(self, flagged) -> None:
         self.close()
