@@ -49,11 +49,32 @@ class Session:
         scope = code_scope(fn, namespace, code)  # what the code reads by name
         self.namespace = namespace if namespace is not None else scope  # to name leaf tensors like `x`
         self.interventions: list[Intervention] = []
-        self.baseline: Trace | None = None
-        self.latest: Trace | None = None
+        self._first = None  # weak reference to the first run's Trace: see latest
+        self._is_baseline = False  # the first run started from a recorded state (hw.trace, %%hooktrace): a baseline
+        self._rerun: Trace | None = None  # the latest rerun's Trace
         self._related = related_objects(scope)
         self._state: RunState | None = None  # what the first run started from
         self._listeners: list = []  # weak references to callbacks: see on_change
+
+    # -- which traces it knows --------------------------------------------------------------------
+    @property
+    def latest(self) -> Trace | None:
+        """The newest run's Trace: the latest rerun, else the first run (while someone holds it).
+
+        The first run's Trace is held weakly. Every Trace points to its session; a session holding its first Trace
+        back would make each trace a reference cycle, freed only by the garbage collector: its tensors held
+        past `del t` and the collector's passes over every record (a tenth of a 100-layer trace's cost). A
+        rerun is held (the explorer shows it, and nothing else may), and holds the first run (its `_baseline`)."""
+        return self._rerun if self._rerun is not None else self.first
+
+    @property
+    def first(self) -> Trace | None:
+        return self._first() if self._first is not None else None
+
+    @property
+    def baseline(self) -> Trace | None:
+        """The hook-free first run that diffs compare with (None after `with hw.tracing()`, which runs once)."""
+        return self.first if self._is_baseline else None
 
     def run(self) -> Trace:
         """The first run: records what it changes, so that reruns can start where it started."""
@@ -102,7 +123,7 @@ class Session:
         """Hooks on for the block; the Trace's record is assembled when it ends, whatever happens in it."""
         tracer = self.tracer(state)
         pending = Pending()
-        t = Trace(self, pending, applied=self.interventions)
+        t = Trace(self, pending, applied=self.interventions, baseline=self.baseline)
         failed = True
         try:
             with tracer:
@@ -130,10 +151,14 @@ class Session:
                               unrestorable=state.unrestorable() if state is not None else ()))
         coverage.settle(t)
         if state is not None:
-            self._state, self.baseline = state, t
-        if not failed or self.latest is None:
-            self.latest = t
-            self._changed("latest")
+            self._state, self._is_baseline = state, True
+        if self._first is None:
+            self._first = weakref.ref(t)
+        elif not failed or self.latest is None:  # a rerun that failed does not replace one that ran
+            self._rerun = t
+        else:
+            return
+        self._changed("latest")
 
     # -- who is told of changes ------------------------------------------------------------------
     def on_change(self, callback) -> None:

@@ -57,8 +57,9 @@ class Trace:
     query this trace cannot answer); RuntimeError where the trace cannot do it at all (rerun a hw.tracing block
     or a step hw.watch kept)."""
 
-    def __init__(self, session, record: RunRecord | Pending, applied=()):
+    def __init__(self, session, record: RunRecord | Pending, applied=(), baseline: Trace | None = None):
         self.session = session
+        self._baseline = baseline  # a rerun's: the first run it is compared with, alive as long as the rerun is
         self.applied = tuple(applied)  # the interventions that were on in this run
         self._pending = record if isinstance(record, Pending) else Pending(record)
         self.facts = Facts()

@@ -198,6 +198,32 @@ def test_diff_reports_norms_cosine_and_loss(net):
     assert "5.weight" in repr(d) and "loss:" in repr(d)
 
 
+def test_a_dropped_trace_is_freed_at_once_and_a_rerun_keeps_its_baseline(net):
+    """A trace and its session form no reference cycle: `del t` frees the record and its tensors without the
+    garbage collector. A rerun keeps the first run it is compared with (t2.diff()) and is the session's latest."""
+    import gc
+    import weakref
+
+    model, x, y, step = net
+    gc.collect()
+    gc.disable()
+    try:
+        t = hw.trace(step)
+        freed, delta = weakref.ref(t), weakref.ref(t.layers["5"].delta)
+        del t
+        assert freed() is None and delta() is None
+        t = hw.trace(step)
+        t.add_hook("5", "grad_scale", factor=2.0)
+        t2 = t.rerun()
+        first = weakref.ref(t)
+        del t
+        assert first() is not None and t2.session.latest is t2 and t2.session.baseline is first()
+        d = t2.diff()
+        assert d.param("5.weight").after == pytest.approx(2 * d.param("5.weight").before, rel=1e-6)
+    finally:
+        gc.enable()
+
+
 def test_health_finds_the_first_nan_and_vanishing_layers():
     torch.manual_seed(0)
     deep = nn.Sequential(*[m for _ in range(12) for m in (nn.Linear(16, 16), nn.Sigmoid())])

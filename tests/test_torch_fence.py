@@ -212,6 +212,7 @@ def test_version_counts_in_place_writes():
             inf = torch.zeros(2)
         with pytest.raises(RuntimeError):
             tensors.version(inf)
+        assert tensors.versions([t, inf, None]) == [v + 1, None, None]  # no counter: None, not an error
 
 
 def test_view_base():

@@ -31,8 +31,12 @@ def version(t: torch.Tensor) -> int:
 
 def versions(ts) -> list:
     """version(t) of each tensor in `ts`, one call for the many a step or a run holds; None for None and for an
-    inference-mode tensor (it has no version counter)."""
-    return [None if t is None or t.is_inference() else t._version for t in ts]
+    inference-mode tensor (it has no version counter). Asked of every parameter and held tensor of a trace: the
+    inference-mode check only where reading one failed."""
+    try:
+        return [None if t is None else t._version for t in ts]
+    except RuntimeError:  # an inference-mode tensor among them
+        return [None if t is None or t.is_inference() else t._version for t in ts]
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
