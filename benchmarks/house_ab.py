@@ -5,8 +5,10 @@ shared machine hit both alike.
     python -m benchmarks.house_ab [--quick] [--before COMMIT] [--rounds N] [--out DIR]
 
 The package at COMMIT is extracted (`git archive COMMIT hookwidget`) into a temporary folder as `hookwidget_before`,
-with the working tree's built hookwidget/static; it imports under that name because it imports only relatively
-(checked: every import of `hookwidget...` in it must be relative, every module it loads must come from that folder).
+with the working tree's built hookwidget/static; its own absolute imports (`from hookwidget.x import ...`, as the
+house writes them) are renamed to `hookwidget_before`, so any commit compares (checked: no import of the working
+tree's `hookwidget` is left in it, and every module it loads comes from that folder). `--before HEAD` measures an
+uncommitted change.
 
 Three tables, CPU, `torch.set_num_threads(1)`, `time.process_time` (this process's CPU time: wall time is not
 reliable on a shared machine); each round times every variant once (a trace variant: the fastest of 4 equal chunks
