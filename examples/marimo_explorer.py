@@ -134,7 +134,7 @@ def _(mo):
 
     - In a new cell, `t.add_hook("fc2", "grad_scale", factor=0.5)` then `t.rerun()`: the explorer above
       shows the new hook and the new diff without a click.
-    - `w.trace(0)`: the kept Trace of step 0, the same object `hw.trace` returns.
+    - `w.trace()`: the kept Trace of the latest step, the same object `hw.trace` returns.
     - `hw.watch(net, keep=lambda step, stats: stats["global_grad_norm"] > 1)` keeps the steps you choose.
     """)
     return

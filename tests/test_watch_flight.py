@@ -36,7 +36,7 @@ def loop(model, x, y, steps, set_to_none=True, on_step=None):
 
 
 def test_only_kept_steps_are_assembled(monkeypatch):
-    """20 steps, nothing anomalous: the records of the first and the latest step are assembled, no other."""
+    """20 steps, nothing anomalous: the latest step's record is assembled (when the watch closes), no other."""
     built = []
     real = session_mod.assemble
 
@@ -49,9 +49,9 @@ def test_only_kept_steps_are_assembled(monkeypatch):
     model, x, y = model_and_data()
     with watch(model) as w:
         loop(model, x, y, 20)
-    assert w.kept == [0, 19] and len(built) == 2
-    w.trace(0), w.trace(19)  # asked again: assembled once
-    assert len(built) == 2
+    assert w.kept == [19] and len(built) == 1
+    w.trace(19), w.trace()  # asked again: assembled once
+    assert len(built) == 1
 
 
 def test_recorder_hooks_go_on_once(monkeypatch):
@@ -68,7 +68,7 @@ def test_recorder_hooks_go_on_once(monkeypatch):
     with watch(model) as w:
         loop(model, x, y, 12)
     assert len(entered) == 2  # the watch's statistics tracer and the recorder's
-    assert w.kept == [0, 11]
+    assert w.kept == [11]
 
 
 def test_dropped_steps_are_let_go():
@@ -88,7 +88,7 @@ def test_dropped_steps_are_let_go():
 
     running = []  # while the model runs: at the last layer's forward, every call of the running step is open
     model[4].register_forward_hook(lambda *_: running.append(calls() - base))
-    with watch(model) as w:
+    with watch(model, keep=lambda step, stats: step == 0) as w:
         loop(model, x, y, 30, on_step=count)
     per_step = 6  # the Sequential and its five layers, one call each
     assert alive[0] == per_step and set(alive[1:]) == {2 * per_step}  # step 0 (kept) and the latest, no other
@@ -114,7 +114,7 @@ def test_kept_step_under_in_place_writes():
         grads[k] = {n: p.grad.clone() for n, p in ref.named_parameters()}
 
     loop(ref, x, y, 8, set_to_none=False, on_step=on_ref)
-    with watch(model, keep=lambda step, stats: step == 3) as w:
+    with watch(model, keep=lambda step, stats: step in (0, 3)) as w:
         loop(model, x, y, 8, set_to_none=False)
     assert w.kept == [0, 3, 7]
     for k in w.kept:
@@ -146,7 +146,7 @@ def test_a_batch_buffer_reused_in_place_is_named_not_copied_every_step():
         F.mse_loss(ref(b), y).backward()
         opt_ref.step()
     opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
-    with watch(model, keep=lambda step, stats: step == 2) as w:
+    with watch(model, keep=lambda step, stats: step in (0, 2)) as w:
         for b in batches:
             buffer.copy_(b)
             opt.zero_grad()

@@ -108,7 +108,7 @@ def test_save_and_load_answer_as_the_live_watch(tmp_path):
         same_trace(w.trace(k), u.trace(k))
     assert u.trace() is u.trace(w.kept[-1])
     # Traces of one model share its stand-ins in the file (stored once)
-    assert u.trace(0).layers["0"].module is u.trace(20).layers["0"].module
+    assert u.trace(w.kept[-1]).layers["0"].module is u.trace(20).layers["0"].module
     # the page of the loaded watch is the live one's
     assert watch_export.data(u) == watch_export.data(w)
     # a loaded watch saves again as it was
@@ -128,8 +128,8 @@ def test_an_open_watch_saves_what_it_has_so_far(tmp_path):
             if k == 4:
                 w.save(tmp_path / "mid.pt")
     u = hw.load(tmp_path / "mid.pt")
-    assert u.steps == [0, 2, 4] and bitwise(u.stats, w.stats[:3]) and u.kept == [0, 4]
-    assert repr(u).endswith("5 steps, 3 recorded, 0 anomalies, traces kept at steps [0, 4]")
+    assert u.steps == [0, 2, 4] and bitwise(u.stats, w.stats[:3]) and u.kept == [4]
+    assert repr(u).endswith("5 steps, 3 recorded, 0 anomalies, traces kept at steps [4]")
 
 
 def test_a_loaded_watch_goes_to_tensorboard(tmp_path):
@@ -198,9 +198,9 @@ def test_what_needs_the_live_model_is_refused_in_one_line(tmp_path):
     u.close()  # nothing to close: no hooks
     with pytest.raises(KeyError) as e:
         u.trace(7)
-    one_line(e, "step 7 was not kept", "[0, 1]")
+    one_line(e, "step 7 was not kept", "[1]")
     with pytest.raises(RuntimeError, match="rerun"):
-        u.trace(0).rerun()
+        u.trace(1).rerun()
 
 
 # -- log_dir -------------------------------------------------------------------------------------------------------

@@ -174,7 +174,7 @@ def test_a_failing_display_never_breaks_the_loop(clock, caplog):
 
 def test_sync_open_and_rejected_messages(clock):
     model, opt, x, y = setup()
-    with watch(model) as w:
+    with watch(model, keep=lambda k, stats: k == 0) as w:
         for _ in range(6):
             step(model, opt, x, y)
     wid = w.widget()  # made after the loop: it starts from w.stats
@@ -248,7 +248,7 @@ def test_to_html_writes_the_data_with_names_as_text(tmp_path):
     assert data["steps"] == w.steps and data["kept"] == w.kept
     assert data["anomalies"] == [[a.step, a.where, a.reason] for a in w.anomalies] and data["anomalies"]
     assert set(data["traces"]) == {str(k) for k in w.kept}
-    assert data["traces"]["0"]["details"]  # the kept Traces' detail travels too
+    assert data["traces"][str(w.kept[0])]["details"]  # the kept Traces' detail travels too
 
 
 def test_a_watch_left_open_across_cells_is_pushed_after_each_cell(clock):

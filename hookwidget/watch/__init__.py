@@ -87,15 +87,16 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     from the end of backward k-1 (or the opening of the watch) to the end of backward k, so the Trace
     of step k holds the optimizer step and zero_grad that followed step k-1, the forward of step k
     and its backward (t.steps[-1], its .grad, its graph). w.trace(k) returns it for the kept steps
-    (w.kept): step 0, the latest step, and every anomalous step (at most max_kept of these;
-    w.dropped_traces counts the rest); w.trace() is the latest. The others are dropped as the next
-    step's forward begins (under compile: when its backward ends): while the model runs, only the
-    running step's recording is alive besides the kept ones.
+    (w.kept): every anomalous step, including those keep= asks for (at most max_kept of these;
+    w.dropped_traces counts the rest), and the latest step; w.trace() is the latest. No step is kept
+    for nothing: keep=lambda step, stats: step == 0 keeps the first, a healthy step to compare with.
+    The others are dropped as the next step's forward begins (under compile: when its backward ends):
+    while the model runs, only the running step's recording is alive besides the kept ones.
     A kept Trace costs what hw.trace of one step costs: each layer's input a and output gradient δ
     (up to trace_budget_mb, summaries beyond), copies of .grad as that backward found and left it
     (up to 2x the parameters' size), the graph of the step, and the loss. A long forward-only stretch
     between two backward passes (an evaluation loop with grad on) goes into one recording, within
-    the same budget. At worst, (max_kept + 3) Traces are alive, each up to trace_budget_mb of a and δ
+    the same budget. At worst, (max_kept + 2) Traces are alive, each up to trace_budget_mb of a and δ
     plus its .grad copies, on the model's device. Off, the watch keeps only the statistics: layers x 12
     float64 per recorded step.
 

@@ -355,7 +355,7 @@ class Watch:
         return self._flight.steps() if self._flight is not None else []
 
     def trace(self, k: int = -1):
-        """The full Trace of kept step k (the first, the latest, an anomalous one); k=-1: the latest."""
+        """The full Trace of kept step k (an anomalous one, one keep= asked for, the latest); k=-1: the latest."""
         if not self.flight_recorder:
             raise KeyError("the flight recorder is off: watch(model, flight_recorder=True) keeps full Traces")
         kept = self.kept

@@ -1,5 +1,5 @@
-"""The flight recorder: one recording per step, of which only the first, the latest and the anomalous steps'
-Traces are kept.
+"""The flight recorder: one recording per step, of which only the anomalous steps' (and those the user's keep=
+predicate asks for) and the latest step's Traces are kept.
 
 A recording costs what the running step already holds: references to a and δ (copy-on-write clones where the
 code may write them later), no gradient norms at graph nodes, and no Trace record assembled. When a step is
@@ -74,7 +74,7 @@ class FlightRecorder:
 
     def decide(self, step: int, later, flagged, latest: bool = False) -> None:
         """Keep step `step`'s Trace (assembled now, from what its recording holds) or let the recording go."""
-        if step == 0 or latest:
+        if latest:
             self.kept[step] = later.assemble()
         elif flagged(step):
             if sum(1 for k in self.kept if k != 0) < self.max_kept:
@@ -89,6 +89,6 @@ class FlightRecorder:
         if self.latest is not None and self.latest[0] == k:
             return self.latest[1].assemble()  # asked before it is judged: assembled now (once)
         if k not in self.kept:
-            raise KeyError(f"step {k} was not kept; kept steps: {self.steps()} (the first, the latest and "
-                           "anomalous ones)")
+            raise KeyError(f"step {k} was not kept; kept steps: {self.steps()} (the latest and "
+                           "anomalous ones; keep=lambda step, stats: step == 0 keeps the first)")
         return self.kept[k]

@@ -120,7 +120,7 @@ class SavedWatch:
         if k == -1 and kept:
             k = kept[-1]
         if k not in self._flight.traces:
-            raise KeyError(f"step {k} was not kept; kept steps: {kept} (the first, the latest and anomalous ones)")
+            raise KeyError(f"step {k} was not kept; kept steps: {kept} (the latest and anomalous ones)")
         return self._flight.traces[k]
 
     # -- what needs the live model ------------------------------------------------------------

@@ -119,10 +119,13 @@ def toggle_grad_zero(page, live, before_toggle: Callable | None = None):
     return status
 
 
-def open_kept_step(watch, step: int = 0):
-    """Click the watch view's first kept step (it must be `step`): its Trace opens in the explorer inside the watch
-    view, which talks to its own kernel-side widget (a click on fc1 shows its detail). Returns that explorer."""
+def open_kept_step(watch, step: int | None = None):
+    """Click the watch view's first kept step (it must be `step`, where given): its Trace opens in the explorer
+    inside the watch view, which talks to its own kernel-side widget (a click on fc1 shows its detail). Returns
+    that explorer."""
     kept = watch.locator("[data-kept-step]")
+    if step is None:
+        step = int(kept.first.get_attribute("data-kept-step"))
     assert kept.first.get_attribute("data-kept-step") == str(step)
     kept.first.click()
     opened_trace = watch.locator('[data-testid="watch-trace"] .hw-root')

@@ -131,7 +131,7 @@ def test_a_kept_step_of_the_watch_opens_in_the_explorer(notebook, img_dir):
     with _on_failure(page, img_dir, "kept_step"):
         watch = page.locator('[data-testid="watch"]')
         watch.locator('[data-testid="watch-state"]', has_text="closed").wait_for(timeout=120_000)
-        opened_trace = open_kept_step(watch, 0)
+        opened_trace = open_kept_step(watch)  # the latest step's
         assert opened_trace.locator('[data-testid="shape-a"]').inner_text().startswith("(6, 4)")
         watch.screenshot(path=str(img_dir / f"marimo_{page.mode}_watch_trace.png"))
         assert not page.errors, page.errors
