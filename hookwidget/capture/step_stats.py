@@ -233,7 +233,7 @@ class StatsKeep(Keep):
             host, r = step.host
             w = host[r, :, S["weight_norm"]]
             host[r, :, col] = torch.where(step.touched.cpu(), step.update.cpu().sqrt() / w, NAN)
-            host[r, :, S["lr"]] = lr_column(step.lr, len(self.layers))
+            host[r, :, S["lr"]] = torch.tensor(lr_column(step.lr, len(self.layers)), dtype=F64)
             self.rule.changed()
 
 
@@ -263,12 +263,13 @@ def learning_rates(opt, layer_groups: list) -> dict:
     return {li: lrs[gi] for li, gi in layer_groups if lrs[gi] is not None}
 
 
-def lr_column(lr: dict, n_layers: int) -> torch.Tensor:
-    """The (layers,) float64 host column of a step's learning rates (NaN: no optimizer stepped the layer)."""
+def lr_column(lr: dict, n_layers: int) -> list:
+    """A step's learning rate of each layer, as floats for its host row's column (NaN: no optimizer stepped the
+    layer)."""
     col = [NAN] * n_layers
     for li, v in lr.items():
         col[li] = float(v.cpu()) if isinstance(v, torch.Tensor) else float(v)
-    return torch.tensor(col, dtype=F64)
+    return col
 
 
 register(STATS, StatsKeep)

@@ -35,8 +35,8 @@ class Detector:
 
     def check(self, step: int, row: torch.Tensor, step_row: torch.Tensor, order: dict, a_order: dict,
               has_loss: bool = True, skipped: str | None = None) -> None:
-        """skipped: why a GradScaler skipped this step (its non-finite values are then said to be the
-        scaler's found-inf, not left to read as the model's fault)."""
+        """`row`, `step_row`: host float64 rows. skipped: why a GradScaler skipped this step (its non-finite
+        values are then said to be the scaler's found-inf, not left to read as the model's fault)."""
         first = len(self.anomalies)
         if skipped is not None:
             self._add(step, "scaler", skipped)
@@ -45,7 +45,7 @@ class Detector:
             loss = None  # backward started from no scalar: nothing to judge
         if loss is not None and not math.isfinite(loss):
             self._add(step, "loss", f"non-finite loss ({loss})")
-        if bool(row[:, _COUNTS].nan_to_num(0.0).any()):  # else (the usual case) nothing to locate
+        if (row.numpy()[:, _COUNTS] > 0).any():  # else (the usual case) nothing to locate (NaN: not counted)
             self._first_bad(step, row, order, ("delta_nan", "delta_inf"), "δ (output gradient) non-finite: the first "
                             "layer in backward order whose δ is; every layer the gradient reached before it had a "
                             "finite δ")
