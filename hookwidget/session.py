@@ -232,14 +232,14 @@ class Session:
 
 class Deferred:
     """One recording whose record is assembled on demand: the flight recorder's (hw.watch), which judges a step
-    after it ended and drops most steps unassembled. Its Trace exists from the start (as a recording's does);
-    `ended(captured, tracer)` gives it what the tracer captured, its Records or a settled Recording that a cut
-    returned (`steps`: how many backward passes); `assemble()` builds the record once (finishing the Recording
-    first) and returns the Trace."""
+    after it ended and drops most steps unassembled. `ended(captured, tracer)` gives it what the tracer captured,
+    its Records or a settled Recording that a cut returned (`steps`: how many backward passes); `assemble()`
+    makes its Trace and record once (finishing the Recording first) and returns the Trace. A dropped step makes
+    neither."""
 
     def __init__(self, session: Session):
-        self.session, self.pending = session, Pending()
-        self.trace = Trace(session, self.pending, applied=session.interventions)
+        self.session = session
+        self.trace: Trace | None = None
         self.steps = 0
         self._captured = None
 
@@ -248,11 +248,14 @@ class Deferred:
             self.steps, self._captured = len(captured.steps), (captured, tracer)
 
     def assemble(self) -> Trace:
-        held, self._captured = self._captured, None
-        if held is not None:
-            captured, tracer = held
-            records = captured.finish(tracer.answers) if isinstance(captured, Recording) else captured
-            self.session._ended(self.trace, self.pending, records, tracer, None, False)
+        if self.trace is None:
+            pending = Pending()
+            self.trace = Trace(self.session, pending, applied=self.session.interventions)
+            held, self._captured = self._captured, None
+            if held is not None:
+                captured, tracer = held
+                records = captured.finish(tracer.answers) if isinstance(captured, Recording) else captured
+                self.session._ended(self.trace, pending, records, tracer, None, False)
         return self.trace
 
 
