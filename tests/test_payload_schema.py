@@ -147,8 +147,8 @@ def test_the_watchs_rows_follow_the_schema():
     wid = ww.WatchWidget(w)
     sent = []
     wid.send = lambda content, buffers=None: sent.append(content)
-    for content in ({"type": "sync", "have": 1, "request_id": "s1"}, {"type": "open", "step": 0, "request_id": "s2"},
-                    {"type": "open", "step": 1, "request_id": "s3"}):
+    for content in ({"type": "sync", "have": 1, "request_id": "s1"}, {"type": "open", "step": 2, "request_id": "s2"},
+                    {"type": "open", "step": 1, "request_id": "s3"}):  # 2: the latest, kept; 1: not kept
         check(f"request_{content['type']}", content)
         wid._on_msg(wid, content, [])
     assert [(m["type"], m.get("state")) for m in sent] == [("rows", "closed"), ("status", "done"), ("status", "error")]

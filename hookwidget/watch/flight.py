@@ -77,7 +77,7 @@ class FlightRecorder:
         if latest:
             self.kept[step] = later.assemble()
         elif flagged(step):
-            if sum(1 for k in self.kept if k != 0) < self.max_kept:
+            if len(self.kept) < self.max_kept:  # the latest joins them at the end, beyond max_kept
                 self.kept[step] = later.assemble()
             else:
                 self.dropped += 1
