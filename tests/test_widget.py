@@ -166,7 +166,14 @@ def test_widget_does_not_keep_a_displayed_trace_alive(seed_mlp):
     gc.collect()
     assert ref() is None
     [(reply, _)] = msg(w, type="detail", target="fc1", request_id="r9")
-    assert reply["state"] == "error" and reply["text"] == "this trace was freed: run the cell again"
+    assert reply["state"] == "error" and reply["text"].startswith("this trace was freed") and "t = hw.trace(" in \
+        reply["text"]
+    # A trace nothing holds (no variable) is freed at once, without the collector: the widget says how to keep it.
+    w = hw.trace(seed_mlp[3]).widget()
+    w.sent = []
+    w.send = lambda content, buffers=None: w.sent.append((content, buffers or []))
+    [(reply, _)] = msg(w, type="detail", target="fc1", request_id="r10")
+    assert reply["state"] == "error" and "keep it in a variable" in reply["text"]
 
 
 def test_widget_and_python_share_the_hooks_and_the_latest_trace(widget):

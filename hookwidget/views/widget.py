@@ -43,6 +43,11 @@ NOT_BUILT = ('export default { render({ el }) { el.textContent = "hookwidget: th
              '(hookwidget/static/widget.js is missing): run `npm run build` or `pip install -e .`"; } };')
 
 
+# A widget holds its trace weakly, so a trace that nothing else holds (`hw.trace(step).widget()`) is freed at once.
+FREED = ("this trace was freed (nothing holds it any more): keep it in a variable, t = hw.trace(step), show t or "
+         "t.widget(), and run the cell again")
+
+
 class TraceFreed(RuntimeError):
     """The trace this widget showed was garbage-collected (the widget holds it weakly)."""
 
@@ -85,7 +90,7 @@ class HookWidget(anywidget.AnyWidget):
         t = getattr(session, "latest", None) if session is not None else None
         t = t if t is not None else self._trace_ref()
         if t is None:
-            raise TraceFreed("this trace was freed: run the cell again")
+            raise TraceFreed(FREED)
         return t
 
     @trace.setter
