@@ -63,7 +63,6 @@ class Trace:
         self.applied = tuple(applied)  # the interventions that were on in this run
         self._pending = record if isinstance(record, Pending) else Pending(record)
         self.facts = Facts()
-        self._user_hooks = None  # see user_hooks
 
     @property
     def record(self) -> RunRecord:
@@ -101,14 +100,8 @@ class Trace:
 
     @property
     def user_hooks(self) -> dict[str, list[str]]:
-        """Hooks the user's code left on the layers and leaves, by name."""
-        return self.record.user_hooks if self._user_hooks is None else self._user_hooks
-
-    @user_hooks.setter
-    def user_hooks(self, hooks: dict) -> None:
-        # Only while watch/flight.py still rewrites them to leave out the watch's hooks, which the record leaves
-        # out already (record/assemble.py: hookwidget's own hooks are never the user's): then delete this setter.
-        self._user_hooks = hooks
+        """Hooks the user's code left on the layers and leaves, by name (hookwidget's own are never listed)."""
+        return self.record.user_hooks
 
     @property
     def note_records(self) -> tuple[Note, ...]:
