@@ -58,8 +58,7 @@ class Step:
         self.order: dict = {}  # layer index -> position in backward order (δ arrival)
         self.a_order: dict = {}  # layer index -> position in forward order (of the calls δ reached)
         self.ds: list = []  # (layer index, forward position, reduce_delta(δ), reduce_input(a) or None) per call
-        self.calls = 0  # forward calls of watched layers so far
-        self.begun = False  # a watched layer's forward ran in this step (Watched.began told)
+        self.calls = 0  # forward calls of watched layers so far (the first tells Watched.began)
         self.loss = None
         self.has_loss = False
         self.row = self.step_row = None  # (layers, stats) and [loss, global grad norm], when backward ends
@@ -103,13 +102,12 @@ class StatsKeep(Keep):
 
     def on_call(self, module, inputs, out):
         cur = self.cur
-        if not cur.begun:
-            cur.begun = True
+        if cur.calls == 0:
             self.rule.began(cur)
+        cur.calls += 1
         if not cur.recorded:
             return None
         a = first_tensor(inputs)
-        cur.calls += 1
         li = self.layer_of[module]
         call = self.ps.forward(cur, li, module, a) if self.ps is not None else None
         return li, reduce_input(a) if a is not None else None, cur.calls, call
