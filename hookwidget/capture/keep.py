@@ -42,7 +42,10 @@ its target modules itself, not their submodules, with one forward hook. The trac
   token, and the tracer hooks δ of `out` and hands the token to `on_delta(module, token, grad, modules)`, or None;
 - `compiled_call(module, inputs, output)`: the same inside torch.compile (Dynamo traces it into the graph):
   what the forward hook returns;
-- `on_rerun(module)`: a call that backward runs (gradient checkpointing recomputing its forward);
+- `on_recompute(module, inputs, out)`: a call that backward runs (gradient checkpointing recomputing its
+  forward, on whichever thread autograd runs it; out requires grad): a token as on_call gives, or None. Under
+  reentrant checkpointing its δ arrives (the recomputation is what backward differentiates); under non-reentrant
+  checkpointing it never does (backward uses the first forward's graph), and the token is dropped unused;
 - `begin_pass(kind, roots)` / `end_pass()`: an outermost backward / autograd.grad call starts / ends (the
   strategy decides which passes are steps).
 
@@ -106,8 +109,8 @@ class Keep:
     def compiled_call(self, module, inputs, output):
         return None
 
-    def on_rerun(self, module) -> None:
-        pass
+    def on_recompute(self, module, inputs, out):
+        return None
 
     def begin_pass(self, kind: str, roots: list) -> None:
         pass

@@ -68,7 +68,6 @@ class Step:
         self.compiled = False  # statistics came (also) from compiled code (compiled_stats.py)
         self.scale = self.next_scale = None  # a GradScaler's scale at this backward and at the next
         self.roots = None  # the roots of a backward no eager hook saw (the watch judges why, then lets them go)
-        self.rerun: set = set()  # layers backward ran again (checkpointing) whose δ the hooks did not see
         self.ps_batch, self.ps_calls, self.ps_sq, self.ps_bad = None, {}, {}, False  # per_sample=True (PerSample)
         self.ps = None  # [largest per-sample gradient norm, its sample], when backward ends
 
@@ -112,8 +111,21 @@ class StatsKeep(Keep):
         call = self.ps.forward(cur, li, module, a) if self.ps is not None else None
         return li, reduce_input(a) if a is not None else None, cur.calls, call
 
-    def on_rerun(self, module) -> None:
-        self.cur.rerun.add(self.layer_of[module])
+    def on_recompute(self, module, inputs, out):
+        """A forward that backward reruns (gradient checkpointing): reduced as a call, without counting as one of
+        the step's forward calls (its forward began long before). Its δ arrives under reentrant checkpointing, whose
+        first forward ran without grad and went unseen; under non-reentrant checkpointing it never does, and the
+        first forward's call is the one counted. Per-sample norms take it only where the step holds no call of the
+        layer yet (the reentrant case): the non-reentrant recomputation's input would be a second copy held."""
+        cur = self.cur
+        if not cur.recorded or self.kind != "backward":
+            return None
+        a = first_tensor(inputs)
+        li = self.layer_of[module]
+        with self.lock:  # autograd may run the recomputation on one of its device threads
+            fresh = self.ps is not None and li not in cur.ps_calls
+            call = self.ps.forward(cur, li, module, a) if fresh else None
+        return li, reduce_input(a) if a is not None else None, cur.calls, call
 
     def on_delta(self, module, token, grad, modules) -> bool:
         if self.kind != "backward":
@@ -152,8 +164,6 @@ class StatsKeep(Keep):
         compiled_stats.take(self.sinks, step)
         if step.roots is not None and (step.delta or step.ds):
             step.roots = None  # compiled code's hooks saw it
-        if step.rerun:  # those whose δ arrived were seen (non-reentrant checkpointing): not missed
-            step.rerun -= {d[0] for d in step.ds}
         if step.recorded:
             self._reduce(step)
             unscale_row(step.row, step.step_row, step.scale)

@@ -208,15 +208,14 @@ class Tracer:
             return self.run.keep.compiled_call(module, inputs, output) if self.run.hooks.active else None
         if not self.run.hooks.active:
             return None
-        if _current_node() is not None:  # rerun by backward: gradient checkpointing
-            self.run.keep.on_rerun(module)
-            return None
-        if _get_ident() != self.thread:
+        recomputed = _current_node() is not None  # rerun by backward: gradient checkpointing
+        if not recomputed and _get_ident() != self.thread:
             return None
         out = first_tensor(output)
         if out is None or not out.requires_grad:
             return None
-        token = self.run.keep.on_call(module, inputs, out)
+        keep = self.run.keep
+        token = keep.on_recompute(module, inputs, out) if recomputed else keep.on_call(module, inputs, out)
         if token is not None:
             hook_output(self.run.hooks.tensor, out, self._delta_hook(module, token, streaming=True))
         return None

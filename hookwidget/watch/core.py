@@ -32,12 +32,6 @@ AGAIN = ("hw.watch: {model} is already watched by an open watch ({other}); both 
          "close that one first (w.close()), or open watches as `with hw.watch(model) as w:`")
 
 
-RERUN = ("hw.watch: layers run under reentrant gradient checkpointing (torch.utils.checkpoint with "
-         "use_reentrant=True) are recomputed inside backward, where the watch does not see their δ and input: "
-         "{layers}: their delta_* and a_* statistics are NaN (not measured, though reached); grad_norm, weight_norm "
-         "and update_ratio are exact. use_reentrant=False (or gradient_checkpointing_kwargs={{'use_reentrant': "
-         "False}}) is seen in full")
-
 NOT_CALLED = ("hw.watch: no call of {layers} reached backward in the first recorded step: their delta_* and a_* "
               "statistics are NaN (not measured); grad_norm, weight_norm and update_ratio are recorded wherever their "
               "weights get a gradient. A layer whose weight another module uses directly is never called itself "
@@ -101,8 +95,6 @@ class Watch:
         self.thread = threading.get_ident()  # the thread whose GradScaler.scale() calls tell the scaler (amp.py)
         self._unseen_checks = 0  # steps checked for hooks that compiled code did not call (at most 3)
         self._warned = False  # the "hooks not seen" warning, given once
-        self._rerun_layers: set = set()  # layers seen only inside backward (reentrant checkpointing)
-        self._rerun_note = None  # where their note is in self.notes
         self._called_checked = False  # the first recorded step's layers without a call: named once
         self._rows = HostRows(len(self._layers), self._detector, lambda: self._amp, ps is not None, self._tell)
         self._tracer = Tracer(self._layers, capture=STATS, norms_rule=Watched(
@@ -192,8 +184,6 @@ class Watch:
             self.notes.append(compiled.FLIGHT)
         if step.roots is not None:
             self._unseen(step)
-        if step.rerun and step.recorded:
-            self._rerun(step.rerun)
         if not self._called_checked and step.recorded and step.order and not step.compiled:
             self._not_called(step)
         odd = self._ps.odd_note() if self._ps is not None else None
@@ -214,25 +204,10 @@ class Watch:
             self._flush(upto=step.index - 1)
             self._flight.judge(self._detector.flagged)
 
-    def _rerun(self, layers: set) -> None:
-        """Layers that ran only inside backward (reentrant checkpointing): named in one note, warned once."""
-        new = sorted(layers - self._rerun_layers)
-        if not new:
-            return
-        self._rerun_layers.update(new)
-        names = [self.layer_names[li] for li in sorted(self._rerun_layers)]
-        note = RERUN.format(layers=", ".join(names[:8]) + (" ..." if len(names) > 8 else ""))
-        if self._rerun_note is None:  # the first: warned; later layers join the same note
-            self._rerun_note = len(self.notes)
-            self.notes.append(note)
-            warnings.warn(note, stacklevel=5)
-        else:
-            self.notes[self._rerun_note] = note
-
     def _not_called(self, step) -> None:
         """Watched layers no call of which reached backward in the first recorded step: named in one note."""
         self._called_checked = True
-        seen = set(step.order) | step.rerun  # the layers whose δ arrived, and those rerun inside backward
+        seen = step.order  # the layers whose δ arrived (a recomputation's too: gradient checkpointing)
         names = [n for li, n in enumerate(self.layer_names) if li not in seen]
         if names:
             self.notes.append(NOT_CALLED.format(layers=", ".join(names[:8]) + (" ..." if len(names) > 8 else "")))
