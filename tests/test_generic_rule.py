@@ -182,6 +182,63 @@ def test_rmsnorm_lora_and_layer_scale():
     close(t.per_sample_grad_norms(), norms_of(ref))
 
 
+class TimmLayerNorm(nn.LayerNorm):
+    """timm's LayerNorm: its own forward (so no exact rule), F.layer_norm with the parameters in their shape."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """torchvision's ConvNeXt LayerNorm2d: channels normalised at each pixel, through a permute."""
+
+    def forward(self, x):
+        x = x.permute(0, 2, 3, 1)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps).permute(0, 3, 1, 2)
+
+
+class GroupNormAct(nn.GroupNorm):
+    """timm's GroupNormAct: F.group_norm, then an activation."""
+
+    def forward(self, x):
+        return F.gelu(F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps))
+
+
+def test_norms_that_take_their_affine_parameters_whole_get_rows_from_one_backward(monkeypatch):
+    """F.layer_norm and F.group_norm want weight and bias in their own shape: the generic rule splits the affine part
+    off (affine.py) instead of vmapping the forward; a frozen bias, and a 2-D normalised shape, included."""
+    from hookwidget.layers import generic
+
+    batch_copies, failed = generic._batch_copies, []
+
+    def watched(module, *args, **kwargs):
+        try:
+            return batch_copies(module, *args, **kwargs)
+        except Exception as e:  # the affine split did not apply: the forward would be vmapped instead
+            failed.append(f"{type(module).__name__}: {e}")
+            raise
+
+    monkeypatch.setattr(generic, "_batch_copies", watched)
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), LayerNorm2d(8), nn.Conv2d(8, 8, 1), GroupNormAct(4, 8),
+                         nn.Flatten(), nn.Linear(8 * 25, 4))
+    conv[3].bias.requires_grad_(False)
+    seq = nn.Sequential(nn.Linear(6, 6), TimmLayerNorm(6), TimmLayerNorm([4, 6]), nn.Linear(6, 2))
+    for model, x in ((conv, torch.randn(B, 3, 5, 5)), (seq, torch.randn(B, 4, 6))):
+        for m in model.modules():  # non-trivial affine parameters
+            for p in m.parameters(recurse=False):
+                p.data.add_(torch.randn_like(p) * 0.3)
+        t = traced(model, lambda m=model, x=x: m(x).pow(2).sum())
+        ref = loop_reference(model, lambda i, m=model, x=x: m(x[i:i + 1]).pow(2).sum())
+        assert not t.per_sample_left_out
+        generic_layers = [n for n, m in model.named_children() if fx.is_generic(m)]
+        assert len(generic_layers) == 2
+        for layer in generic_layers:
+            check_layer(t, model, ref, layer)
+        close(t.per_sample_grad_norms(), norms_of(ref))
+    assert not failed
+
+
 def test_weight_norm_conv():
     """weight_norm: the conv owns its parametrization's original0 / original1 (the container is no layer)."""
     torch.manual_seed(0)

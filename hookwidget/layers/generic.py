@@ -12,6 +12,7 @@ samples (BatchNorm in train mode) fails it and is named in a note, never used.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -22,6 +23,7 @@ from torch.nn.utils import parametrize
 
 from hookwidget._torch.modules import children, own_parameters, parameters_swapped
 from hookwidget._torch.pytree import tree_flatten, tree_unflatten
+from hookwidget.layers.affine import SplitAffine
 
 MIXES = "mixes samples: per-sample gradients are not separable"
 _CONTAINERS = (nn.ParameterList, nn.ParameterDict)
@@ -396,9 +398,11 @@ def _batch_copies(module, call, params: dict, B: int, kind: str, shape_of) -> tu
     rank = prep.cots[0].dim()
     xs = [prep.leaves[i] for i in prep.batched]
     copies = {n: p.detach().expand(shape_of(p, rank)).clone().requires_grad_() for n, p in params.items()}
+    split = SplitAffine(copies.values(), B) if kind == "vector" else contextlib.nullcontext()
     with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)), torch.enable_grad():
         state = torch.get_rng_state()
-        outs = _forward(module, prep, copies, xs, False)
+        with split:  # a norm that takes its affine parameters in their own shape: see affine.py
+            outs = _forward(module, prep, copies, xs, False)
         if not torch.equal(state, torch.get_rng_state()):
             raise NotApplicable("its forward draws random numbers")
         if any(o.shape != c.shape for o, c in zip(outs, prep.cots)):

@@ -1,0 +1,73 @@
+"""A norm's affine parameters as per-sample copies, for the generic rule's rerun (generic.vector_params).
+
+F.layer_norm and F.group_norm take their weight and bias in the parameter's own shape, so the copies that
+vector_params passes instead, one per sample ((B, 1, ..., *shape), broadcast against the output), cannot go through
+them: such a forward (timm's LayerNorm, torchvision's and timm's LayerNorm2d, GroupNormAct) fell back to a vmap of the
+forward, 2-3x the cost. Inside the rerun, `SplitAffine` splits a call that gets a copy into the norm without its
+affine part and the affine part after it, y = norm(x) ⊙ w + b, each copy broadcast to its sample's rows. That is the
+same function of w and b (the fused kernel differs by rounding only), and neither mixes samples: the gradient of
+copy b is sample b's. A call it cannot split (a batch that is not the copies', a weight reshaped or cast first, so no
+longer the copy itself) runs as written, and fails as before, where vmap answers.
+
+Floor: layers. Uses torch's public TorchFunctionMode.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+class SplitAffine(TorchFunctionMode):
+    """Active around one rerun of a forward with per-sample copies `copies` (the copy tensors, batch `B` first)."""
+
+    def __init__(self, copies, B: int):
+        super().__init__()
+        self.copies, self.B = {id(c) for c in copies}, B
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        split = _SPLIT.get(func)
+        if split is not None:
+            out = split(self, *args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+    def _holds(self, x: torch.Tensor, *affine) -> bool:
+        return x.dim() > 0 and x.shape[0] == self.B and any(t is not None and id(t) in self.copies for t in affine)
+
+    def _affine(self, y: torch.Tensor, weight, bias, shape: tuple, lead: int) -> torch.Tensor:
+        """y ⊙ w + b, a copy (B, ..., *shape) laid out as (B, 1 × (lead - 1), *shape), a parameter as (*shape)
+        followed by `trailing` ones (the dims after the parameter's: a channel's spatial dims)."""
+        trailing = y.dim() - lead - len(shape)
+        for t, apply in ((weight, torch.mul), (bias, torch.add)):
+            if t is None:
+                continue
+            if id(t) in self.copies:
+                t = t.reshape(self.B, *[1] * (lead - 1), *shape, *[1] * trailing)
+            else:
+                t = t.reshape(*shape, *[1] * trailing)
+            y = apply(y, t)
+        return y
+
+
+def _layer_norm(mode: SplitAffine, input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    if not mode._holds(input, weight, bias):
+        return None
+    shape = tuple(normalized_shape) if not isinstance(normalized_shape, int) else (normalized_shape,)
+    if input.dim() <= len(shape):  # no batch dimension before the normalised ones
+        return None
+    y = F.layer_norm(input, shape, None, None, eps)
+    return mode._affine(y, weight, bias, shape, input.dim() - len(shape))
+
+
+def _group_norm(mode: SplitAffine, input, num_groups, weight=None, bias=None, eps=1e-5):
+    if not mode._holds(input, weight, bias) or input.dim() < 2:
+        return None
+    y = F.group_norm(input, num_groups, None, None, eps)
+    return mode._affine(y, weight, bias, (input.shape[1],), 1)
+
+
+_SPLIT = {F.layer_norm: _layer_norm, F.group_norm: _group_norm}
