@@ -204,9 +204,23 @@ class GroupNormAct(nn.GroupNorm):
         return F.gelu(F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps))
 
 
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's BatchNormAct2d: F.batch_norm (here in eval mode, its running statistics), then an activation."""
+
+    def forward(self, x):
+        return F.relu(F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.1,
+                                   self.eps))
+
+
+class InstanceNormAct(nn.InstanceNorm2d):
+    def forward(self, x):
+        return F.silu(F.instance_norm(x, None, None, self.weight, self.bias, True, 0.1, self.eps))
+
+
 def test_norms_that_take_their_affine_parameters_whole_get_rows_from_one_backward(monkeypatch):
-    """F.layer_norm and F.group_norm want weight and bias in their own shape: the generic rule splits the affine part
-    off (affine.py) instead of vmapping the forward; a frozen bias, and a 2-D normalised shape, included."""
+    """F.layer_norm, F.group_norm, F.batch_norm and F.instance_norm want weight and bias in their own shape: the
+    generic rule splits the affine part off (affine.py) instead of vmapping the forward; a frozen bias, and a 2-D
+    normalised shape, included."""
     from hookwidget.layers import generic
 
     batch_copies, failed = generic._batch_copies, []
@@ -223,8 +237,12 @@ def test_norms_that_take_their_affine_parameters_whole_get_rows_from_one_backwar
     conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), LayerNorm2d(8), nn.Conv2d(8, 8, 1), GroupNormAct(4, 8),
                          nn.Flatten(), nn.Linear(8 * 25, 4))
     conv[3].bias.requires_grad_(False)
+    norms = nn.Sequential(nn.Conv2d(3, 4, 3), BatchNormAct2d(4), nn.Conv2d(4, 4, 1), InstanceNormAct(4, affine=True),
+                          nn.Flatten(), nn.Linear(4 * 9, 2)).eval()
+    norms[1].running_mean.uniform_(-1, 1)
+    norms[1].running_var.uniform_(0.5, 2)
     seq = nn.Sequential(nn.Linear(6, 6), TimmLayerNorm(6), TimmLayerNorm([4, 6]), nn.Linear(6, 2))
-    for model, x in ((conv, torch.randn(B, 3, 5, 5)), (seq, torch.randn(B, 4, 6))):
+    for model, x in ((conv, torch.randn(B, 3, 5, 5)), (norms, torch.randn(B, 3, 5, 5)), (seq, torch.randn(B, 4, 6))):
         for m in model.modules():  # non-trivial affine parameters
             for p in m.parameters(recurse=False):
                 p.data.add_(torch.randn_like(p) * 0.3)

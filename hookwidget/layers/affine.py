@@ -1,13 +1,15 @@
 """A norm's affine parameters as per-sample copies, for the generic rule's rerun (generic.vector_params).
 
-F.layer_norm and F.group_norm take their weight and bias in the parameter's own shape, so the copies that
-vector_params passes instead, one per sample ((B, 1, ..., *shape), broadcast against the output), cannot go through
-them: such a forward (timm's LayerNorm, torchvision's and timm's LayerNorm2d, GroupNormAct) fell back to a vmap of the
-forward, 2-3x the cost. Inside the rerun, `SplitAffine` splits a call that gets a copy into the norm without its
-affine part and the affine part after it, y = norm(x) ⊙ w + b, each copy broadcast to its sample's rows. That is the
-same function of w and b (the fused kernel differs by rounding only), and neither mixes samples: the gradient of
-copy b is sample b's. A call it cannot split (a batch that is not the copies', a weight reshaped or cast first, so no
-longer the copy itself) runs as written, and fails as before, where vmap answers.
+F.layer_norm, F.group_norm, F.batch_norm and F.instance_norm take their weight and bias in the parameter's own
+shape, so the copies that vector_params passes instead, one per sample ((B, 1, ..., *shape), broadcast against the
+output), cannot go through them: such a forward (timm's LayerNorm, torchvision's and timm's LayerNorm2d,
+GroupNormAct, BatchNormAct2d) fell back to a vmap of the forward, 2-3x the cost. Inside the rerun, `SplitAffine`
+splits a call that gets a copy into the norm without its affine part and the affine part after it,
+y = norm(x) ⊙ w + b, each copy broadcast to its sample's rows. That is the same function of w and b (the fused
+kernel differs by rounding only), and the affine part mixes no samples: the gradient of copy b is sample b's (where
+the norm itself mixes samples, batch statistics, the generic rule's check of one sample run alone refuses the rows).
+A call it cannot split (a batch that is not the copies', a weight reshaped or cast first, so no longer the copy
+itself) runs as written, and fails as before, where vmap answers.
 
 Floor: layers. Uses torch's public TorchFunctionMode.
 """
@@ -70,4 +72,23 @@ def _group_norm(mode: SplitAffine, input, num_groups, weight=None, bias=None, ep
     return mode._affine(y, weight, bias, (input.shape[1],), 1)
 
 
-_SPLIT = {F.layer_norm: _layer_norm, F.group_norm: _group_norm}
+def _batch_norm(mode: SplitAffine, input, running_mean, running_var, weight=None, bias=None, training=False,
+                momentum=0.1, eps=1e-5):
+    """Eval mode normalises each sample alone; train mode mixes samples through the batch statistics, so its rows
+    are contributions, which the generic rule's check of one sample run alone refuses (as the vmap rule does)."""
+    if not mode._holds(input, weight, bias) or input.dim() < 2:
+        return None
+    y = F.batch_norm(input, running_mean, running_var, None, None, training, momentum, eps)
+    return mode._affine(y, weight, bias, (input.shape[1],), 1)
+
+
+def _instance_norm(mode: SplitAffine, input, running_mean=None, running_var=None, weight=None, bias=None,
+                   use_input_stats=True, momentum=0.1, eps=1e-5):
+    if not mode._holds(input, weight, bias) or input.dim() < 2:
+        return None
+    y = F.instance_norm(input, running_mean, running_var, None, None, use_input_stats, momentum, eps)
+    return mode._affine(y, weight, bias, (input.shape[1],), 1)
+
+
+_SPLIT = {F.layer_norm: _layer_norm, F.group_norm: _group_norm, F.batch_norm: _batch_norm,
+          F.instance_norm: _instance_norm}
