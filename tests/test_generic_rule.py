@@ -217,10 +217,37 @@ class InstanceNormAct(nn.InstanceNorm2d):
         return F.silu(F.instance_norm(x, None, None, self.weight, self.bias, True, 0.1, self.eps))
 
 
+class LayerScale2d(nn.Module):
+    """timm's LayerScale2d: its parameter viewed (1, C, 1, 1) for the NCHW layout."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), 0.5))
+
+    def forward(self, x):
+        return x * self.gamma.view(1, -1, 1, 1)
+
+
+class GlobalResponseNorm(nn.Module):
+    """timm's GRN, channels last (permuted here from NCHW and back): weight and bias viewed (1, 1, 1, C), through
+    addcmul."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.zeros(dim)), nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        x = x.permute(0, 2, 3, 1)
+        g = x.norm(p=2, dim=(1, 2), keepdim=True)
+        n = g / (g.mean(dim=-1, keepdim=True) + 1e-6)
+        return (x + torch.addcmul(self.bias.view((1, 1, 1, -1)), self.weight.reshape(1, 1, 1, -1), x * n)).permute(
+            0, 3, 1, 2)
+
+
 def test_norms_that_take_their_affine_parameters_whole_get_rows_from_one_backward(monkeypatch):
-    """F.layer_norm, F.group_norm, F.batch_norm and F.instance_norm want weight and bias in their own shape: the
-    generic rule splits the affine part off (affine.py) instead of vmapping the forward; a frozen bias, and a 2-D
-    normalised shape, included."""
+    """F.layer_norm, F.group_norm, F.batch_norm and F.instance_norm want weight and bias in their own shape, and a
+    layer scale views its parameter (1, C, 1, 1): the generic rule splits the affine part off, or lays the copies out
+    the same way (affine.py), instead of vmapping the forward; a frozen bias, and a 2-D normalised shape, included."""
     from hookwidget.layers import generic
 
     batch_copies, failed = generic._batch_copies, []
@@ -242,7 +269,10 @@ def test_norms_that_take_their_affine_parameters_whole_get_rows_from_one_backwar
     norms[1].running_mean.uniform_(-1, 1)
     norms[1].running_var.uniform_(0.5, 2)
     seq = nn.Sequential(nn.Linear(6, 6), TimmLayerNorm(6), TimmLayerNorm([4, 6]), nn.Linear(6, 2))
-    for model, x in ((conv, torch.randn(B, 3, 5, 5)), (norms, torch.randn(B, 3, 5, 5)), (seq, torch.randn(B, 4, 6))):
+    scales = nn.Sequential(nn.Conv2d(3, 6, 3), LayerScale2d(6), nn.Conv2d(6, 6, 1), GlobalResponseNorm(6),
+                           nn.Flatten(), nn.Linear(6 * 9, 2))
+    for model, x in ((conv, torch.randn(B, 3, 5, 5)), (norms, torch.randn(B, 3, 5, 5)), (seq, torch.randn(B, 4, 6)),
+                     (scales, torch.randn(B, 3, 5, 5))):
         for m in model.modules():  # non-trivial affine parameters
             for p in m.parameters(recurse=False):
                 p.data.add_(torch.randn_like(p) * 0.3)

@@ -16,6 +16,8 @@ Floor: layers. Uses torch's public TorchFunctionMode.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -24,9 +26,9 @@ from torch.overrides import TorchFunctionMode
 class SplitAffine(TorchFunctionMode):
     """Active around one rerun of a forward with per-sample copies `copies` (the copy tensors, batch `B` first)."""
 
-    def __init__(self, copies, B: int):
+    def __init__(self, copies: dict, B: int):
         super().__init__()
-        self.copies, self.B = {id(c) for c in copies}, B
+        self.copies, self.B = {id(c): numel for c, numel in copies.items()}, B  # copy -> its parameter's numel
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -90,5 +92,24 @@ def _instance_norm(mode: SplitAffine, input, running_mean=None, running_var=None
     return mode._affine(y, weight, bias, (input.shape[1],), 1)
 
 
-_SPLIT = {F.layer_norm: _layer_norm, F.group_norm: _group_norm, F.batch_norm: _batch_norm,
+def _view(mode: SplitAffine, t, *shape):
+    """A copy viewed as its parameter laid out for broadcasting, p.view(1, -1, 1, 1) of a layer scale or of GRN
+    (timm's LayerScale2d, ConvNeXt's gamma, GlobalResponseNorm): the same layout with each sample's copy in the
+    leading dimension, (B, C, 1, 1). Any other view of a copy runs as written."""
+    numel = mode.copies.get(id(t)) if isinstance(t, torch.Tensor) else None
+    if numel is None:
+        return None
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    if not shape or not all(isinstance(n, int) for n in shape) or shape[0] != 1 or list(shape).count(-1) > 1:
+        return None
+    known = math.prod(n for n in shape[1:] if n != -1)
+    rest = [numel // known if n == -1 and known else n for n in shape[1:]]
+    if math.prod(rest) != numel:
+        return None
+    return t.reshape(mode.B, *rest)
+
+
+_SPLIT = {torch.Tensor.view: _view, torch.Tensor.reshape: _view, torch.reshape: _view,
+          F.layer_norm: _layer_norm, F.group_norm: _group_norm, F.batch_norm: _batch_norm,
           F.instance_norm: _instance_norm}

@@ -398,7 +398,8 @@ def _batch_copies(module, call, params: dict, B: int, kind: str, shape_of) -> tu
     rank = prep.cots[0].dim()
     xs = [prep.leaves[i] for i in prep.batched]
     copies = {n: p.detach().expand(shape_of(p, rank)).clone().requires_grad_() for n, p in params.items()}
-    split = SplitAffine(copies.values(), B) if kind == "vector" else contextlib.nullcontext()
+    split = SplitAffine({c: params[n].numel() for n, c in copies.items()}, B) if kind == "vector" else (
+        contextlib.nullcontext())
     with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)), torch.enable_grad():
         state = torch.get_rng_state()
         with split:  # a norm that takes its affine parameters in their own shape: see affine.py
