@@ -160,3 +160,27 @@ def test_a_batch_buffer_reused_in_place_is_named_not_copied_every_step():
         assert note.layers == ("0",) and "left out, in 0" in str(note)
     last = w.trace(5)
     assert torch.equal(last.layers["0"].a, batches[5]) and not any(n.id == "held_written" for n in last.note_records)
+
+
+def test_a_layer_frozen_mid_run_is_recorded_as_it_is_now():
+    """What the recorder keeps of a module's calls follows the module as it is at each step: layer 0, frozen after
+    step 1, no longer has its input saved by autograd, so the recorder copies it (copy-on-write) from then on, and
+    the batch buffer that the loop overwrites is kept for step 3, where step 0 (trainable then) leaves it out with
+    a note."""
+    model, _, y = model_and_data()
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(32, 6, generator=g) for _ in range(5)]
+    buffer = torch.empty(32, 6)
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    with watch(model, keep=lambda step, stats: step in (0, 3)) as w:
+        for k, b in enumerate(batches):
+            if k == 2:
+                model[0].requires_grad_(False)
+            buffer.copy_(b)
+            opt.zero_grad()
+            F.mse_loss(model(buffer), y).backward()
+            opt.step()
+    assert w.kept == [0, 3, 4]
+    first, later = w.trace(0), w.trace(3)
+    assert first.layers["0"].a is None and any(n.id == "held_written" for n in first.note_records)
+    assert torch.equal(later.layers["0"].a, batches[3]) and not any(n.id == "held_written" for n in later.note_records)
