@@ -3,8 +3,8 @@
     python -m benchmarks.per_sample_norms            # both parts, 2 threads
     python -m benchmarks.per_sample_norms --costs    # only the cost-model check
 
-Models: a 3-block GPT (vocabulary 4096, d=192, 3 heads, T=64, B=8, causal scaled_dot_product_attention), its LM
-head tied to the token embedding and untied, and a token MLP (Linear 256→1024→256→10 over B=16 × T=64 tokens).
+Models: a 3-block GPT (vocabulary 4096, d=192, 3 heads, T=64, B=8, causal scaled_dot_product_attention; its tables
+initialised as GPT-2's), its LM head tied to the token embedding and untied, and a token MLP (Linear 256→1024→256→10 over B=16 × T=64 tokens).
 Variants, interleaved in one process (one step of each in turn per repeat), medians as ratios to plain
 forward+backward: plain, hookwidget (hw.trace(step, capture="norms") + per_sample_grad_norms()), torch.func
 (vmap of grad). The cost check times, for a grid of (B, T, d_in, d_out), the ghost norm and the materialised
@@ -37,6 +37,10 @@ def build(name: str):
     torch.manual_seed(0)
     if name.startswith("gpt"):
         model = GPT2(vocab=4096, d=192, heads=3, layers=3, seq=64)
+        # GPT-2's initialisation of its tables (nn.Embedding's N(0, 1) would make a tied head's logits ~14 wide:
+        # a saturated softmax whose gradients are denormal floats, which slow every matmul of the step on CPU)
+        nn.init.normal_(model.tok.weight, std=0.02)
+        nn.init.normal_(model.pos.weight, std=0.01)
         if name == "gpt tied":
             model.head.weight = model.tok.weight
         x, y = (torch.randint(0, 4096, (8, 64), generator=g) for _ in range(2))
