@@ -4,7 +4,8 @@
     python -m benchmarks.per_sample_norms --costs    # only the cost-model check
 
 Models: a 3-block GPT (vocabulary 4096, d=192, 3 heads, T=64, B=8, causal scaled_dot_product_attention; its tables
-initialised as GPT-2's), its LM head tied to the token embedding and untied, and a token MLP (Linear 256→1024→256→10 over B=16 × T=64 tokens).
+initialised as GPT-2's), its LM head tied to the token embedding and untied, and a token MLP (Linear
+256→1024→256→10 over B=16 × T=64 tokens).
 Variants, interleaved in one process (one step of each in turn per repeat), medians as ratios to plain
 forward+backward: plain, hookwidget (hw.trace(step, capture="norms") + per_sample_grad_norms()), torch.func
 (vmap of grad). The cost check times, for a grid of (B, T, d_in, d_out), the ghost norm and the materialised
