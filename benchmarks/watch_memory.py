@@ -32,14 +32,17 @@ def vm_hwm_mb(pid: int | str = "self") -> float:
     return sum(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
 
 
-def peak_mb(name: str, variant: str, steps: int) -> float:
+def peak_mb(name: str, variant: str, steps: int) -> str:
     """The peak resident memory (MiB) of this process, plus its child processes' (wandb-core), after `steps` steps
-    of `variant` on model `name`: run it in a fresh process."""
+    of `variant` on model `name`, and the steps whose Trace its watch kept (JSON, after the figure): run it in a
+    fresh process."""
+    import benchmarks.watch_overhead as wo
+
     model, x, y = build(name)
     time_loop(model, x, y, steps, variant, warmup=max(2, steps // 5))
     me = os.getpid()
     children = Path(f"/proc/{me}/task/{me}/children").read_text().split()
-    return vm_hwm_mb() + sum(vm_hwm_mb(pid) for pid in children)
+    return f"{vm_hwm_mb() + sum(vm_hwm_mb(pid) for pid in children)} {json.dumps(wo.KEPT.get(variant, []))}"
 
 
 def in_child(call: str) -> str:
@@ -58,17 +61,19 @@ def peaks(models: list, variants: list, steps: int) -> dict:
     print("\npeak resident memory (MiB, VmHWM + child processes's, one process per variant)")
     for name in models:
         n = steps_for(name, steps)
-        peaks, errors = {}, {}
+        peaks, errors, kept = {}, {}, {}
         for v in variants:
             try:
-                peaks[v] = float(in_child(f"b.peak_mb({name!r}, {v!r}, {n})"))
+                mib, _, steps_kept = in_child(f"b.peak_mb({name!r}, {v!r}, {n})").partition(" ")
+                peaks[v], kept[v] = float(mib), json.loads(steps_kept)
             except RuntimeError as e:
                 errors[v] = str(e)
-        out[name] = {"steps": n, "mib": peaks, "errors": errors}
+        out[name] = {"steps": n, "mib": peaks, "errors": errors, "kept": kept}
         print(f"\n{name} ({n} steps)")
         for v in variants:
             p = peaks.get(v)
             print(f"  {v:<14}" + (f"{p:>10.1f} MiB{p - peaks['plain']:>+10.1f} over plain{p / peaks['plain']:>8.3f}x"
+                                  + (f"  kept {kept[v]}" if kept.get(v) else "")
                                   if p is not None else f"fails: {errors[v]}"), flush=True)
     return out
 

@@ -284,6 +284,9 @@ def children_cpu() -> float:
     return total
 
 
+KEPT: dict = {}  # variant -> the steps whose Trace its watch kept in its latest loop (the flight recorder's)
+
+
 def time_loop(model, x, y, steps: int, variant: str, watch=watch, warmup: int = 20) -> float:
     """CPU seconds per step of `steps` steps of `variant` after `warmup` untimed ones: this process's from the
     first timed step to the last one's rows on the host, and its child processes' until the teardown ended."""
@@ -307,6 +310,7 @@ def time_loop(model, x, y, steps: int, variant: str, watch=watch, warmup: int = 
         elapsed = time.process_time() - t0
     finally:
         mon.close()
+        KEPT[variant] = list(getattr(getattr(mon, "w", None), "kept", None) or [])
         left = hooks_left(model)
         if left:
             raise HooksLeft(f"{variant} left {len(left)} hooks: {', '.join(left[:4])}")
@@ -399,15 +403,20 @@ def markdown(res: dict) -> str:
     if res.get("memory"):
         mem, models = res["memory"], list(res["memory"]["models"])
         lines += ["Peak memory: one process per monitor, the resident high-water mark (VmHWM, plus child "
-                  "processes') after its steps; excess over plain (× plain).", "",
+                  "processes') after its steps (" + ", ".join(f"{mem['models'][m]['steps']} for {m}" for m in models)
+                  + "); excess over plain (× plain). Where the flight recorder found anomalous "
+                  "steps, the Traces it keeps of them (each a whole step's a, δ and .grad) are part of its peak: the "
+                  "cell says how many.", "",
                   "| monitor | " + " | ".join(MODELS[m] for m in models) + " |",
                   "|---" * (len(models) + 1) + "|"]
         for v in mem["variants"]:
             row = []
             for m in models:
-                p = mem["models"][m]["mib"]
+                p, kept = mem["models"][m]["mib"], mem["models"][m].get("kept", {}).get(v, [])
                 row.append(f"{p[v]:.0f} MiB" if v == "plain" else
                            f"{p[v] - p['plain']:+.0f} MiB ({p[v] / p['plain']:.2f}×)" if v in p else "fails")
+                if len(kept) > 1:  # the latest step is always kept; more are anomalies (or keep=) it keeps whole
+                    row[-1] += f", {len(kept) - 1} anomalous step{'s' * (len(kept) > 2)} kept"
             lines.append(f"| {LABELS[v]} | " + " | ".join(row) + " |")
         lines.append("")
     if res.get("growth"):
@@ -467,10 +476,13 @@ def main() -> None:
                          "load_end": os.getloadavg(), "seconds": time.time() - t0}
     from benchmarks import watch_memory
 
+    t1 = time.time()
     res["memory"] = {"variants": variants, "models": watch_memory.peaks(models, variants, args.steps)}
     if args.growth:
         res["growth"] = watch_memory.growths(args.growth)
-    res["seconds_total"] = time.time() - t0
+    res["memory"]["seconds"] = time.time() - t1  # with the growth measure's
+    if not args.memory:
+        res["seconds_total"] = time.time() - t0
     print(f"\n{(time.time() - t0) / 60:.1f} minutes; load average {load} at the start, {os.getloadavg()} at the end")
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
