@@ -8,8 +8,10 @@ splits a call that gets a copy into the norm without its affine part and the aff
 y = norm(x) ⊙ w + b, each copy broadcast to its sample's rows. That is the same function of w and b (the fused
 kernel differs by rounding only), and the affine part mixes no samples: the gradient of copy b is sample b's (where
 the norm itself mixes samples, batch statistics, the generic rule's check of one sample run alone refuses the rows).
-A call it cannot split (a batch that is not the copies', a weight reshaped or cast first, so no longer the copy
-itself) runs as written, and fails as before, where vmap answers.
+A layer scale that views its parameter for broadcasting (p.view(1, -1, 1, 1): timm's LayerScale2d, ConvNeXt's
+gamma, GRN) gets its copy in the same layout, the samples first. A call it cannot split (a batch that is not the
+copies', a weight cast first, so no longer the copy itself) runs as written, and fails as before, where vmap
+answers.
 
 Floor: layers. Uses torch's public TorchFunctionMode.
 """
@@ -24,11 +26,12 @@ from torch.overrides import TorchFunctionMode
 
 
 class SplitAffine(TorchFunctionMode):
-    """Active around one rerun of a forward with per-sample copies `copies` (the copy tensors, batch `B` first)."""
+    """Active around one rerun of a forward with per-sample copies: `copies` maps each copy tensor (batch `B`
+    first) to the number of entries of the parameter it stands for."""
 
     def __init__(self, copies: dict, B: int):
         super().__init__()
-        self.copies, self.B = {id(c): numel for c, numel in copies.items()}, B  # copy -> its parameter's numel
+        self.copies, self.B = {id(c): numel for c, numel in copies.items()}, B
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
