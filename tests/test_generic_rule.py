@@ -18,6 +18,7 @@ from torch import nn
 
 import hookwidget as hw
 from hookwidget.layers import factors as fx
+from hookwidget.layers import generic as generic_layers
 
 B = 3
 
@@ -121,15 +122,46 @@ def test_multihead_attention_sequence_first_with_weights_and_out_proj():
     close(t.per_sample_grad_norms(), norms_of(ref))
 
 
-def test_embedding_bag():
+class Bagged(nn.Module):
+    """An EmbeddingBag called with per_sample_weights (mode "sum") or without, and a head."""
+
+    def __init__(self, bag: nn.EmbeddingBag):
+        super().__init__()
+        self.bag, self.head = bag, nn.Linear(bag.embedding_dim, 2)
+
+    def forward(self, ids, weights=None):
+        return self.head(self.bag(ids, per_sample_weights=weights))
+
+
+@pytest.mark.parametrize("mode, padding, weighted", [("mean", None, False), ("mean", 0, False), ("sum", 0, True),
+                                                     ("sum", None, False), ("max", None, False)])
+def test_embedding_bag(monkeypatch, mode, padding, weighted):
+    """One bag per sample: rows from the bag's indices and δ (the fast rule, layers/embedding.py) in modes sum and
+    mean, padding and per_sample_weights included, repeated indices in a bag too; mode max by the vmap rule."""
+    from hookwidget.layers import embedding
+
+    served = []
+    real = embedding.bag_factors
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        served.append(out[1])
+        return out
+
+    monkeypatch.setattr(embedding, "bag_factors", counting)
+    monkeypatch.setattr(generic_layers, "FAST_RULES", [(a, counting if r is real else r)
+                                                      for a, r in generic_layers.FAST_RULES])
     torch.manual_seed(0)
-    model = nn.Sequential(nn.EmbeddingBag(20, 6, mode="mean"), nn.Linear(6, 2))
-    ids = torch.randint(0, 20, (B, 7))
-    t = traced(model, lambda: model(ids).pow(2).sum())
-    ref = loop_reference(model, lambda i: model(ids[i:i + 1]).pow(2).sum())
-    check_layer(t, model, ref, "0")
-    close(t.weight_grad("0"), model[0].weight.grad)
+    model = Bagged(nn.EmbeddingBag(20, 6, mode=mode, padding_idx=padding))
+    ids = torch.randint(0, 8, (B, 7))  # 7 indices out of 8: repeats in every bag
+    ids[1, :3] = 0  # padding, where there is a padding_idx
+    w = torch.rand(B, 7) if weighted else None
+    t = traced(model, lambda: model(ids, w).pow(2).sum())
+    ref = loop_reference(model, lambda i: model(ids[i:i + 1], None if w is None else w[i:i + 1]).pow(2).sum())
+    check_layer(t, model, ref, "bag")
+    close(t.weight_grad("bag"), model.bag.weight.grad)
     close(t.per_sample_grad_norms(), norms_of(ref))
+    assert bool(served) == (mode != "max")
 
 
 class HandRMSNorm(nn.Module):

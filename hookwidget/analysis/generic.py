@@ -116,17 +116,22 @@ def _fast_rows(module, calls: list, names: dict, B: int):
     return None
 
 
+def _renamed(f, param: str):
+    """The fast rule's factor under the name the trace gives its parameter."""
+    return fx.Factor(param, f.kind, f.D, f._X, f.shape, f.rows, f.conv, f.per_sample)
+
+
 def _fast_rule_rows(rule, module, call, names: dict, B: int):
     try:
         facs, key = rule(module, call, list(names.values()), B)
-        rows = {pn: fx.Factor(pn, facs[cn].kind, facs[cn].D, facs[cn]._X, facs[cn].shape) for pn, cn in names.items()}
+        rows = {pn: _renamed(facs[cn], pn) for pn, cn in names.items()}
         seen = _VERIFIED.get((rule, key, id(module)))
         if seen is None or seen() is not module:
             b = B // 2
             want = generic.one_sample(module, call, list(names.values()), B, b)
             for pn, cn in names.items():
                 f = rows[pn]
-                one = fx.Factor(pn, f.kind, f.D[b:b + 1], None if f._X is None else f._X[b:b + 1], f.shape)
+                one = fx.Factor(pn, f.kind, f.D[b:b + 1], None if f._X is None else f._X[b:b + 1], f.shape, f.rows)
                 if not _adds_up(one, want[cn]):
                     return None
             if B > 1:

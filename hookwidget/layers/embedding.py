@@ -1,4 +1,5 @@
-"""nn.Embedding: row idx_t of W.grad gets δ_t (padding_idx rows get nothing).
+"""nn.Embedding: row idx_t of W.grad gets δ_t (padding_idx rows get nothing); nn.EmbeddingBag through the generic
+rule's fast path (below).
 
 With scale_grad_by_freq, backward divides δ_t by how often idx_t occurs in the whole call's input, so samples
 share a statistic (as BatchNorm on batch statistics does): a row is the sample's *contribution* to .grad
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hookwidget.layers import generic
 from hookwidget.layers.base import Factor
 from hookwidget.layers.registry import register
 
@@ -35,3 +37,46 @@ def embedding(m: nn.Embedding, idx, delta, state=None):
         return [Factor("weight", "onehot", D, idx, tuple(m.weight.shape), rows=m.num_embeddings,
                        per_sample="contribution")]
     return [Factor("weight", "onehot", D, idx, tuple(m.weight.shape), rows=m.num_embeddings)]
+
+
+# -- nn.EmbeddingBag: through the generic rule's fast path -------------------------------------------------------
+# No exact rule is registered for it: a bag's offsets and per_sample_weights are arguments that the factor rules do
+# not see. The generic rule sees every argument, and checks what this fast rule gives (the rows add up to the step's
+# gradient; one sample's rows equal its own vjp on the first call of each code path), so a call it does not cover
+# falls back to the vmap rule.
+def _plain_bag(module) -> bool:
+    return isinstance(module, nn.EmbeddingBag) and type(module).forward is nn.EmbeddingBag.forward
+
+
+def bag_factors(module: nn.EmbeddingBag, call, names: list, B: int) -> tuple:
+    """(name -> Factor, the code path's key) of one call with one bag per sample (a 2-D input, no offsets), mode
+    "sum" (per_sample_weights too) or "mean": row idx_i of W.grad gets c_i δ_b for each index i of bag b, with c_i
+    the index's weight (1, or its per_sample_weight), 0 at padding_idx, over the bag's non-padding count in mean
+    mode. Raises generic.NotApplicable for any other call (offsets, mode "max", scale_grad_by_freq, max_norm)."""
+    if module.mode not in ("sum", "mean") or module.scale_grad_by_freq or module.max_norm is not None:
+        raise generic.NotApplicable("mode max, scale_grad_by_freq or max_norm")
+    if list(names) != ["weight"]:
+        raise generic.NotApplicable("other parameters")
+    args, kwargs = call.inputs
+    given = {**dict(zip(("input", "offsets", "per_sample_weights"), args)), **kwargs}
+    idx, psw = given.get("input"), given.get("per_sample_weights")
+    delta = call.deltas[0] if call.deltas else None
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or given.get("offsets") is not None or idx.shape[0] != B:
+        raise generic.NotApplicable("bags given by offsets, or not one bag per sample")
+    if delta is None or tuple(delta.shape) != (B, module.embedding_dim):
+        raise generic.NotApplicable("output gradient shape")
+    c = torch.ones(idx.shape, dtype=delta.dtype, device=delta.device) if psw is None else psw.to(delta.dtype)
+    counted = idx.shape[1]
+    if module.padding_idx is not None:
+        kept = idx != module.padding_idx
+        c = c * kept
+        counted = kept.sum(1, keepdim=True).clamp_min(1)
+    if module.mode == "mean":
+        c = c / counted
+    D = c.unsqueeze(-1) * delta.unsqueeze(1)
+    f = Factor("weight", "onehot", D, idx, tuple(module.weight.shape), rows=module.num_embeddings)
+    key = ("bag", module.mode, psw is not None, module.padding_idx is not None, tuple(idx.shape))
+    return {"weight": f}, key
+
+
+generic.FAST_RULES.append((_plain_bag, bag_factors))
