@@ -75,7 +75,7 @@ class StreamingNorms:
             self._owners = _owners(modules)
         x_gram = self._shared_gram(module, calls, modules)
         own = []
-        for f in fx.factors(module, [_per_sample_call(c) for c in calls]):
+        for f in fx.factors(module, [_per_sample_call(module, c) for c in calls]):
             p = getattr(module, f.param)
             if self._owners[id(p)] > 1:
                 self._shared.setdefault(p, []).append((module, f))
@@ -152,12 +152,15 @@ def _summed(parts: list) -> torch.Tensor:
     return torch.stack([t.to(dtype) for t in parts]).sum(0)
 
 
-def _per_sample_call(call):
+def _per_sample_call(module, call):
     """A position table's call whose (1, ...) or (T, d) output was added to the batch: each sample's δ is the
     gradient that arrived at that add (call.bdelta, kept where capture hooks the add), exact where autograd's sum
-    of it over the samples is the call's δ; its input is then the same for every sample. Any other call as it is
-    (per_sample.batched_call does the same for capture="full")."""
+    of it over the samples is the call's δ; its input is then the same for every sample. A token layer's call on
+    the B samples folded into rows ((B, T, d) viewed as (B·T, d), as OPT's MLP; capture proved it: folds.py), its a
+    and δ unfolded. Any other call as it is (analysis/batches.batched_call does the same for capture="full")."""
     bd = call.bdelta
+    if bd is None and call.folded_from is not None:
+        return _unfolded(module, call)
     if bd is None or call.delta is None or call.a is None:
         return call
     summed = bd.sum(0, keepdim=bd.dim() == call.delta.dim())
@@ -172,6 +175,17 @@ def _per_sample_call(call):
         out.a = call.a.expand(bd.shape[0], *call.a.shape[1:])
     else:
         return call
+    return out
+
+
+def _unfolded(module, call):
+    B, a, d = call.folded_from, call.a, call.delta
+    spec = fx.spec_for(module)
+    if a is None or d is None or not a.dim() or a.shape[0] % B or d.shape[:1] != a.shape[:1] or spec is None \
+            or not spec.tokens:
+        return call  # its leading dimension is not the batch's: left out, and named (per_sample.left_out)
+    out = copy.copy(call)
+    out.a, out.delta = a.reshape(B, -1, *a.shape[1:]), d.reshape(B, -1, *d.shape[1:])
     return out
 
 
