@@ -188,3 +188,16 @@ def test_a_norm_over_folded_tokens_groups_its_rows_per_sample(train):
             ref[n].append(g)
     for n in got:
         torch.testing.assert_close(got[n], torch.stack(ref[n]), rtol=1e-5, atol=1e-6)
+
+
+def test_streamed_norms_unfold_and_group_folded_rows():
+    """capture="norms" on LeViT's LinearNorm in eval mode: the head's rows unfolded, BatchNorm1d's grouped per
+    sample, as capture="full" does: nothing left out, and the norms each sample's own gradient has (the sample run
+    alone through autograd)."""
+    torch.manual_seed(0)
+    m, x = LinearNorm().eval(), torch.randn(3, 4, 5)
+    m.bn.running_mean.normal_()
+    t = hw.trace(lambda: m(x).backward(), m, capture="norms")
+    assert not t.per_sample_left_out
+    torch.testing.assert_close(t.per_sample_grad_norms(), _reference_sum(m, x, ("lin", "bn", "head")), rtol=1e-5,
+                               atol=1e-6)

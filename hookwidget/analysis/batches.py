@@ -9,8 +9,7 @@ from __future__ import annotations
 import copy
 from collections import Counter, defaultdict
 
-import torch
-
+from hookwidget._torch.layers import is_conv
 from hookwidget.analysis.facts import allclose_grad, own_trainable, owned_params, step_indices
 from hookwidget.layers import factors as fx
 
@@ -57,7 +56,7 @@ def _fold(trace, call, module) -> int | None:
     """The batch size B where the call's input holds the model's batch folded into rows sample-major ((B, T, d)
     viewed as (B·T, d), as OPT does; MobileViT's patches; capture proves it: rows.py), so that sample b owns rows
     b·n/B … (b+1)·n/B − 1, and the layer's rule can be unfolded: it treats rows as tokens (its a and δ are
-    unfolded, batched_call), or its factors are token sums that its rows' can be grouped into (_grouped_rows:
+    unfolded, batched_call), or its factors are token sums that its rows' can be grouped into (fx.grouped_rows:
     BatchNorm1d over LeViT's tokens). Else None."""
     B = call.folded_from
     if B is None or module is None or call.a is None or call.delta is None or not call.a.dim():
@@ -66,10 +65,7 @@ def _fold(trace, call, module) -> int | None:
     if n % B or call.delta.shape[:1] != (n,) or B != model_batches(trace).get(call.step):
         return None
     spec = fx.spec_for(module)
-    return B if spec is not None and (spec.tokens or not isinstance(module, _CONVS)) else None
-
-
-_CONVS = (torch.nn.modules.conv._ConvNd,)  # their factors are convolutions, not token sums: no grouping of rows
+    return B if spec is not None and (spec.tokens or not is_conv(module)) else None  # a conv's are not token sums
 
 
 def _lead(trace, call, module=None) -> int | None:

@@ -79,7 +79,7 @@ def layer_factors(trace, name: str, calls: list) -> list[fx.Factor]:
         if not any(grouped):
             return fx.factors(module, [batched_call(trace, c, module) for c in calls])
         per_call = [fx.factors(module, [batched_call(trace, c, module)]) if B is None else
-                    _grouped_rows(fx.factors(module, [c]), B) for c, B in zip(calls, grouped)]
+                    fx.grouped_rows(fx.factors(module, [c]), B) for c, B in zip(calls, grouped)]
         return fx.merge_calls(per_call)
     rows = generic_rows(trace, name, calls[0].step)
     if isinstance(rows, Refusal):
@@ -87,20 +87,6 @@ def layer_factors(trace, name: str, calls: list) -> list[fx.Factor]:
     owned = owned_params(trace, name)
     return [fx._in_param_dtype(g, owned[n].dtype) if isinstance(g, fx.Factor) else
             fx.Factor(n, "dense", g.to(owned[n].dtype), None, tuple(owned[n].shape)) for n, g in rows.items()]
-
-
-def _grouped_rows(fs: list, B: int) -> list:
-    """Factors of rows that are samples folded sample-major, as factors of the B samples: a token sum over each
-    sample's n/B rows (D (n, T, o) -> (B, n/B·T, o), X alike)."""
-    out = []
-    for f in fs:
-        if f.kind not in ("outer", "onehot", "diag", "sum") or f.conv is not None or f.D.shape[0] % B:
-            raise ValueError(f"{f.param}: rows folded from the batch cannot be grouped for a {f.kind} factor")
-        X = f.X
-        out.append(fx.Factor(f.param, f.kind, f.D.reshape(B, -1, *f.D.shape[2:]),
-                             None if X is None else X.reshape(B, -1, *X.shape[2:]), f.shape, f.rows,
-                             per_sample=f.per_sample))
-    return out
 
 
 def _param(trace, name: str, pname: str):

@@ -17,6 +17,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from hookwidget._torch.layers import is_conv
 from hookwidget._torch.modules import own_parameters
 from hookwidget._torch.tensors import version
 from hookwidget.layers import factors as fx
@@ -75,7 +76,7 @@ class StreamingNorms:
             self._owners = _owners(modules)
         x_gram = self._shared_gram(module, calls, modules)
         own = []
-        for f in fx.factors(module, [_per_sample_call(module, c) for c in calls]):
+        for f in _factors(module, calls):
             p = getattr(module, f.param)
             if self._owners[id(p)] > 1:
                 self._shared.setdefault(p, []).append((module, f))
@@ -150,6 +151,25 @@ def _summed(parts: list) -> torch.Tensor:
     """One sum of the layers' (B,) squared norms: two kernels, where adding them as they come took one per layer."""
     dtype = functools.reduce(torch.promote_types, (t.dtype for t in parts))
     return torch.stack([t.to(dtype) for t in parts]).sum(0)
+
+
+def _factors(module, calls: list) -> list:
+    """The layer's factors over its calls as their samples saw them (_per_sample_call), a call on folded rows of a
+    layer whose rule is not over tokens (LeViT's BatchNorm1d over B·T rows) with its rows grouped per sample."""
+    spec = fx.spec_for(module)
+    if spec.tokens or all(c.folded_from is None for c in calls):
+        return fx.factors(module, [_per_sample_call(module, c) for c in calls])
+    per_call = []
+    for c in calls:
+        fs = fx.factors(module, [c])
+        if c.folded_from is not None and not is_conv(module):  # a convolution's factors are not token sums
+            try:
+                fs = fx.grouped_rows(fs, c.folded_from)
+            except ValueError:  # not token sums: its rows stay as they are, left out and named (per_sample.left_out)
+                pass
+        per_call.append(fs)
+    return fx.merge_calls(per_call)
+
 
 
 def _per_sample_call(module, call):

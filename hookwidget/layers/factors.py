@@ -75,6 +75,20 @@ def merge_calls(per_call: list) -> list[Factor]:
     return merged
 
 
+def grouped_rows(fs: list[Factor], B: int) -> list[Factor]:
+    """Factors of rows that are samples folded sample-major, as factors of the B samples: a token sum over each
+    sample's n/B rows (D (n, T, o) -> (B, n/B·T, o), X alike). ValueError for a factor that is not a token sum."""
+    out = []
+    for f in fs:
+        if f.kind not in ("outer", "onehot", "diag", "sum") or f.conv is not None or f.D.shape[0] % B:
+            raise ValueError(f"{f.param}: rows folded from the batch cannot be grouped for a {f.kind} factor")
+        X = f.X
+        out.append(Factor(f.param, f.kind, f.D.reshape(B, -1, *f.D.shape[2:]),
+                          None if X is None else X.reshape(B, -1, *X.shape[2:]), f.shape, f.rows,
+                          per_sample=f.per_sample))
+    return out
+
+
 def _in_param_dtype(f: Factor, dtype: torch.dtype) -> Factor:
     """Under autocast a and δ differ in dtype (float32 input, bfloat16 output gradient);
     .grad has the parameter's dtype, so the factors are brought to it."""
