@@ -164,6 +164,29 @@ def test_embedding_bag(monkeypatch, mode, padding, weighted):
     assert bool(served) == (mode != "max")
 
 
+class ScaledWordEmbedding(nn.Embedding):
+    """Gemma's and BART's scaled word embedding: nn.Embedding's lookup times a scale, in a forward of its own."""
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embedding_dim ** 0.5
+
+
+def test_a_scaled_word_embedding_gets_rows_from_its_lookup():
+    """The generic rule serves an Embedding subclass with a forward of its own; the gradient arriving at its one
+    lookup gives its rows (layers/embedding.py), exact and within any memory budget: vmap would make B copies of the
+    (vocabulary, d) table, over budget_mb=1 here, and leave the table out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledWordEmbedding(4000, 32, padding_idx=0), nn.Linear(32, 3))
+    ids = torch.randint(0, 4000, (B, 6))
+    ids[:, 0] = 7  # a token every sample shares
+    ids[1, 1:3] = 0  # padding
+    t = traced(model, lambda: model(ids).pow(2).sum(), budget_mb=1)
+    ref = loop_reference(model, lambda i: model(ids[i:i + 1]).pow(2).sum())
+    assert fx.is_generic(model[0]) and not t.per_sample_left_out
+    close(t.per_sample_grad_norms(), norms_of(ref))
+    check_layer(t, model, ref, "0")
+
+
 class HandRMSNorm(nn.Module):
     def __init__(self, d, eps=1e-6):
         super().__init__()

@@ -1,5 +1,5 @@
-"""nn.Embedding: row idx_t of W.grad gets δ_t (padding_idx rows get nothing); nn.EmbeddingBag through the generic
-rule's fast path (below).
+"""nn.Embedding: row idx_t of W.grad gets δ_t (padding_idx rows get nothing); nn.EmbeddingBag, and an Embedding
+subclass with a forward of its own (a scaled word embedding), through the generic rule's fast path (below).
 
 With scale_grad_by_freq, backward divides δ_t by how often idx_t occurs in the whole call's input, so samples
 share a statistic (as BatchNorm on batch statistics does): a row is the sample's *contribution* to .grad
@@ -8,7 +8,9 @@ share a statistic (as BatchNorm on batch statistics does): a row is the sample's
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from hookwidget.layers import generic
 from hookwidget.layers.base import Factor
@@ -80,3 +82,60 @@ def bag_factors(module: nn.EmbeddingBag, call, names: list, B: int) -> tuple:
 
 
 generic.FAST_RULES.append((_plain_bag, bag_factors))
+
+
+# -- an nn.Embedding subclass with a forward of its own (a scaled word embedding: Gemma's, BART's) -----------------
+# The generic rule serves it (its forward is not nn.Embedding's), by vmap of its vjp: per-sample gradients of the
+# whole (vocabulary, d) table, B of them, over the memory budget for a real vocabulary. Where its forward looks its
+# weight up once (F.embedding), the gradient that arrives at that lookup gives its rows as nn.Embedding's rule does:
+# row idx_t of W.grad gets that gradient at t. One backward of the batch; checked as every fast rule is.
+class _Lookups(TorchFunctionMode):
+    """Active around one rerun of the forward: the (indices, output) of each F.embedding call on `weight`."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight, self.found = weight, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is F.embedding:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if weight is self.weight:
+                self.found.append((args[0] if args else kwargs.get("input"), out))
+        return out
+
+
+def _own_forward_embedding(module) -> bool:
+    return isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
+
+
+def lookup_factors(module: nn.Embedding, call, names: list, B: int) -> tuple:
+    """(name -> Factor (onehot), the code path's key) from the gradient arriving at the forward's one lookup of the
+    weight; raises generic.NotApplicable (scale_grad_by_freq, max_norm, other parameters, no single lookup)."""
+    if module.scale_grad_by_freq or module.max_norm is not None or list(names) != ["weight"]:
+        raise generic.NotApplicable("scale_grad_by_freq, max_norm or other parameters")
+    prep = generic._prepare(module, call, list(names), B)
+    xs = [prep.leaves[i] for i in prep.batched]
+    weight = call.params["weight"].detach().requires_grad_()
+    lookups = _Lookups(weight)
+    with generic._modes(module, call.training), torch.random.fork_rng(devices=generic._cuda_devices(call)), \
+            torch.enable_grad():
+        state = torch.get_rng_state()
+        with lookups:
+            outs = generic._forward(module, prep, {"weight": weight}, xs, False)
+        if not torch.equal(state, torch.get_rng_state()):
+            raise generic.NotApplicable("its forward draws random numbers")
+        if len(lookups.found) != 1 or any(o.shape != c.shape for o, c in zip(outs, prep.cots)):
+            raise generic.NotApplicable("not one lookup of the weight, or other outputs")
+        idx, looked = lookups.found[0]
+        if not idx.dim() or idx.shape[0] != B:
+            raise generic.NotApplicable("indices without the batch first")
+        (arrived,) = torch.autograd.grad(outs, [looked], prep.cots, allow_unused=True)
+    if arrived is None:
+        raise generic.NotApplicable("no gradient reached the lookup")
+    f = embedding(module, idx, arrived)[0]  # nn.Embedding's rule: padding rows get nothing
+    return {"weight": f}, ("lookup", tuple(idx.shape), tuple(tuple(c.shape) for c in prep.cots))
+
+
+generic.FAST_RULES.append((_own_forward_embedding, lookup_factors))
