@@ -261,13 +261,13 @@ def test_capture_norms_takes_each_sample_delta_of_a_position_table_where_capture
     pos = torch.arange(6)
     bd = torch.randn(B, 6, 3)
     call = SimpleNamespace(a=pos, delta=bd.sum(0), bdelta=bd)
-    got = _per_sample_call(emb, call)
+    got = _per_sample_call(call)
     assert got.delta is bd and got.a.shape == (B, 6)
     norms = fx.per_sample_norm_sq(fx.factors(emb, [got])[0])
     ref = torch.stack([torch.zeros(6, 3).index_add_(0, pos, bd[b]).pow(2).sum() for b in range(B)])
     close(norms, ref)
-    assert _per_sample_call(emb, SimpleNamespace(a=pos, delta=bd.sum(0) + 1, bdelta=bd)) is not None
-    assert _per_sample_call(emb, SimpleNamespace(a=pos, delta=bd.sum(0) + 1, bdelta=bd)).delta.shape == (6, 3)
+    assert _per_sample_call(SimpleNamespace(a=pos, delta=bd.sum(0) + 1, bdelta=bd)) is not None
+    assert _per_sample_call(SimpleNamespace(a=pos, delta=bd.sum(0) + 1, bdelta=bd)).delta.shape == (6, 3)
 
 
 @pytest.mark.parametrize("capture", ["full", "norms"])

@@ -23,10 +23,7 @@ def batched_call(trace, call, module=None):
         B = _fold(trace, call, module)
         if B is None or not fx.spec_for(module).tokens:  # other folded layers: their factors' rows are grouped
             return call
-        out = copy.copy(call)
-        out.a = call.a.reshape(B, -1, *call.a.shape[1:])
-        out.delta = call.delta.reshape(B, -1, *call.delta.shape[1:])
-        return out
+        return fx.unfolded(call, B) or call
     out = copy.copy(call)
     out.delta = bd
     if call.a is not None and bd.dim() > call.delta.dim():  # (T, d) added to (B, T, d): a new leading dimension

@@ -154,33 +154,34 @@ def _summed(parts: list) -> torch.Tensor:
 
 
 def _factors(module, calls: list) -> list:
-    """The layer's factors over its calls as their samples saw them (_per_sample_call), a call on folded rows of a
-    layer whose rule is not over tokens (LeViT's BatchNorm1d over B·T rows) with its rows grouped per sample."""
-    spec = fx.spec_for(module)
-    if spec.tokens or all(c.folded_from is None for c in calls):
-        return fx.factors(module, [_per_sample_call(module, c) for c in calls])
+    """The layer's factors over its calls as their samples saw them: a position table's per sample
+    (_per_sample_call); a call on the B samples folded into rows ((B, T, d) viewed as (B·T, d), as capture proved:
+    folds.py) unfolded where the layer's rule is over tokens (OPT's MLP, MobileViT's patches), its factors' rows
+    grouped per sample where it is not (LeViT's BatchNorm1d over B·T rows); analysis/batches.py does the same for
+    capture="full". A folded call that cannot be either stays as it is: left out, and named (per_sample.left_out)."""
+    if all(c.folded_from is None for c in calls):
+        return fx.factors(module, [_per_sample_call(c) for c in calls])
+    if fx.spec_for(module).tokens:
+        return fx.factors(module, [_per_sample_call(c) if c.folded_from is None or c.bdelta is not None
+                                   else fx.unfolded(c, c.folded_from) or c for c in calls])
     per_call = []
     for c in calls:
         fs = fx.factors(module, [c])
         if c.folded_from is not None and not is_conv(module):  # a convolution's factors are not token sums
             try:
                 fs = fx.grouped_rows(fs, c.folded_from)
-            except ValueError:  # not token sums: its rows stay as they are, left out and named (per_sample.left_out)
+            except ValueError:  # not token sums: its rows stay as they are
                 pass
         per_call.append(fs)
     return fx.merge_calls(per_call)
 
 
-
-def _per_sample_call(module, call):
+def _per_sample_call(call):
     """A position table's call whose (1, ...) or (T, d) output was added to the batch: each sample's δ is the
     gradient that arrived at that add (call.bdelta, kept where capture hooks the add), exact where autograd's sum
-    of it over the samples is the call's δ; its input is then the same for every sample. A token layer's call on
-    the B samples folded into rows ((B, T, d) viewed as (B·T, d), as OPT's MLP; capture proved it: folds.py), its a
-    and δ unfolded. Any other call as it is (analysis/batches.batched_call does the same for capture="full")."""
+    of it over the samples is the call's δ; its input is then the same for every sample. Any other call as it is
+    (per_sample.batched_call does the same for capture="full")."""
     bd = call.bdelta
-    if bd is None and call.folded_from is not None:
-        return _unfolded(module, call)
     if bd is None or call.delta is None or call.a is None:
         return call
     summed = bd.sum(0, keepdim=bd.dim() == call.delta.dim())
@@ -195,17 +196,6 @@ def _per_sample_call(module, call):
         out.a = call.a.expand(bd.shape[0], *call.a.shape[1:])
     else:
         return call
-    return out
-
-
-def _unfolded(module, call):
-    B, a, d = call.folded_from, call.a, call.delta
-    spec = fx.spec_for(module)
-    if a is None or d is None or not a.dim() or a.shape[0] % B or d.shape[:1] != a.shape[:1] or spec is None \
-            or not spec.tokens:
-        return call  # its leading dimension is not the batch's: left out, and named (per_sample.left_out)
-    out = copy.copy(call)
-    out.a, out.delta = a.reshape(B, -1, *a.shape[1:]), d.reshape(B, -1, *d.shape[1:])
     return out
 
 

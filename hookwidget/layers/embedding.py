@@ -119,15 +119,9 @@ def lookup_factors(module: nn.Embedding, call, names: list, B: int) -> tuple:
     xs = [prep.leaves[i] for i in prep.batched]
     weight = call.params["weight"].detach().requires_grad_()
     lookups = _Lookups(weight)
-    with generic._modes(module, call.training), torch.random.fork_rng(devices=generic._cuda_devices(call)), \
-            torch.enable_grad():
-        state = torch.get_rng_state()
-        with lookups:
-            outs = generic._forward(module, prep, {"weight": weight}, xs, False)
-        if not torch.equal(state, torch.get_rng_state()):
-            raise generic.NotApplicable("its forward draws random numbers")
-        if len(lookups.found) != 1 or any(o.shape != c.shape for o, c in zip(outs, prep.cots)):
-            raise generic.NotApplicable("not one lookup of the weight, or other outputs")
+    with generic.batch_rerun(module, call, prep, {"weight": weight}, xs, lookups) as outs:
+        if len(lookups.found) != 1:
+            raise generic.NotApplicable("not one lookup of the weight")
         idx, looked = lookups.found[0]
         if not idx.dim() or idx.shape[0] != B:
             raise generic.NotApplicable("indices without the batch first")

@@ -19,6 +19,7 @@ gradient of its own loss alone: per_sample_meaning(module) and Factor.per_sample
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -73,6 +74,17 @@ def merge_calls(per_call: list) -> list[Factor]:
             f = Factor(f.param, f.kind, D, X, f.shape, f.rows, conv=conv, per_sample=per_sample)
         merged.append(f)
     return merged
+
+
+def unfolded(call, B: int):
+    """A token layer's call as its B samples saw it where they were folded sample-major into its rows ((B, T, d)
+    viewed as (B·T, d)): a copy with a and δ (n, ...) as (B, n/B, ...); None where its rows are not B equal groups."""
+    a, d = call.a, call.delta
+    if a is None or d is None or not a.dim() or a.shape[0] % B or d.shape[:1] != a.shape[:1]:
+        return None
+    out = copy.copy(call)
+    out.a, out.delta = a.reshape(B, -1, *a.shape[1:]), d.reshape(B, -1, *d.shape[1:])
+    return out
 
 
 def grouped_rows(fs: list[Factor], B: int) -> list[Factor]:

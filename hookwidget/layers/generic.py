@@ -389,6 +389,23 @@ def _vector_copies(B: int, p, rank: int) -> tuple:
     return (B, *[1] * (rank - 1 - p.dim()), *p.shape)
 
 
+@contextlib.contextmanager
+def batch_rerun(module, call, prep: _Prepared, train: dict, xs: list, mode=None):
+    """The module's outputs that have a δ, from its forward rerun on the whole batch `xs` with parameters `train`
+    (inside `mode`, a TorchFunctionMode, where given), in the train/eval flags of the call and with the random
+    number generators left as they were; the caller takes its gradients inside the block. Raises NotApplicable
+    where the forward draws random numbers or gives other outputs than at the call."""
+    with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)), torch.enable_grad():
+        state = torch.get_rng_state()
+        with mode if mode is not None else contextlib.nullcontext():
+            outs = _forward(module, prep, train, xs, False)
+        if not torch.equal(state, torch.get_rng_state()):
+            raise NotApplicable("its forward draws random numbers")
+        if any(o.shape != c.shape for o, c in zip(outs, prep.cots)):
+            raise NotApplicable("other outputs than at the call")
+        yield outs
+
+
 def _batch_copies(module, call, params: dict, B: int, kind: str, shape_of) -> tuple:
     """(name -> Factor of per-sample rows, key): the forward rerun on the whole batch with each parameter p replaced
     by copies of shape shape_of(p, rank of the first output's δ), whose gradients are the per-sample rows."""
@@ -398,16 +415,9 @@ def _batch_copies(module, call, params: dict, B: int, kind: str, shape_of) -> tu
     rank = prep.cots[0].dim()
     xs = [prep.leaves[i] for i in prep.batched]
     copies = {n: p.detach().expand(shape_of(p, rank)).clone().requires_grad_() for n, p in params.items()}
-    split = SplitAffine({c: params[n].numel() for n, c in copies.items()}, B) if kind == "vector" else (
-        contextlib.nullcontext())
-    with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)), torch.enable_grad():
-        state = torch.get_rng_state()
-        with split:  # a norm that takes its affine parameters in their own shape: see affine.py
-            outs = _forward(module, prep, copies, xs, False)
-        if not torch.equal(state, torch.get_rng_state()):
-            raise NotApplicable("its forward draws random numbers")
-        if any(o.shape != c.shape for o, c in zip(outs, prep.cots)):
-            raise NotApplicable("other outputs with the parameters copied per sample")
+    # a norm that takes its affine parameters in their own shape: see affine.py
+    split = SplitAffine({c: params[n].numel() for n, c in copies.items()}, B) if kind == "vector" else None
+    with batch_rerun(module, call, prep, copies, xs, split) as outs:
         grads = torch.autograd.grad(outs, list(copies.values()), prep.cots, allow_unused=True)
     rows = {n: Factor(n, "dense", (torch.zeros_like(c) if g is None else g).reshape(B, *params[n].shape), None,
                       tuple(params[n].shape)) for (n, c), g in zip(copies.items(), grads)}
