@@ -131,6 +131,13 @@ CASES = [
     ("conv2d_reflect_groups", lambda: nn.Conv2d(4, 4, 3, padding=(1, 2), groups=2, padding_mode="reflect"),
      (B, 4, 6, 6)),
     ("conv3d", lambda: nn.Conv3d(2, 4, (2, 3, 3), stride=(1, 2, 1), padding=1), (B, 2, 4, 6, 5)),
+    # 1×1 convolutions: per-sample gradients by one batched product over the positions read
+    ("conv1d_pointwise_stride_padding", lambda: nn.Conv1d(3, 5, 1, stride=2, padding=1), (B, 3, 8)),
+    ("conv2d_pointwise", lambda: nn.Conv2d(4, 6, 1), (B, 4, 5, 3)),
+    ("conv2d_pointwise_stride_padding", lambda: nn.Conv2d(4, 6, 1, stride=(2, 1), padding=(1, 0), dilation=2),
+     (B, 4, 5, 4)),
+    ("conv2d_pointwise_reflect", lambda: nn.Conv2d(3, 2, 1, padding=1, padding_mode="reflect"), (B, 3, 4, 4)),
+    ("conv3d_pointwise_stride", lambda: nn.Conv3d(2, 3, 1, stride=2, bias=False), (B, 2, 3, 5, 4)),
     ("conv3d_groups_circular", lambda: nn.Conv3d(4, 4, 3, groups=2, padding=1, padding_mode="circular"),
      (B, 4, 4, 4, 4)),
     ("convT1d", lambda: nn.ConvTranspose1d(3, 5, 3, stride=2, padding=1, output_padding=1), (B, 3, 7)),
