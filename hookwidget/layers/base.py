@@ -149,16 +149,18 @@ class Kind:
     norm_sq: Callable | None = None  # (f, x_gram) -> (B,) squared norms by the ghost form (cost.method chooses)
 
 
+# Σ_t δ_t a_tᵀ as (batched) matrix products: torch.einsum plans the same product in Python first (16 µs where the
+# product of a small layer takes 3)
 def _outer_summed(f):
     if f.conv is not None and f._X is None:
         return f.conv.summed_weight_grad()
-    return torch.einsum("bto,bti->oi", f.D, f.X)
+    return torch.mm(f.D.flatten(0, 1).T, f.X.flatten(0, 1))
 
 
 def _outer_per_sample(f):
     if f.conv is not None and f._X is None:
         return f.conv.per_sample_weight_grad()
-    return torch.einsum("bto,bti->boi", f.D, f.X)
+    return torch.bmm(f.D.transpose(1, 2), f.X)
 
 
 def batch_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
