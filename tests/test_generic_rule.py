@@ -342,6 +342,80 @@ def test_norms_that_take_their_affine_parameters_whole_get_rows_from_one_backwar
     assert not failed
 
 
+class BatchNormAct2dTrain(nn.BatchNorm2d):
+    """timm's BatchNormAct2d as it trains: batch statistics (samples mixed), running statistics updated."""
+
+    def forward(self, x):
+        return F.relu(F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+                                   0.1, self.eps))
+
+
+def test_a_norm_with_a_forward_of_its_own_gets_rows_from_its_own_backward_node(monkeypatch):
+    """timm's LayerNorm, LayerNorm2d, GroupNormAct, BatchNormAct2d (eval): the norm node of the call's own graph gives
+    its input, its statistics and the gradient arriving at it, so no rerun is needed (norm_nodes.py). A frozen
+    bias and a weight-only norm included; a norm called twice, and batch statistics (which mix samples), go the other
+    ways."""
+    from hookwidget.layers import generic, norm_nodes
+
+    served, reran = [], []
+    rows, copies = norm_nodes.norm_rows, generic._batch_copies
+
+    def watched_rows(module, *args, **kwargs):
+        out = rows(module, *args, **kwargs)
+        served.append(type(module).__name__)
+        return out
+
+    def watched_copies(module, *args, **kwargs):
+        reran.append(type(module).__name__)
+        return copies(module, *args, **kwargs)
+
+    monkeypatch.setattr(generic, "FAST_RULES", [(a, watched_rows if r is rows else r) for a, r in generic.FAST_RULES])
+    monkeypatch.setattr(generic, "_batch_copies", watched_copies)
+    torch.manual_seed(0)
+    bn = BatchNormAct2d(4)
+    bn.running_mean.uniform_(-1, 1)
+    bn.running_var.uniform_(0.5, 2)
+    gn = GroupNormAct(2, 4)
+    gn.bias.requires_grad_(False)
+    ln = TimmLayerNorm([4, 6], bias=False)
+    cases = [(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), LayerNorm2d(8), nn.Conv2d(8, 4, 1), bn.eval(), gn,
+                            nn.Flatten(), nn.Linear(4 * 25, 3)), torch.randn(B, 3, 5, 5)),
+             (nn.Sequential(nn.Linear(6, 6), TimmLayerNorm(6), ln, nn.Linear(6, 2)), torch.randn(B, 4, 6))]
+    for model, x in cases:
+        for p in model.parameters():  # non-trivial affine parameters
+            p.data.add_(torch.randn_like(p) * 0.3)
+        for capture in ("full", "norms"):
+            served.clear(), reran.clear()
+            t = traced(model, lambda m=model, x=x: m(x).pow(2).sum(), capture=capture)
+            ref = loop_reference(model, lambda i, m=model, x=x: m(x[i:i + 1]).pow(2).sum())
+            assert not t.per_sample_left_out
+            close(t.per_sample_grad_norms(), norms_of(ref))
+            if capture == "full":
+                for layer in [n for n, m in model.named_children() if fx.is_generic(m)]:
+                    check_layer(t, model, ref, layer)
+            assert sorted(served) == sorted(type(m).__name__ for m in model if fx.is_generic(m)) and not reran
+
+    twice = nn.Sequential(nn.Linear(6, 6), TimmLayerNorm(6))
+    model = nn.Sequential(twice, nn.Linear(6, 2))
+
+    def loss(i=slice(None)):
+        h = twice(x[i])
+        return model[1](twice[1](h)).pow(2).sum()
+
+    x = torch.randn(B, 4, 6)
+    served.clear(), reran.clear()
+    t = traced(model, loss)
+    ref = loop_reference(model, lambda i: loss(slice(i, i + 1)))
+    close(t.per_sample_grad_norms(), norms_of(ref))
+    assert not served  # two calls: the vmap rule answers
+
+    train = nn.Sequential(nn.Conv2d(3, 4, 3), BatchNormAct2dTrain(4), nn.Flatten(), nn.Linear(36, 2)).train()
+    xs = torch.randn(B, 3, 5, 5)
+    t = traced(train, lambda: train(xs).pow(2).sum())
+    assert set(t.per_sample_left_out) == {"1.weight", "1.bias"}  # batch statistics mix samples: named, not used
+    assert "mixes samples" in t.per_sample_left_out["1.weight"]
+
+
 def test_weight_norm_conv():
     """weight_norm: the conv owns its parametrization's original0 / original1 (the container is no layer)."""
     torch.manual_seed(0)

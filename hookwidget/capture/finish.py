@@ -55,7 +55,7 @@ def held_by_reference(modules: dict, shares_inputs: bool, notes: list) -> tuple[
             for parts in (call.deltas, call.rule_parts):
                 if parts:
                     slots += [(parts, k) for k, v in (enumerate(parts) if isinstance(parts, list) else
-                                                      parts.items()) if v is not None]
+                                                      parts.items()) if isinstance(v, torch.Tensor)]
         owners += [rec.module] * (len(slots) - start)
     return slots, owners
 

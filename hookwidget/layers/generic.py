@@ -44,9 +44,10 @@ class NotApplicable(Exception):
 FAST_RULES: list = []
 
 # (applies(module) -> bool, capture(module, call, out) -> (parts, hooks)): what a fast rule takes from the call's own
-# graph at forward time, so that it need not rerun the module: `parts` (name -> tensor, e.g. an input autograd saved)
-# go to call.rule_parts, and each (node, name) of `hooks` keeps the gradient arriving at that node as
-# call.rule_parts[name] (capture/generic.py). The rule checks what it finds and falls back where anything is missing.
+# graph at forward time, so that it need not rerun the module: `parts` (name -> tensor, e.g. an input autograd saved,
+# or a plain value that says how to read them) go to call.rule_parts, and each (node, name) of `hooks` keeps the
+# gradient arriving at that node as call.rule_parts[name] (capture/generic.py). The rule checks what it finds and falls
+# back where anything is missing.
 FAST_CAPTURES: list = []
 
 
