@@ -315,6 +315,10 @@ def test_norms_that_take_their_affine_parameters_whole_get_rows_from_one_backwar
             raise
 
     monkeypatch.setattr(generic, "_batch_copies", watched)
+    from hookwidget.layers import affine_nodes  # (which answers first where it can: see the next test)
+
+    monkeypatch.setattr(generic, "FAST_RULES", [(a, r) for a, r in generic.FAST_RULES
+                                                if r is not affine_nodes.affine_rows])
     torch.manual_seed(0)
     conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), LayerNorm2d(8), nn.Conv2d(8, 8, 1), GroupNormAct(4, 8),
                          nn.Flatten(), nn.Linear(8 * 25, 4))
@@ -350,15 +354,39 @@ class BatchNormAct2dTrain(nn.BatchNorm2d):
                                    0.1, self.eps))
 
 
-def test_a_norm_with_a_forward_of_its_own_gets_rows_from_its_own_backward_node(monkeypatch):
+class LlamaLikeRMSNorm(nn.Module):
+    """Hugging Face's LlamaRMSNorm: its weight times the normalised input, in that order."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class ScaleShift(nn.Module):
+    """A layer scale applied in place (timm's LayerScale(inplace=True)), then a shift viewed (1, C, 1, 1)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.gamma, self.beta = nn.Parameter(torch.full((c,), 0.5)), nn.Parameter(torch.zeros(c))
+
+    def forward(self, x):
+        return x.clone().mul_(self.gamma.reshape(1, -1, 1, 1)) + self.beta.view(1, -1, 1, 1)
+
+
+def test_an_affine_module_with_a_forward_of_its_own_gets_rows_from_its_own_backward_nodes(monkeypatch):
     """timm's LayerNorm, LayerNorm2d, GroupNormAct, BatchNormAct2d (eval): the norm node of the call's own graph gives
-    its input, its statistics and the gradient arriving at it, so no rerun is needed (norm_nodes.py). A frozen
-    bias and a weight-only norm included; a norm called twice, and batch statistics (which mix samples), go the other
+    its input, its statistics and the gradient arriving at it; an RMSNorm's weight, a layer scale, a shift: the
+    product's (or sum's) node gives the other factor and its gradient (affine_nodes.py). No rerun. A frozen bias and
+    a weight-only norm included; a norm called twice, (1 + w), and batch statistics (which mix samples) go the other
     ways."""
-    from hookwidget.layers import generic, norm_nodes
+    from hookwidget.layers import affine_nodes, generic
 
     served, reran = [], []
-    rows, copies = norm_nodes.norm_rows, generic._batch_copies
+    rows, copies = affine_nodes.affine_rows, generic._batch_copies
 
     def watched_rows(module, *args, **kwargs):
         out = rows(module, *args, **kwargs)
@@ -377,10 +405,11 @@ def test_a_norm_with_a_forward_of_its_own_gets_rows_from_its_own_backward_node(m
     bn.running_var.uniform_(0.5, 2)
     gn = GroupNormAct(2, 4)
     gn.bias.requires_grad_(False)
-    ln = TimmLayerNorm([4, 6], bias=False)
-    cases = [(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), LayerNorm2d(8), nn.Conv2d(8, 4, 1), bn.eval(), gn,
-                            nn.Flatten(), nn.Linear(4 * 25, 3)), torch.randn(B, 3, 5, 5)),
-             (nn.Sequential(nn.Linear(6, 6), TimmLayerNorm(6), ln, nn.Linear(6, 2)), torch.randn(B, 4, 6))]
+    image = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), LayerNorm2d(8), nn.Conv2d(8, 4, 1), bn.eval(), gn,
+                          ScaleShift(4), LayerScale2d(4), nn.Flatten(), nn.Linear(4 * 25, 3))
+    tokens = nn.Sequential(nn.Linear(6, 6), TimmLayerNorm(6), TimmLayerNorm([4, 6], bias=False), LlamaLikeRMSNorm(6),
+                           ScaledBlock(6), nn.Linear(6, 2))
+    cases = [(image, torch.randn(B, 3, 5, 5)), (tokens, torch.randn(B, 4, 6))]
     for model, x in cases:
         for p in model.parameters():  # non-trivial affine parameters
             p.data.add_(torch.randn_like(p) * 0.3)
@@ -391,9 +420,18 @@ def test_a_norm_with_a_forward_of_its_own_gets_rows_from_its_own_backward_node(m
             assert not t.per_sample_left_out
             close(t.per_sample_grad_norms(), norms_of(ref))
             if capture == "full":
-                for layer in [n for n, m in model.named_children() if fx.is_generic(m)]:
-                    check_layer(t, model, ref, layer)
+                for layer, m in model.named_children():
+                    for k, q in m.named_parameters(recurse=False) if fx.is_generic(m) else ():
+                        if q.requires_grad:
+                            close(t.per_sample_grads(layer, k), ref[f"{layer}.{k}"])
             assert sorted(served) == sorted(type(m).__name__ for m in model if fx.is_generic(m)) and not reran
+
+    hand = nn.Sequential(nn.Linear(6, 6), HandRMSNorm(6), nn.Linear(6, 2))  # x̂ ⊙ (1 + w): not a factor itself
+    x = torch.randn(B, 4, 6)
+    served.clear(), reran.clear()
+    t = traced(hand, lambda: hand(x).pow(2).sum())
+    close(t.per_sample_grad_norms(), norms_of(loop_reference(hand, lambda i: hand(x[i:i + 1]).pow(2).sum())))
+    assert not served and reran == ["HandRMSNorm"]
 
     twice = nn.Sequential(nn.Linear(6, 6), TimmLayerNorm(6))
     model = nn.Sequential(twice, nn.Linear(6, 2))

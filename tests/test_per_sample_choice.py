@@ -178,17 +178,22 @@ class LayerNorm2d(nn.LayerNorm):
         return x.permute(0, 3, 1, 2)
 
 
+@pytest.mark.parametrize("from_nodes", [True, False], ids=["affine-nodes", "copies"])
 @pytest.mark.parametrize("make", [lambda: ForeignRMSNorm(6), lambda: ForeignRMSNorm(6, gemma=True),
                                   lambda: Scale2d(3), lambda: Scale2d(3, flipped=True), lambda: LayerNorm2d(3)],
                          ids=["rmsnorm", "gemma", "scale2d", "flipped", "layernorm2d"])
-def test_vector_parameters_of_generic_modules_are_exact(make):
-    """layers/generic.vector_params: a module's own vector parameters get their rows from B copies broadcast
-    against the output (one backward), or the forward vmapped over samples and copies (layernorm2d), checked against
-    a sample rerun alone; where the forward does not use them elementwise (flipped) the vmap rule answers. Either
-    way the norms equal torch.func's."""
+def test_vector_parameters_of_generic_modules_are_exact(make, from_nodes, monkeypatch):
+    """A module's own vector parameters: rows from the call's own backward nodes where each is a factor of a product
+    or one of a norm's affine pair (layers/affine_nodes.py); else (gemma's 1 + w, or with that rule off) from
+    layers/generic.vector_params: B copies broadcast against the output (one backward), or the forward vmapped over
+    samples and copies (layernorm2d), checked against a sample rerun alone; where the forward does not use them
+    elementwise (flipped) the vmap rule answers. Either way the norms equal torch.func's."""
     from hookwidget.analysis import generic as checked
-    from hookwidget.layers import generic
+    from hookwidget.layers import affine_nodes, generic
 
+    if not from_nodes:
+        monkeypatch.setattr(generic, "FAST_RULES", [(a, r) for a, r in generic.FAST_RULES
+                                                    if r is not affine_nodes.affine_rows])
     torch.manual_seed(0)
     norm = make().double()
     image = isinstance(norm, (Scale2d, LayerNorm2d))
@@ -213,11 +218,12 @@ def test_vector_parameters_of_generic_modules_are_exact(make):
         served.append((r.__name__, rows is not None))
         return rows
 
-    checked._fast_rule_rows = spy
-    try:
-        t = hw.trace(step, capture="norms")
-        norms = t.per_sample_grad_norms()
-    finally:
-        checked._fast_rule_rows = rule
-    assert served == [("vector_params", not getattr(norm, "flipped", False))]
+    monkeypatch.setattr(checked, "_fast_rule_rows", spy)
+    t = hw.trace(step, capture="norms")
+    norms = t.per_sample_grad_norms()
+    elementwise = not getattr(norm, "flipped", False)
+    if from_nodes and elementwise and not getattr(norm, "gemma", False):
+        assert served == [("affine_rows", True)]
+    else:
+        assert served == [("affine_rows", False)] * from_nodes + [("vector_params", elementwise)]
     assert torch.allclose(norms, ref_norms(model, x, y, loss), rtol=1e-10)
