@@ -46,7 +46,10 @@ def applies(module) -> bool:
 def affine_capture(module, call, out: torch.Tensor) -> tuple:
     """(parts, hooks) of one call (generic.FAST_CAPTURES), or nothing where its graph shows neither way."""
     own = {id(p): n for n, p in own_parameters(module).items() if p is not None and p.requires_grad}
-    norms, uses = _walk(out.grad_fn, call.seq_start, own)
+    found = _walk(out.grad_fn, call.seq_start, own)
+    if found is None:
+        return {}, []
+    norms, uses = found
     if any(len(u) != 1 for u in uses.values()) or len(uses) != len(own):
         return {}, []  # a parameter used twice, or not reached
     if len(norms) == 1 and all(u[0][0] is norms[0] and u[0][2] is None for u in uses.values()):
@@ -146,15 +149,21 @@ def _normalised(kind: str, x, mean, rstd) -> torch.Tensor:
     return ((g - mean.reshape(N, G, 1)) * rstd.reshape(N, G, 1)).reshape(x.shape)
 
 
-def _walk(root, seq_start: int, own: dict) -> tuple:
+WALKED_MAX = 96  # nodes: a norm, a scale or a block around one makes far fewer; a whole model holding a position
+# table (timm's VisionTransformer) makes hundreds, walked at every call for nothing: vector_params answers there
+
+
+def _walk(root, seq_start: int, own: dict) -> tuple | None:
     """The norm nodes among the nodes the call made (those since seq_start, found from its output's node), and for
     each of the module's parameters (own: id -> name) the nodes that take it: name -> [(node, input index, the view
-    it is taken through or None)]."""
+    it is taken through or None)]; None past WALKED_MAX nodes."""
     norms, uses, seen, stack = [], {}, set(), [root]
     while stack:
         node = stack.pop()
         if node is None or node in seen or type(node).__name__ == "AccumulateGrad" or sequence_nr(node) < seq_start:
             continue
+        if len(seen) >= WALKED_MAX:
+            return None
         seen.add(node)
         if type(node).__name__ in _NORMS:
             norms.append(node)
