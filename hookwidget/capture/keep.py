@@ -165,7 +165,9 @@ class FullKeep(Keep):
 
 class NormsKeep(FullKeep):
     """Per-sample gradient norms, streamed: a of the layers the rule wants, δ as it arrives, both let go at the
-    end of each step. No per-node hooks (they would cost more than the norms)."""
+    end of each step; δ of a module with no norms to give (no trainable parameter, no rule) is not kept at all (the
+    generic rule's modules keep theirs: per_sample.py adds their norms when asked). No per-node hooks (they would
+    cost more than the norms)."""
 
     node_grads = False
     shares_inputs = True
@@ -187,8 +189,10 @@ class NormsKeep(FullKeep):
         pass  # the generic rule's norms are not streamed: per_sample adds them when asked
 
     def on_delta(self, module, call, grad, modules) -> bool:
-        call.delta = grad.detach()
-        self.rule.on_delta(module, modules)
+        rec = modules[module]
+        if rec.norms or rec.generic:  # a layer without either has no norms to give: its δ is let go
+            call.delta = grad.detach()
+            self.rule.on_delta(module, modules)
         return False
 
     def end_step(self, modules: dict, batches) -> None:
