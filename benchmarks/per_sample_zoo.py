@@ -215,7 +215,13 @@ def peak_mb(step) -> float:
     with tempfile.TemporaryDirectory() as d:
         prof.export_chrome_trace(f"{d}/trace.json")
         events = json.loads(Path(f"{d}/trace.json").read_text())["traceEvents"]
-    return max([0] + [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]) / 2**20
+    mem = [e["args"] for e in events if e.get("name") == "[memory]"]
+    if not mem:
+        return 0.0
+    # the profiler's running total starts where the previous profiled step left it (what that step allocated and
+    # freed only after profiling ended, its .grad, stays counted): the step's own peak is above its first event's
+    base = mem[0]["Total Allocated"] - mem[0]["Bytes"]
+    return max(0, max(m["Total Allocated"] for m in mem) - base) / 2**20
 
 
 # -- the table ---------------------------------------------------------------------------------------
