@@ -114,9 +114,11 @@ class Session:
         layer_ivs, node_ivs = defaultdict(list), defaultdict(list)
         for iv in self.interventions:
             (layer_ivs if isinstance(iv.anchor, nn.Module) else node_ivs)[iv.anchor].append(iv)
+        # the flight recorder's recordings take no fast rule's parts: most of its steps are dropped unread, and a kept
+        # step's per-sample rows come from the same rules' rerun of the module (exact, checked alike)
         return Tracer(self.modules, capture=opts.capture, budget_mb=opts.budget_mb, node_grads=opts.node_grads,
                       backward_hooks=opts.backward_hooks, layer_interventions=layer_ivs, node_interventions=node_ivs,
-                      state=state)
+                      state=state, fast_captures=self.kept_by is None)
 
     @contextmanager
     def recording(self, state: RunState | None = None):

@@ -184,3 +184,58 @@ def test_a_layer_frozen_mid_run_is_recorded_as_it_is_now():
     first, later = w.trace(0), w.trace(3)
     assert first.layers["0"].a is None and any(n.id == "held_written" for n in first.note_records)
     assert torch.equal(later.layers["0"].a, batches[3]) and not any(n.id == "held_written" for n in later.note_records)
+
+
+class _RMSNorm(nn.Module):
+    """An RMSNorm of another package (Llama's): the generic rule serves it; its weight is a factor of a product."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_the_recorder_takes_no_fast_rule_parts_and_a_kept_step_is_still_exact(monkeypatch):
+    """The recorder's steps, dropped unread but for a few, take none of the generic rule's fast-rule parts from their
+    graphs (an RMSNorm's product node, self-attention's projections) at each call: a kept step's per-sample rows come
+    from the same rules' rerun of the module, equal to hw.trace's of the same step and to an autograd loop."""
+    import hookwidget as hw
+    from hookwidget.layers import generic
+
+    taken = []
+    monkeypatch.setattr(generic, "FAST_CAPTURES",
+                        [(a, lambda *args, c=c: taken.append(1) or c(*args)) for a, c in generic.FAST_CAPTURES])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), _RMSNorm(8), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 5, 6, generator=g), torch.randn(4, 5, 3, generator=g)
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    before = {}
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y, reduction="sum").backward()
+
+    with watch(model, keep=lambda k, stats: k == 2) as w:
+        for k in range(4):
+            if k == 2:
+                before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            step()
+            opt.step()
+    assert not taken and 2 in w.kept
+    kept = w.trace(2).per_sample_grad_norms()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(before[n])
+    taken.clear()
+    t = hw.trace(step, capture="norms")
+    assert taken  # hw.trace takes them
+    torch.testing.assert_close(kept, t.per_sample_grad_norms(), rtol=1e-5, atol=1e-7)
+    rows = []
+    for i in range(4):
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(model(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+        rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+    torch.testing.assert_close(kept, torch.stack(rows), rtol=1e-5, atol=1e-7)

@@ -29,9 +29,10 @@ BROADCASTS_MAX = 1024  # calls per step whose (1, ...) output may be added to a 
 class GenericCapture:
     """The generic rule's capture and the per-sample gradients of broadcast tables, for one trace."""
 
-    def __init__(self, hooks, budget):
+    def __init__(self, hooks, budget, fast_captures: bool = True):
         self.hooks = hooks  # handles.Hooks of the trace
         self.budget = budget  # budget.Budget of the trace
+        self.fast_captures = fast_captures  # False: no fast rule's parts taken (their rules rerun the module)
         self._snapshots: dict = {}  # id(parameter or buffer) -> (it, its version, copy): see _snapshot
         self._broadcasts: list = []  # calls of layers with parameters whose output is (1, ...): see _hook_broadcasts
         self._joins: list = []  # (module, call) of generic modules holding (1, ...) parameters: see _hook_joins
@@ -96,7 +97,7 @@ class GenericCapture:
                 call.out_first = i
             elif o.requires_grad:
                 hook_output(self.hooks.tensor, o, self._output_delta_hook(call, i))
-        if out is not None and out.grad_fn is not None:
+        if self.fast_captures and out is not None and out.grad_fn is not None:
             for applies, capture in generic.FAST_CAPTURES:
                 if applies(module):
                     self._keep_rule_parts(call, *capture(module, call, out))

@@ -29,10 +29,11 @@ from hookwidget.record.calls import Records, StepRecord
 class Recording:
     """The state one recording fills (the tracer's hooks read and write it; see tracer.py).
 
-    options: (capture, budget_mb, norms_rule, node_grads, node_interventions) as the tracer was given them."""
+    options: (capture, budget_mb, norms_rule, node_grads, node_interventions, fast_captures) as the tracer was
+    given them."""
 
     def __init__(self, options: tuple):
-        capture, budget_mb, norms_rule, node_grads, node_interventions = options
+        capture, budget_mb, norms_rule, node_grads, node_interventions, fast_captures = options
         self.budget = Budget(budget_mb)
         self.keep = keep_mod.make(capture, self.budget, norms_rule)
         self.hooks = Hooks()
@@ -42,7 +43,7 @@ class Recording:
         # their norms from δ and .grad anyway (see nodes.py).
         self.graph = NodeNorms(node_grads if self.keep.node_grads else False, node_interventions, self.hooks,
                                self.notes)
-        self.generic = GenericCapture(self.hooks, self.budget)
+        self.generic = GenericCapture(self.hooks, self.budget, fast_captures)
         self.folds = Folds()
         self.batches = Counter()  # this step's outermost calls: their inputs' leading dimensions (Call.batch)
         self.modules: dict = {}  # module -> ModuleRecord

@@ -60,12 +60,13 @@ class Tracer:
     """Context manager that owns every hook of one trace; `records` is filled on exit.
 
     capture: the keep strategy's name (keep.py); norms_rule: the object that strategy streams into (None: its
-    own); budget_mb: megabytes for kept tensors and .grad copies (options.py)."""
+    own); budget_mb: megabytes for kept tensors and .grad copies (options.py); fast_captures: whether the generic
+    rule's modules give their fast rules the parts of their own graph (layers/generic.FAST_CAPTURES) as they run."""
 
     def __init__(self, modules=None, capture: str = keep_mod.FULL, budget_mb: float = DEFAULT_BUDGET_MB,
                  layer_interventions=None, node_interventions=None, node_grads: bool | None = None, norms_rule=None,
-                 backward_hooks: bool = False, state=None):
-        self._options = capture, budget_mb, norms_rule, node_grads, node_interventions or {}
+                 backward_hooks: bool = False, state=None, fast_captures: bool = True):
+        self._options = capture, budget_mb, norms_rule, node_grads, node_interventions or {}, fast_captures
         self.targets = module_list(modules)
         self.layer_interventions = layer_interventions or {}
         # Full module backward hooks show grad_input too, but raise when an in-place op follows a
