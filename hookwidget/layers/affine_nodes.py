@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from hookwidget._torch.autograd import output_shape, saved, sequence_nr
+from hookwidget._torch.autograd import output_shape, saved
 from hookwidget._torch.modules import own_parameters
 from hookwidget.layers import generic
 from hookwidget.layers.base import Factor
@@ -154,27 +154,22 @@ WALKED_MAX = 96  # nodes: a norm, a scale or a block around one makes far fewer;
 
 
 def _walk(root, seq_start: int, own: dict) -> tuple | None:
-    """The norm nodes among the nodes the call made (those since seq_start, found from its output's node), and for
-    each of the module's parameters (own: id -> name) the nodes that take it: name -> [(node, input index, the view
-    it is taken through or None)]; None past WALKED_MAX nodes."""
-    norms, uses, seen, stack = [], {}, set(), [root]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen or type(node).__name__ == "AccumulateGrad" or sequence_nr(node) < seq_start:
+    """The norm nodes among the nodes the call made, and for each of the module's parameters (own: id -> name) the
+    nodes that take it: name -> [(node, input index, the view it is taken through or None)]; None past WALKED_MAX
+    nodes."""
+    nodes = generic.call_nodes(root, seq_start, WALKED_MAX)
+    if nodes is None:
+        return None
+    uses = {}
+    for node in nodes:
+        if type(node).__name__ in _VIEWS:  # a parameter's view is counted where it is used
             continue
-        if len(seen) >= WALKED_MAX:
-            return None
-        seen.add(node)
-        if type(node).__name__ in _NORMS:
-            norms.append(node)
         for i, (child, _) in enumerate(node.next_functions):
             leaf, view = _behind_views(child)
             name = own.get(id(getattr(leaf, "variable", None))) if leaf is not None else None
             if name is not None:
                 uses.setdefault(name, []).append((node, i, view))
-            elif child is not None:
-                stack.append(child)
-    return norms, uses
+    return [n for n in nodes if type(n).__name__ in _NORMS], uses
 
 
 def _behind_views(node) -> tuple:

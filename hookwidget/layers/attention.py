@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookwidget._torch.autograd import saved, sequence_nr
+from hookwidget._torch.autograd import saved
 from hookwidget._torch.layers import packed_qkv
 from hookwidget.layers import generic
 from hookwidget.layers.base import Factor
@@ -143,23 +143,13 @@ def mha_capture(module: nn.MultiheadAttention, call, out: torch.Tensor) -> tuple
 
 def _weight_consumers(root, seq_start: int, weights: dict) -> dict:
     """The matmul nodes created since seq_start that take a weight through its transpose: kind -> [node]."""
-    found, seen, stack = {}, set(), [root]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    found = {}
+    for node in generic.call_nodes(root, seq_start):
         for child, _ in node.next_functions:
-            if child is None:
-                continue
-            if type(child).__name__ == "TBackward0":
-                leaf = child.next_functions[0][0]
-                kind = weights.get(id(getattr(leaf, "variable", None)))
+            if child is not None and type(child).__name__ == "TBackward0":
+                kind = weights.get(id(getattr(child.next_functions[0][0], "variable", None)))
                 if kind is not None:
                     found.setdefault(kind, []).append(node)
-                    continue
-            if sequence_nr(child) >= seq_start and type(child).__name__ != "AccumulateGrad":
-                stack.append(child)
     return found
 
 

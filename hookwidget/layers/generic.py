@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from hookwidget._torch.autograd import sequence_nr
 from hookwidget._torch.modules import children, own_parameters, parameters_swapped
 from hookwidget._torch.pytree import tree_flatten, tree_unflatten
 from hookwidget.layers.affine import SplitAffine
@@ -49,6 +50,22 @@ FAST_RULES: list = []
 # gradient arriving at that node as call.rule_parts[name] (capture/generic.py). The rule checks what it finds and falls
 # back where anything is missing.
 FAST_CAPTURES: list = []
+
+
+def call_nodes(root, seq_start: int, limit: int | None = None) -> list | None:
+    """The backward nodes a module call made (sequence numbers from seq_start on: the call's own ops), found from its
+    output's node `root` down, for a fast capture to read; None where there are more than `limit`."""
+    found, seen, stack = [], set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or type(node).__name__ == "AccumulateGrad" or sequence_nr(node) < seq_start:
+            continue
+        if limit is not None and len(found) >= limit:
+            return None
+        seen.add(node)
+        found.append(node)
+        stack.extend(child for child, _ in node.next_functions)
+    return found
 
 
 def fast_rules(module) -> list:
