@@ -377,12 +377,21 @@ class ScaleShift(nn.Module):
         return x.clone().mul_(self.gamma.reshape(1, -1, 1, 1)) + self.beta.view(1, -1, 1, 1)
 
 
+class SquaredScale(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((d,), 0.8))
+
+    def forward(self, x):
+        return x * self.w.pow(2)
+
+
 def test_an_affine_module_with_a_forward_of_its_own_gets_rows_from_its_own_backward_nodes(monkeypatch):
     """timm's LayerNorm, LayerNorm2d, GroupNormAct, BatchNormAct2d (eval): the norm node of the call's own graph gives
     its input, its statistics and the gradient arriving at it; an RMSNorm's weight, a layer scale, a shift: the
-    product's (or sum's) node gives the other factor and its gradient (affine_nodes.py). No rerun. A frozen bias and
-    a weight-only norm included; a norm called twice, (1 + w), and batch statistics (which mix samples) go the other
-    ways."""
+    product's (or sum's) node gives the other factor and its gradient (affine_nodes.py), through a view or a constant
+    added (x̂ ⊙ (1 + w)). No rerun. A frozen bias and a weight-only norm included; a norm called twice, w², and batch
+    statistics (which mix samples) go the other ways."""
     from hookwidget.layers import affine_nodes, generic
 
     served, reran = [], []
@@ -408,7 +417,7 @@ def test_an_affine_module_with_a_forward_of_its_own_gets_rows_from_its_own_backw
     image = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), LayerNorm2d(8), nn.Conv2d(8, 4, 1), bn.eval(), gn,
                           ScaleShift(4), LayerScale2d(4), nn.Flatten(), nn.Linear(4 * 25, 3))
     tokens = nn.Sequential(nn.Linear(6, 6), TimmLayerNorm(6), TimmLayerNorm([4, 6], bias=False), LlamaLikeRMSNorm(6),
-                           ScaledBlock(6), nn.Linear(6, 2))
+                           HandRMSNorm(6), ScaledBlock(6), nn.Linear(6, 2))
     cases = [(image, torch.randn(B, 3, 5, 5)), (tokens, torch.randn(B, 4, 6))]
     for model, x in cases:
         for p in model.parameters():  # non-trivial affine parameters
@@ -426,12 +435,12 @@ def test_an_affine_module_with_a_forward_of_its_own_gets_rows_from_its_own_backw
                             close(t.per_sample_grads(layer, k), ref[f"{layer}.{k}"])
             assert sorted(served) == sorted(type(m).__name__ for m in model if fx.is_generic(m)) and not reran
 
-    hand = nn.Sequential(nn.Linear(6, 6), HandRMSNorm(6), nn.Linear(6, 2))  # x̂ ⊙ (1 + w): not a factor itself
+    squared = nn.Sequential(nn.Linear(6, 6), SquaredScale(6), nn.Linear(6, 2))  # x ⊙ w²: w is no factor itself
     x = torch.randn(B, 4, 6)
     served.clear(), reran.clear()
-    t = traced(hand, lambda: hand(x).pow(2).sum())
-    close(t.per_sample_grad_norms(), norms_of(loop_reference(hand, lambda i: hand(x[i:i + 1]).pow(2).sum())))
-    assert not served and reran == ["HandRMSNorm"]
+    t = traced(squared, lambda: squared(x).pow(2).sum())
+    close(t.per_sample_grad_norms(), norms_of(loop_reference(squared, lambda i: squared(x[i:i + 1]).pow(2).sum())))
+    assert not served and reran == ["SquaredScale"]
 
     twice = nn.Sequential(nn.Linear(6, 6), TimmLayerNorm(6))
     model = nn.Sequential(twice, nn.Linear(6, 2))

@@ -184,10 +184,11 @@ class LayerNorm2d(nn.LayerNorm):
                          ids=["rmsnorm", "gemma", "scale2d", "flipped", "layernorm2d"])
 def test_vector_parameters_of_generic_modules_are_exact(make, from_nodes, monkeypatch):
     """A module's own vector parameters: rows from the call's own backward nodes where each is a factor of a product
-    or one of a norm's affine pair (layers/affine_nodes.py); else (gemma's 1 + w, or with that rule off) from
-    layers/generic.vector_params: B copies broadcast against the output (one backward), or the forward vmapped over
-    samples and copies (layernorm2d), checked against a sample rerun alone; where the forward does not use them
-    elementwise (flipped) the vmap rule answers. Either way the norms equal torch.func's."""
+    (as it is, viewed, or plus a constant: gemma's 1 + w) or one of a norm's affine pair (layers/affine_nodes.py);
+    else (flipped, or with that rule off) from layers/generic.vector_params: B copies broadcast against the output
+    (one backward), or the forward vmapped over samples and copies (layernorm2d), checked against a sample rerun
+    alone; where the forward does not use them elementwise (flipped) the vmap rule answers. Either way the norms
+    equal torch.func's."""
     from hookwidget.analysis import generic as checked
     from hookwidget.layers import affine_nodes, generic
 
@@ -222,7 +223,7 @@ def test_vector_parameters_of_generic_modules_are_exact(make, from_nodes, monkey
     t = hw.trace(step, capture="norms")
     norms = t.per_sample_grad_norms()
     elementwise = not getattr(norm, "flipped", False)
-    if from_nodes and elementwise and not getattr(norm, "gemma", False):
+    if from_nodes and elementwise:
         assert served == [("affine_rows", True)]
     else:
         assert served == [("affine_rows", False)] * from_nodes + [("vector_params", elementwise)]

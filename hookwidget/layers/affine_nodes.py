@@ -6,8 +6,9 @@ reach the output in one of two ways, found in the backward nodes the call made:
   BatchNormAct2d, GroupNormAct, torchvision's LayerNorm2d). The norm's node holds the input it normalised and the
   statistics it used (mean and 1/σ, or the running ones); per sample b, weight.grad_b = Σ δ ⊙ x̂ and
   bias.grad_b = Σ δ over the positions of the parameter's axis, as norm.py's exact rules compute them;
-- each parameter one factor of an elementwise product or one term of a sum, as it is or viewed (w ⊙ x̂ of an
-  RMSNorm class of another package, Llama's, Qwen's, T5's; a layer scale, timm's LayerScale, ConvNeXt's gamma).
+- each parameter one factor of an elementwise product or one term of a sum, as it is, viewed, or plus a constant
+  (w ⊙ x̂ of an RMSNorm class of another package, Llama's, Qwen's, T5's, Gemma's x̂ ⊙ (1 + w); a layer scale,
+  timm's LayerScale, ConvNeXt's gamma).
   The product's node holds the other factor; per sample, p.grad_b = Σ δ ⊙ other (a scale) or Σ δ (a shift) over
   the dimensions p is broadcast along.
 δ is the gradient arriving at that node (before an activation that may follow), kept by a hook. That replaces
@@ -162,7 +163,7 @@ def _walk(root, seq_start: int, own: dict) -> tuple | None:
         return None
     uses = {}
     for node in nodes:
-        if type(node).__name__ in _VIEWS:  # a parameter's view is counted where it is used
+        if type(node).__name__ in _VIEWS or _behind_views(node)[0] is not None:  # counted where it is used
             continue
         for i, (child, _) in enumerate(node.next_functions):
             leaf, view = _behind_views(child)
@@ -173,14 +174,23 @@ def _walk(root, seq_start: int, own: dict) -> tuple | None:
 
 
 def _behind_views(node) -> tuple:
-    """(the AccumulateGrad node behind a chain of view nodes, the top view or None), or (None, None)."""
+    """(the AccumulateGrad node behind a chain of views and constant shifts, the top one or None), or (None, None).
+    A constant added to the parameter (Gemma's x̂ ⊙ (1 + w)) passes its gradient on unchanged, as a view does."""
     top = None
-    while node is not None and type(node).__name__ in _VIEWS:
+    while node is not None and type(node).__name__ != "AccumulateGrad":
+        name = type(node).__name__
+        if name in _VIEWS:
+            below = node.next_functions[0][0]
+        elif name in ("AddBackward0", "SubBackward0") and saved(node, "alpha") == 1:
+            inputs = [fn for fn, _ in node.next_functions]
+            if sum(fn is not None for fn in inputs) != 1 or name == "SubBackward0" and inputs[0] is None:
+                return None, None  # not one parameter and a constant (c - w flips the sign)
+            below = next(fn for fn in inputs if fn is not None)
+        else:
+            return None, None
         top = top or node
-        node = node.next_functions[0][0]
-    if node is None or type(node).__name__ != "AccumulateGrad":
-        return None, None
-    return node, top
+        node = below
+    return (node, top) if node is not None else (None, None)
 
 
 generic.FAST_RULES.insert(0, (applies, affine_rows))  # before vector_params, which answers where this does not
