@@ -475,6 +475,11 @@ def test_weight_norm_conv():
     check_layer(t, model, ref, "0")
     assert set(t.per_sample_grads("0", "parametrizations.weight.original1").shape) == {B, 4, 3}
     close(t.per_sample_grad_norms(), norms_of(ref))
+    # capture="norms" too: the container holds original0 / original1 but answers for neither, so they are the conv's
+    # alone (they were left out there, as if two layers shared them)
+    t = traced(model, lambda: model(x).pow(2).sum(), capture="norms")
+    assert not t.per_sample_left_out, t.per_sample_left_out
+    close(t.per_sample_grad_norms(), norms_of(ref))
 
 
 class ItemScale(nn.Module):

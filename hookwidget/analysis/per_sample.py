@@ -133,7 +133,8 @@ def per_sample_norms(trace, name: str | None, step: int | None) -> torch.Tensor:
 
 def _generic_norm_sq(trace, k: int) -> torch.Tensor | None:
     """capture="norms": squared per-sample norms of the generic-rule layers of step k (capture streamed the
-    others), over the parameters each is the only holder of (left_out names the rest)."""
+    others), over the parameters each is the only layer to answer for (a weight_norm's container holds its
+    parametrized conv's parameters but answers for none; left_out names the rest)."""
     holders, sq = param_holders(trace), None
     for n, layer in trace.layers.items():
         calls = [c for c in layer.calls if c.step == k]
@@ -143,7 +144,8 @@ def _generic_norm_sq(trace, k: int) -> torch.Tensor | None:
             continue
         for f in layer_factors(trace, n, calls):
             p = _param(trace, n, f.param)
-            if holders.get(id(p)) == [n] and coverage_gap(trace, p, k, {n: None}, lambda ok, f=f: [f]) is None:
+            answering = [h for h in holders.get(id(p), ()) if any(q is p for q in owned_params(trace, h).values())]
+            if answering == [n] and coverage_gap(trace, p, k, {n: None}, lambda ok, f=f: [f]) is None:
                 part = fx.per_sample_norm_sq(f)
                 sq = part if sq is None else sq + part
     return sq
@@ -244,8 +246,9 @@ def left_out(trace) -> dict:
             k = max(c.step for h in hs for c in trace.layers[h].calls if c.step is not None)
             reasons = {h: _layer_reason(trace, h, k, unbatched_names, norms_mode)
                        if any(q is p for q in owned_params(trace, h).values()) else _ONLY_HOLDS for h in hs}
-            generic_holders = [h for h in hs if fx.is_generic(trace.layers[h].module) and reasons[h] is not _ONLY_HOLDS]
-            if norms_mode and generic_holders and len(hs) > 1:
+            answering = [h for h in hs if reasons[h] is not _ONLY_HOLDS]
+            generic_holders = [h for h in answering if fx.is_generic(trace.layers[h].module)]
+            if norms_mode and generic_holders and len(answering) > 1:
                 why = "; ".join(f"{h}: {r}" for h, r in reasons.items() if r is not None) or (
                     f"shared by {', '.join(hs)}: with capture='norms' a parameter that a generic-rule layer shares "
                     "is left out; capture='full' counts it")
