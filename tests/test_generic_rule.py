@@ -377,6 +377,17 @@ class ScaleShift(nn.Module):
         return x.clone().mul_(self.gamma.reshape(1, -1, 1, 1)) + self.beta.view(1, -1, 1, 1)
 
 
+class InputShift(nn.Module):
+    """A learned shift of the raw input (which needs no gradient): x + b."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.b = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return x + self.b
+
+
 class SquaredScale(nn.Module):
     def __init__(self, d):
         super().__init__()
@@ -416,8 +427,8 @@ def test_an_affine_module_with_a_forward_of_its_own_gets_rows_from_its_own_backw
     gn.bias.requires_grad_(False)
     image = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), LayerNorm2d(8), nn.Conv2d(8, 4, 1), bn.eval(), gn,
                           ScaleShift(4), LayerScale2d(4), nn.Flatten(), nn.Linear(4 * 25, 3))
-    tokens = nn.Sequential(nn.Linear(6, 6), TimmLayerNorm(6), TimmLayerNorm([4, 6], bias=False), LlamaLikeRMSNorm(6),
-                           HandRMSNorm(6), ScaledBlock(6), nn.Linear(6, 2))
+    tokens = nn.Sequential(InputShift(6), nn.Linear(6, 6), TimmLayerNorm(6), TimmLayerNorm([4, 6], bias=False),
+                           LlamaLikeRMSNorm(6), HandRMSNorm(6), ScaledBlock(6), nn.Linear(6, 2))
     cases = [(image, torch.randn(B, 3, 5, 5)), (tokens, torch.randn(B, 4, 6))]
     for model, x in cases:
         for p in model.parameters():  # non-trivial affine parameters

@@ -186,11 +186,19 @@ def _behind_views(node) -> tuple:
             if sum(fn is not None for fn in inputs) != 1 or name == "SubBackward0" and inputs[0] is None:
                 return None, None  # not one parameter and a constant (c - w flips the sign)
             below = next(fn for fn in inputs if fn is not None)
+            if output_shape(node) != _shape(below):  # the constant is a batch the parameter is added to: a shift
+                return None, None
         else:
             return None, None
         top = top or node
         node = below
     return (node, top) if node is not None else (None, None)
+
+
+def _shape(node) -> tuple | None:
+    """The shape of what the node's forward made (a leaf's, for an AccumulateGrad node)."""
+    leaf = getattr(node, "variable", None)
+    return tuple(leaf.shape) if leaf is not None else output_shape(node)
 
 
 generic.FAST_RULES.insert(0, (applies, affine_rows))  # before vector_params, which answers where this does not
