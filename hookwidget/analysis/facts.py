@@ -109,7 +109,8 @@ def _layer_params(trace, name: str) -> tuple:
 
 
 def param_holders(trace) -> dict:
-    """id(parameter) -> names of the called layers that answer for it (tied weights: several)."""
+    """id(parameter) -> names of the called layers that hold it (tied weights: several): those that answer for it,
+    and any that only holds it (a parametrization container holds its module's parameters; answering_holders)."""
     cache = trace.facts
     out = cache.get("holders")
     if out is not None:
@@ -124,6 +125,11 @@ def param_holders(trace) -> dict:
             for p in others:  # its own, answered for or not
                 out[id(p)].append(n)
     return out
+
+
+def answering_holders(trace, p) -> list:
+    """The layers among p's holders (param_holders) that answer for it."""
+    return [h for h in param_holders(trace).get(id(p), ()) if any(q is p for q in owned_params(trace, h).values())]
 
 
 def record_facts(trace) -> bool:

@@ -18,7 +18,15 @@ from collections import defaultdict
 import torch
 
 from hookwidget.analysis.batches import _fold, batched_call, check_batched, unbatched, unbatched_by_step
-from hookwidget.analysis.facts import Refusal, allclose_grad, owned_params, param_holders, step_grad, step_indices
+from hookwidget.analysis.facts import (
+    Refusal,
+    allclose_grad,
+    answering_holders,
+    owned_params,
+    param_holders,
+    step_grad,
+    step_indices,
+)
 from hookwidget.analysis.generic import generic_rows
 from hookwidget.layers import factors as fx
 from hookwidget.layers import generic
@@ -135,7 +143,7 @@ def _generic_norm_sq(trace, k: int) -> torch.Tensor | None:
     """capture="norms": squared per-sample norms of the generic-rule layers of step k (capture streamed the
     others), over the parameters each is the only layer to answer for (a weight_norm's container holds its
     parametrized conv's parameters but answers for none; left_out names the rest)."""
-    holders, sq = param_holders(trace), None
+    sq = None
     for n, layer in trace.layers.items():
         calls = [c for c in layer.calls if c.step == k]
         if not calls or not fx.is_generic(layer.module) or not owned_params(trace, n) or trace.record.no_factors:
@@ -144,8 +152,7 @@ def _generic_norm_sq(trace, k: int) -> torch.Tensor | None:
             continue
         for f in layer_factors(trace, n, calls):
             p = _param(trace, n, f.param)
-            answering = [h for h in holders.get(id(p), ()) if any(q is p for q in owned_params(trace, h).values())]
-            if answering == [n] and coverage_gap(trace, p, k, {n: None}, lambda ok, f=f: [f]) is None:
+            if answering_holders(trace, p) == [n] and coverage_gap(trace, p, k, {n: None}, lambda ok, f=f: [f]) is None:
                 part = fx.per_sample_norm_sq(f)
                 sq = part if sq is None else sq + part
     return sq
@@ -244,9 +251,9 @@ def left_out(trace) -> dict:
                    "that was not called)")
         else:
             k = max(c.step for h in hs for c in trace.layers[h].calls if c.step is not None)
-            reasons = {h: _layer_reason(trace, h, k, unbatched_names, norms_mode)
-                       if any(q is p for q in owned_params(trace, h).values()) else _ONLY_HOLDS for h in hs}
-            answering = [h for h in hs if reasons[h] is not _ONLY_HOLDS]
+            answering = answering_holders(trace, p)
+            reasons = {h: _layer_reason(trace, h, k, unbatched_names, norms_mode) if h in answering else _ONLY_HOLDS
+                       for h in hs}
             generic_holders = [h for h in answering if fx.is_generic(trace.layers[h].module)]
             if norms_mode and generic_holders and len(answering) > 1:
                 why = "; ".join(f"{h}: {r}" for h, r in reasons.items() if r is not None) or (
