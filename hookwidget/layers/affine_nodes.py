@@ -5,7 +5,7 @@ reach the output in one of two ways, found in the backward nodes the call made:
 - the weight and bias of one F.layer_norm, F.batch_norm or F.group_norm call (timm's LayerNorm and LayerNorm2d,
   BatchNormAct2d, GroupNormAct, torchvision's LayerNorm2d). The norm's node holds the input it normalised and the
   statistics it used (mean and 1/σ, or the running ones); per sample b, weight.grad_b = Σ δ ⊙ x̂ and
-  bias.grad_b = Σ δ over the positions of the parameter's axis, as norm.py's exact rules compute them;
+  bias.grad_b = Σ δ over the positions of the parameter's axis: norm.py's factors (affine_factors);
 - each parameter one factor of an elementwise product or one term of a sum, as it is, viewed, or plus a constant
   (w ⊙ x̂ of an RMSNorm class of another package, Llama's, Qwen's, T5's, Gemma's x̂ ⊙ (1 + w); a layer scale,
   timm's LayerScale, ConvNeXt's gamma).
@@ -30,6 +30,7 @@ from hookwidget._torch.autograd import output_shape, saved
 from hookwidget._torch.modules import own_parameters
 from hookwidget.layers import generic
 from hookwidget.layers.base import Factor
+from hookwidget.layers.norm import affine_factors
 
 NotApplicable = generic.NotApplicable
 
@@ -124,18 +125,11 @@ def _norm_rows(parts: dict, call, names: list, B: int) -> tuple:
         raise NotApplicable("no gradient reached the norm")
     if x.dim() < 2 or x.shape[0] != B or set(names) != {n for n in (weight, bias) if n is not None}:
         raise NotApplicable("batch dimension, or other parameters")
-    C = call.params[weight or bias].numel()
     xhat = _normalised(kind, x, parts["norm_mean"], parts["norm_rstd"])
-    if kind == "layer":  # the parameters cover the trailing dimensions
-        X, D = xhat.reshape(B, -1, C), delta.reshape(B, -1, C)
-    else:  # channels: dimension 1
-        X, D = (t.reshape(B, C, -1).transpose(1, 2) for t in (xhat, delta))
-    rows = {}
-    if weight is not None:
-        rows[weight] = Factor(weight, "diag", D, X, tuple(call.params[weight].shape))
-    if bias is not None:
-        rows[bias] = Factor(bias, "sum", D, None, tuple(call.params[bias].shape))
-    return rows, ("norm-node", kind, tuple(x.shape), weight, bias)
+    fs = affine_factors(xhat, delta, (weight, call.params[weight]) if weight is not None else None,
+                        (bias, call.params[bias]) if bias is not None else None,
+                        None if kind == "layer" else 1)  # a layer norm's parameters cover the trailing dimensions
+    return {f.param: f for f in fs}, ("norm-node", kind, tuple(x.shape), weight, bias)
 
 
 def _normalised(kind: str, x, mean, rstd) -> torch.Tensor:

@@ -19,7 +19,15 @@ from hookwidget.layers.registry import register
 def _diag(m, xhat, delta, channel_dim: int | None = None, per_sample: str = "exact") -> list:
     """Factors of weight (diag) and bias (sum). channel_dim: where the parameter's axis is (norms over
     channels: GroupNorm, BatchNorm), else the parameter covers the trailing dimensions."""
-    if m.weight is None and getattr(m, "bias", None) is None:
+    bias = getattr(m, "bias", None)
+    return affine_factors(xhat, delta, ("weight", m.weight) if m.weight is not None else None,
+                          ("bias", bias) if bias is not None else None, channel_dim, per_sample)
+
+
+def affine_factors(xhat, delta, weight, bias, channel_dim: int | None = None, per_sample: str = "exact") -> list:
+    """Factors of y = x̂ ⊙ w + b: weight (diag: Σ δ ⊙ x̂) and bias (sum: Σ δ), each given as (name, parameter) or
+    None (as _diag; affine_nodes.py names the parameters of a module of another package)."""
+    if weight is None and bias is None:
         return []
     B = xhat.shape[0]
     if channel_dim is not None:
@@ -27,13 +35,13 @@ def _diag(m, xhat, delta, channel_dim: int | None = None, per_sample: str = "exa
         X = xhat.reshape(B, C, -1).transpose(1, 2)
         D = delta.reshape(B, C, -1).transpose(1, 2)
     else:
-        n = m.weight.numel() if m.weight is not None else m.bias.numel()
+        n = (weight or bias)[1].numel()
         X, D = xhat.reshape(B, -1, n), delta.reshape(B, -1, n)
     out = []
-    if m.weight is not None:
-        out.append(Factor("weight", "diag", D, X, tuple(m.weight.shape), per_sample=per_sample))
-    if getattr(m, "bias", None) is not None:
-        out.append(Factor("bias", "sum", D, None, tuple(m.bias.shape), per_sample=per_sample))
+    if weight is not None:
+        out.append(Factor(weight[0], "diag", D, X, tuple(weight[1].shape), per_sample=per_sample))
+    if bias is not None:
+        out.append(Factor(bias[0], "sum", D, None, tuple(bias[1].shape), per_sample=per_sample))
     return out
 
 
