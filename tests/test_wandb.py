@@ -51,6 +51,8 @@ def _records(run):
         if left < 7 or (kind == 0 and n == 0):
             pos += left
             continue
+        if pos + 7 + n > len(data):  # a chunk W&B's process is still writing: read again later (records())
+            return
         buf, pos = buf + data[pos + 7:pos + 7 + n], pos + 7 + n
         if kind in (1, 4):
             r = pb.Record()
