@@ -5,6 +5,7 @@ what the step was even where the code writes tensors in place (in-place ReLU, .g
 from __future__ import annotations
 
 import gc
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -239,3 +240,41 @@ def test_the_recorder_takes_no_fast_rule_parts_and_a_kept_step_is_still_exact(mo
         F.mse_loss(model(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
         rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
     torch.testing.assert_close(kept, torch.stack(rows), rtol=1e-5, atol=1e-7)
+
+
+def test_steps_are_judged_from_their_scalars_while_rows_move_in_batches(monkeypatch):
+    """The flight recorder decides each step from its loss, global gradient norm and one non-finite flag; the rows
+    still move to the host by the batch. What it keeps and the anomalies listed (their order within a step
+    too) are those of a watch that moves every row at once (batch=1), for a loss spike and a NaN step."""
+    from hookwidget.watch.core import Watch
+
+    monkeypatch.setattr(importlib.import_module("hookwidget.watch.host"), "FLUSH_SECONDS", 1e9)  # by the batch only
+    moves = []
+    real = Watch._flush
+
+    def counting(self, upto=None):
+        moves.append(any(upto is None or s.index <= upto for s in self._rows.pending))
+        return real(self, upto)
+
+    monkeypatch.setattr(Watch, "_flush", counting)
+
+    def run(batch):
+        model, x, y = model_and_data()
+        moves.clear()
+        with watch(model, batch=batch, window=5) as w:
+            opt = torch.optim.SGD(model.parameters(), 0.01)
+            for k in range(40):
+                opt.zero_grad()
+                scale = 50.0 if k == 17 else float("nan") if k == 29 else 1.0
+                (F.mse_loss(model(x), y) * scale).backward()
+                if k != 29:
+                    opt.step()
+            during = sum(moves)
+        return w, during
+
+    w1, every_step = run(1)
+    w64, batched = run(64)
+    assert {17, 29} <= set(w64.kept) and w64.kept == w1.kept
+    assert w64.anomalies == w1.anomalies and [a.step for a in w64.anomalies if a.step == 29]
+    assert [a.where for a in w64.anomalies if a.step == 29][0] == "loss"  # listed first, as check() lists them
+    assert every_step >= 38 and batched <= 2  # the NaN step's row moved at once (its layer located), no other

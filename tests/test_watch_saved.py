@@ -3,6 +3,7 @@ watch answers what the live one did (statistics bitwise, anomalies, notes, the k
 a log_dir is readable with numpy alone and up to its last complete shard after kill -9, and what needs the
 live model is refused in one line."""
 
+import importlib
 import json
 import math
 import os
@@ -225,10 +226,12 @@ def test_a_slow_run_writes_a_shard_every_few_seconds_below_batch(tmp_path, monke
     after they reached the host (0 here: each chunk the watch moves is written)."""
     from hookwidget.views import watch_log
 
+    host = importlib.import_module("hookwidget.watch.host")
     monkeypatch.setattr(watch_log, "SHARD_SECONDS", 0.0)
+    monkeypatch.setattr(host, "FLUSH_SECONDS", 0.0)  # a slow run: each step's end finds the rows before it due
     d, model = tmp_path / "log", mlp()
     x, y = torch.randn(16, 5), torch.randn(16, 2)
-    with hw.watch(model, log_dir=d, batch=1000) as w:  # the flight recorder moves each step's row at the next
+    with hw.watch(model, log_dir=d, batch=1000) as w:
         for _ in range(4):
             F.mse_loss(model(x), y).backward()
         deadline = time.monotonic() + 30

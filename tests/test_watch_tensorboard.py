@@ -1,6 +1,7 @@
 """TensorBoard event files of a watch, read back with TensorBoard's EventAccumulator and compared with
 the losses and gradient norms of the loop (plain PyTorch) and with w.stats."""
 
+import importlib
 import math
 import sys
 import time
@@ -54,7 +55,8 @@ def same(a, b):
 
 
 @pytest.mark.parametrize("live", [False, True])
-def test_event_files_hold_every_layer_statistic_and_step(tmp_path, live):
+def test_event_files_hold_every_layer_statistic_and_step(tmp_path, live, monkeypatch):
+    monkeypatch.setattr(importlib.import_module("hookwidget.watch.host"), "FLUSH_SECONDS", 0.0)  # a slow run's pace
     model, x, y = model_and_data()
     steps = 6
     kwargs = {"tensorboard": tmp_path / "live"} if live else {}

@@ -60,6 +60,7 @@ class Clock:
 def clock(monkeypatch):
     c = Clock()
     monkeypatch.setattr(ww, "time", c)
+    monkeypatch.setattr(importlib.import_module("hookwidget.watch.host"), "time", c)  # rows move on its time too
     return c
 
 
@@ -135,6 +136,7 @@ def test_no_extra_transfer_and_nothing_changed(clock, monkeypatch):
         return real(self, upto)
 
     monkeypatch.setattr(Watch, "_flush", counting)
+    monkeypatch.setattr(importlib.import_module("hookwidget.watch.host"), "FLUSH_SECONDS", 1e9)  # by the batch only
     results = []
     for with_widget in (False, True):
         model, opt, x, y = setup()

@@ -92,7 +92,7 @@ class Recording:
     def settle(self) -> None:
         """The recording ends: no reference to the graph is left, calls that checkpointing reran are dropped,
         pending summaries are made, and what is held by reference is listed with its versions (no copy: finish()
-        makes it the record's own)."""
+        makes it the record's own, then derives the node norms: a step the flight recorder drops needs neither)."""
         if self._held is not None or not self.keep.records:
             return
         self.folds.clear()  # it holds the last forward pass's graph nodes
@@ -103,7 +103,6 @@ class Recording:
         self._let_graph_go()
         self.budget.finish()
         finish.drop_recomputed_calls(self.modules, self.notes)
-        self.graph.finish(self.steps, self.passes_summed)
         slots, owners = finish.held_by_reference(self.modules, self.keep.shares_inputs, self.notes)
         self._held = slots, owners, versions([slot_get(*s) for s in slots])
         self._grads_unchanged = self.grads.unchanged()  # as the recording ends, not as it is finished
@@ -122,6 +121,7 @@ class Recording:
         if written:
             self.notes.append(finish.drop_written([slots[k] for k in written], [owners[k] for k in written]))
         own([s for s, v, w in zip(slots, held, now) if v == w])
+        self.graph.finish(self.steps, self.passes_summed)  # the node norms it derives read what is owned now
         budget_note = self.budget.note()
         if budget_note:
             self.notes.append(budget_note)

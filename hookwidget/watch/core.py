@@ -178,8 +178,8 @@ class Watch:
 
     def _step_ended(self, step) -> None:
         """Backward of `step` ended (capture/step_stats.py): say what was not seen. Rows before it are complete
-        (their optimizer step ran): with the flight recorder on they go to the host now, to decide which Trace
-        to keep; else in batches."""
+        (their optimizer step ran) and go to the host in batches; the flight recorder judges the step before
+        (compiled code, where no forward hook told of this step's start) from its scalars."""
         if step.compiled and self.flight_recorder and compiled.FLIGHT not in self.notes:
             self.notes.append(compiled.FLIGHT)
         if step.roots is not None:
@@ -191,9 +191,9 @@ class Watch:
             self.notes.append(odd)
         if self._flight is not None:
             if self._flight.latest is not None:  # no forward ran since the step before (compiled code): judged now
-                self._flush(upto=step.index - 1)
+                self._judge(upto=step.index - 1)
             self._flight.step_ended(step.index, self._detector.flagged)
-        elif len(self._rows.pending) > self.batch:
+        if self._rows.due(self.batch):
             self._flush(upto=step.index - 1)
 
     def _step_began(self, step) -> None:
@@ -201,8 +201,22 @@ class Watch:
         recorder judges it now, before this forward allocates: at most one step's detail alive beside the kept
         Traces while the model runs."""
         if self._flight is not None and self._flight.latest is not None:
-            self._flush(upto=step.index - 1)
+            self._judge(upto=step.index - 1)
             self._flight.judge(self._detector.flagged)
+
+    def _judge(self, upto: int) -> None:
+        """Judge the steps up to `upto` for the flight recorder from their scalars (loss, global gradient norm) and
+        one flag (a non-finite count in the row), read in one small transfer; their rows stay on the device until
+        the batch moves. Where the verdict needs the whole row (a non-finite count to locate, a keep= predicate,
+        a GradScaler's skipped steps) the rows move to the host now."""
+        if self._detector.keep is not None or self._amp is not None:
+            self._flush(upto=upto)
+            return
+        for s in self._rows.pending:
+            if s.index > upto or self._detector.judged(s.index):
+                continue
+            if self._detector.judge_on_device(s.index, s.row, s.step_row, s.has_loss):
+                self._flush(upto=s.index)
 
     def _not_called(self, step) -> None:
         """Watched layers no call of which reached backward in the first recorded step: named in one note."""

@@ -1,4 +1,9 @@
-"""Anomalies, found on the host when a batch of steps arrives there: non-finite values, spikes, a user predicate."""
+"""Anomalies, found on the host when a batch of steps arrives there: non-finite values, spikes, a user predicate.
+
+The step's scalars (its loss and global gradient norm: non-finite, or a spike) can be judged on their own, as soon
+as the step ends (`judge`): the flight recorder decides from them and from one flag (any non-finite count in the
+row) which step to keep, while the rows go on moving to the host in batches; `check` lists the verdicts when the
+row arrives, in the same order as if both were made then."""
 
 from __future__ import annotations
 
@@ -24,35 +29,38 @@ class Detector:
         self.layer_names, self.spike, self.window, self.keep = layer_names, float(spike), window, keep
         self.anomalies: list[Anomaly] = []
         self._flagged: set = set()
+        self._early: dict = {}  # step -> its scalars' verdicts (judge), until check() lists them
+        self._count_index: dict = {}  # device -> the count columns' indices (judge_on_device)
         self._history = {"loss": deque(maxlen=window), "grad_norm": deque(maxlen=window)}
 
     def flagged(self, step: int) -> bool:
-        return step in self._flagged
+        early = self._early.get(step)
+        return step in self._flagged or early is not None and any(early)
+
+    def judge_on_device(self, step: int, row: torch.Tensor, step_row: torch.Tensor, has_loss: bool) -> bool:
+        """judge() a step whose row is still on its device: its scalars and the row's count columns read in one
+        small transfer. True where a count is non-zero (a non-finite δ, input or .grad): the row must come to the
+        host for check() to locate it."""
+        index = self._count_index.get(row.device)
+        if index is None:
+            index = self._count_index[row.device] = torch.tensor(_COUNTS, device=row.device)
+        loss, gnorm, *counts = torch.cat([step_row, row.index_select(1, index).flatten()]).tolist()
+        self.judge(step, loss if has_loss else None, gnorm)
+        return any(c > 0 for c in counts)  # NaN (not counted) is not > 0
+
+    def judged(self, step: int) -> bool:
+        """Whether the step's scalars were judged ahead of its row (judge), not yet listed by check."""
+        return step in self._early
 
     def _add(self, step: int, where: str, reason: str) -> None:
         self.anomalies.append(Anomaly(step, where, reason))
         self._flagged.add(step)
 
-    def check(self, step: int, row: torch.Tensor, step_row: torch.Tensor, order: dict, a_order: dict,
-              has_loss: bool = True, skipped: str | None = None) -> None:
-        """`row`, `step_row`: host float64 rows. skipped: why a GradScaler skipped this step (its non-finite
-        values are then said to be the scaler's found-inf, not left to read as the model's fault)."""
-        first = len(self.anomalies)
-        if skipped is not None:
-            self._add(step, "scaler", skipped)
-        loss, gnorm = step_row.tolist()
-        if not has_loss:
-            loss = None  # backward started from no scalar: nothing to judge
-        if loss is not None and not math.isfinite(loss):
-            self._add(step, "loss", f"non-finite loss ({loss})")
-        if (row.numpy()[:, _COUNTS] > 0).any():  # else (the usual case) nothing to locate (NaN: not counted)
-            self._first_bad(step, row, order, ("delta_nan", "delta_inf"), "δ (output gradient) non-finite: the first "
-                            "layer in backward order whose δ is; every layer the gradient reached before it had a "
-                            "finite δ")
-            self._first_bad(step, row, a_order, ("a_nonfinite",), "input activation non-finite: the first layer in "
-                            "forward order whose input is")
-            self._first_bad(step, row, order, ("grad_nan", "grad_inf"), ".grad non-finite (first such layer in "
-                            "backward order)")
+    def judge(self, step: int, loss: float | None, gnorm: float) -> bool:
+        """The verdicts on a step's scalars (loss None: backward started from no scalar), made once per step and
+        in step order (each spike is judged against the steps before it); listed by check(). True if any."""
+        bad_loss = [] if loss is None or math.isfinite(loss) else [("loss", f"non-finite loss ({loss})")]
+        spikes = []
         for name, value in (("loss", loss), ("grad_norm", gnorm)):
             if value is None or not math.isfinite(value):
                 continue
@@ -61,17 +69,44 @@ class Detector:
                 mean = sum(hist) / len(hist)
                 std = math.sqrt(sum((v - mean) ** 2 for v in hist) / len(hist))
                 if value - mean > self.spike * max(std, 1e-6 * abs(mean)):
-                    self._add(step, name, f"spike: {value:.6g} > mean {mean:.6g} + {self.spike:g}·std {std:.3g} "
-                                          f"of the previous {self.window} recorded steps")
+                    spikes.append((name, f"spike: {value:.6g} > mean {mean:.6g} + {self.spike:g}·std {std:.3g} "
+                                         f"of the previous {self.window} recorded steps"))
             hist.append(value)
+        self._early[step] = (bad_loss, spikes)
+        return bool(bad_loss or spikes)
+
+    def check(self, step: int, row: torch.Tensor, step_row: torch.Tensor, order: dict, a_order: dict,
+              has_loss: bool = True, skipped: str | None = None) -> None:
+        """`row`, `step_row`: host float64 rows. skipped: why a GradScaler skipped this step (its non-finite
+        values are then said to be the scaler's found-inf, not left to read as the model's fault)."""
+        first = len(self.anomalies)
+        if skipped is not None:
+            self._add(step, "scaler", skipped)
+        if step not in self._early:
+            loss, gnorm = step_row.tolist()
+            self.judge(step, loss if has_loss else None, gnorm)
+        bad_loss, spikes = self._early.pop(step)
+        for where, reason in bad_loss:
+            self._add(step, where, reason)
+        if (row.numpy()[:, _COUNTS] > 0).any():  # else (the usual case) nothing to locate (NaN: not counted)
+            self._first_bad(step, row, order, ("delta_nan", "delta_inf"), "δ (output gradient) non-finite: the first "
+                            "layer in backward order whose δ is; every layer the gradient reached before it had a "
+                            "finite δ")
+            self._first_bad(step, row, a_order, ("a_nonfinite",), "input activation non-finite: the first layer in "
+                            "forward order whose input is")
+            self._first_bad(step, row, order, ("grad_nan", "grad_inf"), ".grad non-finite (first such layer in "
+                            "backward order)")
+        for where, reason in spikes:
+            self._add(step, where, reason)
         if skipped is not None:
             for i in range(first + 1, len(self.anomalies)):
                 a = self.anomalies[i]
                 note = " (the GradScaler skipped this step: see where='scaler')"
                 self.anomalies[i] = a._replace(reason=a.reason + note)
         if self.keep is not None:
+            loss, gnorm = step_row.tolist()
             stats = {n: row[:, i] for i, n in enumerate(STAT_NAMES)}
-            stats.update(loss=loss if loss is not None else math.nan, global_grad_norm=gnorm)
+            stats.update(loss=loss if has_loss else math.nan, global_grad_norm=gnorm)
             if self.keep(step, stats):
                 self._add(step, "keep", "user predicate keep(step, stats) returned True")
 
@@ -84,3 +119,4 @@ class Detector:
         counts = ", ".join(f"{c.split('_')[1]} {int(row[first, S[c]])}" for c in cols)
         more = f"; {len(where)} layers in all" if len(where) > 1 else ""
         self._add(step, self.layer_names[first], reason + (f" ({counts})" if counts else "") + more)
+

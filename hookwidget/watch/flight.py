@@ -61,7 +61,7 @@ class FlightRecorder:
         self.latest = (step, later) if later is not None else None
 
     def judge(self, flagged) -> None:
-        """Keep or let go the latest completed step (its row is on the host, judged by `flagged`)."""
+        """Keep or let go the latest completed step (judged from its scalars by `flagged`: Watch._judge)."""
         if self.latest is not None:
             latest, self.latest = self.latest, None
             self.decide(*latest, flagged)

@@ -1,10 +1,12 @@
 """The watch's rows on their way to the host: recorded steps wait on device and move in one transfer,
-`batch` steps at a time or when read; each moved row is judged by the detector and told to the listeners.
-Small chunks on the host (one row each, with the flight recorder on) are merged into blocks, so a long run
-holds its rows and little else: layers × 13 + 2 float64 and one step index per recorded step."""
+`batch` steps at a time, at least every FLUSH_SECONDS while steps end (a slow run's live view and log_dir keep
+up), or when read; each moved row is judged by the detector and told to the listeners. Small chunks on the host
+are merged into blocks, so a long run holds its rows and little else: layers × 13 + 2 float64 and one step index
+per recorded step."""
 
 from __future__ import annotations
 
+import time
 from array import array
 
 import torch
@@ -14,6 +16,7 @@ from hookwidget.capture.step_stats import lr_column
 from hookwidget.watch.amp import SKIPPED
 
 MERGE = 64  # small chunks on the host past which they are merged into one block
+FLUSH_SECONDS = 0.5  # rows waiting on device move at the end of a step this long after the last move
 
 
 class HostRows:
@@ -29,9 +32,14 @@ class HostRows:
         self.ps_chunks: list = []  # per_sample=True: (recorded steps, 2) on the host
         self.skipped: list = []  # steps whose optimizer step the GradScaler skipped (found inf/NaN)
         self._cache = None
+        self._due = time.monotonic() + FLUSH_SECONDS
 
     def add(self, step) -> None:
         self.pending.append(step)
+
+    def due(self, batch: int) -> bool:
+        """Whether the waiting rows should move now: more than `batch` of them, or FLUSH_SECONDS since the last move."""
+        return len(self.pending) > batch or bool(self.pending) and time.monotonic() >= self._due
 
     def changed(self) -> None:
         """A host row was written into (an optimizer step after the row was read)."""
@@ -42,6 +50,7 @@ class HostRows:
         take = [s for s in self.pending if upto is None or s.index <= upto]
         if not take:
             return
+        self._due = time.monotonic() + FLUSH_SECONDS
         self.pending = self.pending[len(take):]
         n, L = len(take), self.L
         track = self.amp()
