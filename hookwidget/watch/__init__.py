@@ -55,7 +55,9 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     (w.step_stats, w.loss, w.grad_norm). NaN means "not measured" (the layer was not reached).
     Statistics are reduced on the model's device and moved to the host `batch` steps at a time, or
     when read: no host sync per hook or per step (with the flight recorder on: one small one per step,
-    to decide which Trace to keep). w.stats is (recorded steps × layers × statistics), float64;
+    of the step's loss, gradient norm and non-finite counts, to decide which Trace to keep; on the CPU
+    or with the flight recorder on, rows also move at least every 0.5 s, for a slow run's live view).
+    w.stats is (recorded steps × layers × statistics), float64;
     w.steps the step index of each row; w.series("fc1", "grad_norm"), w.series("loss").
 
     w.anomalies: (step, where, reason) for a recorded step with

@@ -193,7 +193,7 @@ class Watch:
             if self._flight.latest is not None:  # no forward ran since the step before (compiled code): judged now
                 self._judge(upto=step.index - 1)
             self._flight.step_ended(step.index, self._detector.flagged)
-        if self._rows.due(self.batch):
+        if self._rows.due(self.batch, timed=self._flight is not None or self._params[0].device.type == "cpu"):
             self._flush(upto=step.index - 1)
 
     def _step_began(self, step) -> None:

@@ -1,8 +1,8 @@
-"""The watch's rows on their way to the host: recorded steps wait on device and move in one transfer,
-`batch` steps at a time, at least every FLUSH_SECONDS while steps end (a slow run's live view and log_dir keep
-up), or when read; each moved row is judged by the detector and told to the listeners. Small chunks on the host
-are merged into blocks, so a long run holds its rows and little else: layers × 13 + 2 float64 and one step index
-per recorded step."""
+"""The watch's rows on their way to the host: recorded steps wait on device and move in one transfer, `batch`
+steps at a time or when read; on the CPU, or with the flight recorder on (it reads each step's scalars anyway),
+also at least every FLUSH_SECONDS while steps end, so that a slow run's live view and log_dir keep up. Each moved
+row is judged by the detector and told to the listeners. Small chunks on the host are merged into blocks, so a
+long run holds its rows and little else: layers × 13 + 2 float64 and one step index per recorded step."""
 
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ class HostRows:
     def add(self, step) -> None:
         self.pending.append(step)
 
-    def due(self, batch: int) -> bool:
-        """Whether the waiting rows should move now: more than `batch` of them, or FLUSH_SECONDS since the last move."""
-        return len(self.pending) > batch or bool(self.pending) and time.monotonic() >= self._due
+    def due(self, batch: int, timed: bool) -> bool:
+        """Whether the waiting rows should move now: more than `batch` of them, or (`timed`: where moving them costs
+        no sync of its own) FLUSH_SECONDS since the last move."""
+        return len(self.pending) > batch or timed and bool(self.pending) and time.monotonic() >= self._due
 
     def changed(self) -> None:
         """A host row was written into (an optimizer step after the row was read)."""
