@@ -2,6 +2,8 @@
 subclasses that change forward, and other layers no rule is exact for, get no exact rule, a reason, and
 the generic torch.func rule (tests/test_generic_rule.py)."""
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -182,6 +184,39 @@ def test_rule_matches_autograd_and_torch_func(make, shape):
     x = torch.randn(shape) * 2 + 0.5
     assert fx.unsupported_reason(m) is None
     check_rule(m, x, what=type(m).__name__)
+
+
+def _timm_std_conv():
+    """timm's own StdConv2d (through tests/vision_shim.py), or a skip where timm is not installed."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import vision_shim
+
+    try:
+        return vision_shim.import_timm().layers.StdConv2d
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("kwargs, shape, twice", [
+    ({"kernel_size": 3, "bias": True}, (B, 4, 6, 5), False),
+    ({"kernel_size": 3, "stride": 2, "eps": 1e-8}, (B, 4, 7, 7), False),
+    ({"kernel_size": 3, "groups": 2}, (B, 4, 5, 5), False),
+    ({"kernel_size": 1}, (B, 4, 5, 3), False),  # the pointwise path of the kernel's gradient
+    ({"kernel_size": 3}, (B, 4, 5, 5), True),  # two calls: their kernels' gradients add, then map back
+], ids=["3x3_bias", "stride_bit_eps", "groups", "1x1", "called_twice"])
+def test_timms_weight_standardised_conv_is_exact(kwargs, shape, twice):
+    """timm's StdConv2d convolves with its weight standardised per output channel: the kernel's gradient mapped
+    by the standardisation's backward, against autograd's .grad and torch.func through the standardisation."""
+    StdConv2d = _timm_std_conv()
+    torch.manual_seed(0)
+    k = kwargs.pop("kernel_size")
+    m = StdConv2d(4, 4 if twice else 6, k, **kwargs)
+    with torch.no_grad():
+        m.weight.mul_(torch.rand_like(m.weight) + 0.5).add_(0.3)  # channels of different means and spreads
+    assert fx.rule_for(m) is not None and not fx.is_generic(m)
+    fs = check_rule(m, torch.randn(shape), forward=(lambda m, x: m(torch.tanh(m(x)))) if twice else None,
+                    what="StdConv2d", calls_per_forward=2 if twice else 1)
+    assert next(f for f in fs if f.param == "weight").kind == "standardised"
 
 
 def test_conv_transpose_with_output_size():

@@ -29,9 +29,10 @@ class Factor:
     own δ and x̂ add to .grad; the rows still sum to .grad exactly."""
 
     def __init__(self, param: str, kind: str, D: torch.Tensor, X: torch.Tensor | None, shape: tuple,
-                 rows: int = 0, conv: ConvCall | ConvCalls | None = None, per_sample: str = "exact"):
+                 rows: int = 0, conv: ConvCall | ConvCalls | None = None, per_sample: str = "exact", back=None):
         self.param, self.kind, self.D, self._X, self.shape, self.rows, self.conv = param, kind, D, X, shape, rows, conv
         self.per_sample = per_sample
+        self.back = back  # kind "standardised": the map from the kernel's gradient to the parameter's (conv.py)
 
     @property
     def X(self) -> torch.Tensor | None:
@@ -205,6 +206,8 @@ KINDS: dict[str, Kind] = {
     "diag": Kind(lambda f: (f.D * f.X).sum((0, 1)), lambda f: (f.D * f.X).sum(1)),
     "sum": Kind(lambda f: f.D.sum((0, 1)), lambda f: f.D.sum(1)),
     "conv": Kind(lambda f: f.conv.summed_weight_grad(), lambda f: f.conv.per_sample_weight_grad()),
+    "standardised": Kind(lambda f: f.back(f.conv.summed_weight_grad().unsqueeze(0))[0],
+                         lambda f: f.back(f.conv.per_sample_weight_grad())),
     # the generic torch.func rule: D holds the per-sample gradients themselves, (B, *shape)
     "dense": Kind(lambda f: f.D.sum(0), lambda f: f.D),
 }

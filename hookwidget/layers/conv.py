@@ -1,9 +1,12 @@
 """Convolutions, 1-d to 3-d, plain and transposed: any stride, dilation, padding (numbers, "same",
 "valid"), groups and padding_mode. The weight gradient comes from the kernel autograd runs
-(aten.convolution_backward); per sample, the batch becomes groups of one convolution."""
+(aten.convolution_backward); per sample, the batch becomes groups of one convolution. timm's StdConv2d
+(weight standardisation, BiT's ResNet-V2) convolves with its weight standardised per output channel: its
+kernel's gradient is the convolution's, and the weight's is the standardisation's backward of it."""
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -59,3 +62,35 @@ def conv_transpose(m, a, delta, state=None):
     """W.grad of y = conv_transpose(x, W) is the weight gradient of the convolution it is the adjoint of;
     output_padding (or forward's output_size) is read from δ's shape."""
     return _factors(m, _call(m, a, delta))
+
+
+class Standardised:
+    """The backward of weight standardisation at one forward: ŵ = (w - mean) / σ per output channel (σ² the
+    biased variance plus eps), so a kernel gradient g gives w's as (g - mean(g) - ŵ·mean(g ⊙ ŵ)) / σ, over each
+    output channel's fan-in; per sample too (the map is linear)."""
+
+    def __init__(self, m):
+        w = m.weight.detach().reshape(m.weight.shape[0], -1)
+        var, mean = torch.var_mean(w, dim=1, correction=0, keepdim=True)
+        self.sigma = (var + m.eps).sqrt()
+        self.w_hat = (w - mean) / self.sigma
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        """g (B, *weight shape) -> (B, *weight shape)."""
+        w_hat, sigma = self.w_hat.to(g.dtype), self.sigma.to(g.dtype)
+        k = g.reshape(g.shape[0], *w_hat.shape)
+        out = (k - k.mean(-1, keepdim=True) - w_hat * (k * w_hat).mean(-1, keepdim=True)) / sigma
+        return out.reshape(g.shape)
+
+    def same(self, other) -> bool:
+        return other is self or torch.equal(self.w_hat, other.w_hat) and torch.equal(self.sigma, other.sigma)
+
+
+@register("timm.layers.std_conv.StdConv2d", keeps_input=lambda m: not _pads_itself(m), state=Standardised)
+def standardised_conv(m, a, delta, state=None):
+    """y = conv2d(x, ŵ, bias) with ŵ the weight standardised at this forward (`state`: its Standardised)."""
+    fs = _factors(m, _call(m, a, delta))
+    w = fs[0]
+    fs[0] = Factor("weight", "standardised", w.D, None, w.shape, conv=w.conv,
+                   back=state if state is not None else Standardised(m))
+    return fs

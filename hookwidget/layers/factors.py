@@ -71,7 +71,10 @@ def merge_calls(per_call: list) -> list[Factor]:
             X = None if f._X is None else torch.cat([p._X for p in parts], 1)
             conv = None if f.conv is None else ConvCalls([p.conv for p in parts])
             per_sample = "contribution" if any(p.per_sample == "contribution" for p in parts) else f.per_sample
-            f = Factor(f.param, f.kind, D, X, f.shape, f.rows, conv=conv, per_sample=per_sample)
+            if f.back is not None and not all(f.back.same(p.back) for p in parts[1:]):
+                raise ValueError(f"{f.param}: a weight-standardised convolution called with different weights: "
+                                 "its calls' gradients cannot be merged")
+            f = Factor(f.param, f.kind, D, X, f.shape, f.rows, conv=conv, per_sample=per_sample, back=f.back)
         merged.append(f)
     return merged
 
