@@ -219,6 +219,27 @@ def test_timms_weight_standardised_conv_is_exact(kwargs, shape, twice):
     assert next(f for f in fs if f.param == "weight").kind == "standardised"
 
 
+@pytest.mark.parametrize("kwargs, shape", [
+    ({"kernel_size": 3, "gamma": 1.7, "gain_init": 1.0}, (B, 4, 6, 5)),
+    ({"kernel_size": 1, "bias": False, "eps": 1e-5}, (B, 4, 5, 3)),
+], ids=["3x3", "1x1_no_bias"])
+def test_timms_scaled_weight_standardised_conv_is_exact(kwargs, shape):
+    """NFNets' ScaledStdConv2d: the kernel is the standardised weight times gain · scale (gain a parameter):
+    weight, gain and bias per sample against torch.func, and their sum against .grad."""
+    _timm_std_conv()
+    from timm.layers import ScaledStdConv2d
+
+    torch.manual_seed(0)
+    k = kwargs.pop("kernel_size")
+    m = ScaledStdConv2d(4, 6, k, **kwargs)
+    with torch.no_grad():
+        m.weight.mul_(torch.rand_like(m.weight) + 0.5).add_(0.3)
+        m.gain.copy_(torch.rand_like(m.gain) + 0.5)  # a gain per output channel, not all ones
+    assert fx.rule_for(m) is not None
+    fs = check_rule(m, torch.randn(shape), what="ScaledStdConv2d")
+    assert {f.param for f in fs if f.kind == "standardised"} == {"weight", "gain"}
+
+
 def test_conv_transpose_with_output_size():
     torch.manual_seed(0)
     m = nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1)

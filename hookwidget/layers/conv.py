@@ -65,32 +65,51 @@ def conv_transpose(m, a, delta, state=None):
 
 
 class Standardised:
-    """The backward of weight standardisation at one forward: ŵ = (w - mean) / σ per output channel (σ² the
-    biased variance plus eps), so a kernel gradient g gives w's as (g - mean(g) - ŵ·mean(g ⊙ ŵ)) / σ, over each
-    output channel's fan-in; per sample too (the map is linear)."""
+    """The backward of weight standardisation at one forward. timm's StdConv2d convolves with ŵ = (w - mean) / σ
+    per output channel (σ² the biased variance plus eps); ScaledStdConv2d (NFNets) with ŵ · gain · scale. A
+    kernel gradient g gives w's as (g' - mean(g') - ŵ·mean(g' ⊙ ŵ)) / σ over each output channel's fan-in, with
+    g' = g · gain · scale (g where there is no gain), and gain's as scale · Σ g ⊙ ŵ; per sample too (both maps
+    are linear)."""
 
     def __init__(self, m):
         w = m.weight.detach().reshape(m.weight.shape[0], -1)
         var, mean = torch.var_mean(w, dim=1, correction=0, keepdim=True)
         self.sigma = (var + m.eps).sqrt()
         self.w_hat = (w - mean) / self.sigma
+        gain = getattr(m, "gain", None)
+        self.scale = float(m.scale) if gain is not None else None
+        self.gain = None if gain is None else gain.detach().reshape(-1, 1) * self.scale
 
-    def __call__(self, g: torch.Tensor) -> torch.Tensor:
-        """g (B, *weight shape) -> (B, *weight shape)."""
+    def grad(self, param: str, g: torch.Tensor) -> torch.Tensor:
+        """g (B, *weight shape), the kernel's gradient -> (B, ...) the gradient of `param` ("weight" or "gain")."""
         w_hat, sigma = self.w_hat.to(g.dtype), self.sigma.to(g.dtype)
         k = g.reshape(g.shape[0], *w_hat.shape)
-        out = (k - k.mean(-1, keepdim=True) - w_hat * (k * w_hat).mean(-1, keepdim=True)) / sigma
-        return out.reshape(g.shape)
+        if param == "gain":
+            return (k * w_hat).sum(-1) * self.scale
+        if self.gain is not None:
+            k = k * self.gain.to(g.dtype)
+        return ((k - k.mean(-1, keepdim=True) - w_hat * (k * w_hat).mean(-1, keepdim=True)) / sigma).reshape(g.shape)
 
     def same(self, other) -> bool:
-        return other is self or torch.equal(self.w_hat, other.w_hat) and torch.equal(self.sigma, other.sigma)
+        """Whether another call standardised the same weight (and gain): then the calls' gradients merge."""
+        mine, theirs = self._parts(), other._parts()
+        return len(mine) == len(theirs) and all(torch.equal(x, y) for x, y in zip(mine, theirs))
+
+    def _parts(self) -> list:
+        return [t for t in (self.w_hat, self.sigma, self.gain) if t is not None]
 
 
-@register("timm.layers.std_conv.StdConv2d", keeps_input=lambda m: not _pads_itself(m), state=Standardised)
+_STD_CONVS = ("timm.layers.std_conv.StdConv2d", "timm.layers.std_conv.ScaledStdConv2d")
+
+
+@register(*_STD_CONVS, keeps_input=lambda m: not _pads_itself(m), state=Standardised,
+          params=("weight", "bias", "gain"))
 def standardised_conv(m, a, delta, state=None):
-    """y = conv2d(x, ŵ, bias) with ŵ the weight standardised at this forward (`state`: its Standardised)."""
+    """y = conv2d(x, ŵ, bias) with ŵ the weight standardised (and scaled by gain) at this forward (`state`)."""
+    std = state if state is not None else Standardised(m)
     fs = _factors(m, _call(m, a, delta))
     w = fs[0]
-    fs[0] = Factor("weight", "standardised", w.D, None, w.shape, conv=w.conv,
-                   back=state if state is not None else Standardised(m))
+    fs[0] = Factor("weight", "standardised", w.D, None, w.shape, conv=w.conv, back=std)
+    if std.gain is not None:
+        fs.append(Factor("gain", "standardised", w.D, None, tuple(m.gain.shape), conv=w.conv, back=std))
     return fs
