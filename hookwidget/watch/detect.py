@@ -119,4 +119,3 @@ class Detector:
         counts = ", ".join(f"{c.split('_')[1]} {int(row[first, S[c]])}" for c in cols)
         more = f"; {len(where)} layers in all" if len(where) > 1 else ""
         self._add(step, self.layer_names[first], reason + (f" ({counts})" if counts else "") + more)
-
