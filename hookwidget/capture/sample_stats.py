@@ -22,7 +22,9 @@ class PerSample:
     """Per step, the largest per-sample gradient norm and its sample, from the layers' (a, δ) shortcuts
     (ghost norms: Linear's ‖Σ_t δ_t a_tᵀ‖² from two Gram products, never the per-sample gradients
     themselves, where that is cheaper). A layer's squared norms are computed as soon as the δ of its
-    last call of the step arrives, and its a and δ let go at once."""
+    last call of the step arrives, and its a and δ let go at once. Layers that share a parameter (a tied
+    embedding and LM head) are reduced together once the last of them has its δ, the shared parameter's
+    norm with its cross terms (layers/shared.py): the first one's a and δ wait until then."""
 
     def __init__(self, layers: list, layer_names: list, pairs: list):
         from hookwidget.layers import factors as fx
@@ -31,20 +33,23 @@ class PerSample:
         owners: dict = {}
         for li, pi in pairs:
             owners.setdefault(pi, set()).add(li)
-        shared = {li for ls in owners.values() if len(ls) > 1 for li in ls}
         self.eligible, left = set(), []
         for li, m in enumerate(layers):
             why = fx.unsupported_reason(m)
             if why is None and fx.is_generic(m):
                 why = "no exact (a, δ) rule"
-            if why is None and li in shared:
-                why = "a parameter shared with another layer (weight tying)"
             if why is None and not any(p.requires_grad for p in m.parameters(recurse=False)):
                 continue
             if why is None:
                 self.eligible.add(li)
             else:
                 left.append(f"{layer_names[li]} ({why})")
+        self.group = _tied_groups(owners)  # layer -> the layers it shares a parameter with
+        for g in set(self.group.values()):
+            if not g <= self.eligible:  # a partner without a rule: the shared parameter's norm is not known
+                for li in sorted(g & self.eligible):
+                    self.eligible.discard(li)
+                    left.append(f"{layer_names[li]} (a parameter shared with a layer left out)")
         self.layers, self.layer_names, self.odd = layers, layer_names, set()
         self.note = (f"hw.watch(per_sample=True): per-sample norms leave out {', '.join(left[:6])}"
                      f"{' ...' if len(left) > 6 else ''}") if left else None
@@ -60,19 +65,24 @@ class PerSample:
         return call
 
     def delta(self, step, li: int, call, grad: torch.Tensor) -> None:
-        """δ of that call arrived (under the watch's lock): reduce the layer once all its calls have theirs."""
+        """δ of that call arrived (under the watch's lock): reduce the layer once all its calls have theirs (and
+        those of the layers it shares a parameter with)."""
         call.delta = grad.detach()
-        calls = step.ps_calls.get(li)
-        if calls and all(c.delta is not None for c in calls):
-            self._reduce(step, li, calls)
+        members = [m for m in self.group.get(li, (li,)) if m in step.ps_calls]
+        if all(c.delta is not None for m in members for c in step.ps_calls[m]):
+            self._reduce(step, {m: step.ps_calls[m] for m in members})
 
     def end(self, step, dev):
         """The step's [largest per-sample gradient norm, its sample] (float64, on dev), NaN if not known."""
-        for li, calls in list(step.ps_calls.items()):
-            got = [c for c in calls if c.delta is not None]
+        while step.ps_calls:
+            li = next(iter(step.ps_calls))
+            got = {m: [c for c in step.ps_calls.get(m, ()) if c.delta is not None]
+                   for m in self.group.get(li, (li,))}
+            got = {m: cs for m, cs in got.items() if cs}
+            for m in self.group.get(li, (li,)):
+                step.ps_calls.pop(m, None)
             if got:
-                self._reduce(step, li, got)
-        step.ps_calls = {}
+                self._reduce(step, got)
         sq = step.ps_sq.get(step.ps_batch)
         if sq is None or step.ps_bad:
             return torch.full((2,), NAN, dtype=F64, device=dev)
@@ -86,17 +96,46 @@ class PerSample:
         return (f"hw.watch(per_sample=True): per-sample norms leave out {names}: the leading dimension of its "
                 "input is not the batch's (the leading dimension of the first watched layer's input)")
 
-    def _reduce(self, step, li: int, calls: list) -> None:
-        step.ps_calls.pop(li, None)
-        if any(version(c.a) != c.version for c in calls):
+    def _reduce(self, step, calls: dict) -> None:
+        """The squared per-sample norms of the layers in `calls` (layer -> its calls this step: one layer, or
+        layers that share a parameter), added to the step's; their a and δ let go."""
+        for li in calls:
+            step.ps_calls.pop(li, None)
+        every = [c for cs in calls.values() for c in cs]
+        if any(version(c.a) != c.version for c in every):
             step.ps_bad = True  # an input changed in place after the layer read it: not known this step
         else:
             with torch.no_grad():
-                m = self.layers[li]
-                sq = self.fx.layer_norm_sq(m, self.fx.factors(m, calls)).to(F64)
+                sq = self._norm_sq(calls).to(F64)
             n = sq.shape[0]
             step.ps_sq[n] = step.ps_sq[n] + sq if n in step.ps_sq else sq
             if n != step.ps_batch:
-                self.odd.add(li)  # its rows are not the batch's samples (a position embedding: tokens)
-        for c in calls:
+                self.odd.update(calls)  # its rows are not the batch's samples (a position embedding: tokens)
+        for c in every:
             c.a = c.delta = None
+
+    def _norm_sq(self, calls: dict) -> torch.Tensor:
+        fx = self.fx
+        if len(calls) == 1:
+            (li, cs), = calls.items()
+            m = self.layers[li]
+            return fx.layer_norm_sq(m, fx.factors(m, cs))
+        by_param: dict = {}  # id(parameter) -> its factors, from every layer that holds it
+        for li, cs in calls.items():
+            m = self.layers[li]
+            for f in fx.factors(m, cs):
+                by_param.setdefault(id(getattr(m, f.param)), []).append(f)
+        return sum(fx.shared_norm_sq(fs) for fs in by_param.values())
+
+
+def _tied_groups(owners: dict) -> dict:
+    """layer -> the frozenset of layers connected to it by shared parameters (`owners`: parameter -> its layers),
+    for the layers that share one."""
+    group: dict = {}
+    for ls in owners.values():
+        if len(ls) < 2:
+            continue
+        merged = set(ls).union(*(group.get(li, ()) for li in ls))
+        for li in merged:
+            group[li] = frozenset(merged)
+    return group

@@ -80,10 +80,12 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     w.series("per_sample_argmax")). A sample's gradient is its contribution to .grad (a mean-reduced loss's
     1/B included), its norm taken over every layer with an exact (a, δ) rule: ghost norms (Linear: two
     Gram products per layer, the per-sample gradients never built where that is cheaper), computed while
-    backward runs, each layer's a and δ let go as soon as its last call's δ arrived. The batch is the
-    leading dimension of the first watched layer's input. Left out, named in w.notes: layers with no exact
-    rule, layers holding a parameter shared with another (weight tying), layers whose input does not lead
-    with the batch (a position embedding).
+    backward runs, each layer's a and δ let go as soon as its last call's δ arrived. Layers that share a
+    parameter (an embedding tied to the LM head) are reduced together when the last of them has its δ (the
+    shared norm with its cross term; the first one's a and δ held until then). The batch is the leading
+    dimension of the first watched layer's input. Left out, named in w.notes: layers with no exact rule (and
+    the layers sharing a parameter with one), layers whose input does not lead with the batch (a position
+    embedding).
 
     Flight recorder (flight_recorder=True): a full recording (capture="full", as hw.trace does) runs
     from the end of backward k-1 (or the opening of the watch) to the end of backward k, so the Trace
