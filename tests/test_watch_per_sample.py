@@ -130,6 +130,32 @@ def test_per_sample_changes_nothing_counts_a_tied_head_and_names_what_it_leaves_
         assert int(ps[r, 1]) == int(want[k].argmax())
 
 
+def test_tied_layers_whose_rows_differ_are_named_not_mixed():
+    """A head that reads the tokens flattened ((B·T, d)) shares its table with an embedding that reads (B, T):
+    their rows are not the same samples, so the pair is left out and named, and the loop runs on."""
+    torch.manual_seed(0)
+
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc = nn.Embedding(20, 8), nn.Linear(8, 8)
+            self.head = nn.Linear(8, 20, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, idx):
+            return self.head(torch.relu(self.fc(self.emb(idx))).reshape(-1, 8))
+
+    model = Flat()
+    idx, tgt = torch.randint(0, 20, (6, 4)), torch.randint(0, 20, (24,))
+    with watch(model, per_sample=True, flight_recorder=False) as w:
+        for _ in range(2):
+            model.zero_grad()
+            F.cross_entropy(model(idx), tgt).backward()
+    notes = " ".join(w.notes)
+    assert "emb" in notes and "head" in notes and "leading dimension" in notes
+    assert torch.isfinite(w.per_sample).all()  # fc's rows are the batch's
+
+
 def test_per_sample_off_by_default():
     model = nn.Linear(3, 2)
     with watch(model, flight_recorder=False) as w:

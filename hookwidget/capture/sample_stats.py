@@ -106,15 +106,18 @@ class PerSample:
             step.ps_bad = True  # an input changed in place after the layer read it: not known this step
         else:
             with torch.no_grad():
-                sq = self._norm_sq(calls).to(F64)
-            n = sq.shape[0]
-            step.ps_sq[n] = step.ps_sq[n] + sq if n in step.ps_sq else sq
-            if n != step.ps_batch:
+                sq = self._norm_sq(calls)
+            if sq is None or sq.shape[0] != step.ps_batch:
                 self.odd.update(calls)  # its rows are not the batch's samples (a position embedding: tokens)
+            if sq is not None:
+                n = sq.shape[0]
+                step.ps_sq[n] = step.ps_sq[n] + sq.to(F64) if n in step.ps_sq else sq.to(F64)
         for c in every:
             c.a = c.delta = None
 
-    def _norm_sq(self, calls: dict) -> torch.Tensor:
+    def _norm_sq(self, calls: dict) -> torch.Tensor | None:
+        """(rows,) squared norms; None where layers sharing a parameter saw different leading dimensions (rows that
+        are not the same samples: their shared gradient has no per-row split)."""
         fx = self.fx
         if len(calls) == 1:
             (li, cs), = calls.items()
@@ -125,6 +128,8 @@ class PerSample:
             m = self.layers[li]
             for f in fx.factors(m, cs):
                 by_param.setdefault(id(getattr(m, f.param)), []).append(f)
+        if len({f.D.shape[0] for fs in by_param.values() for f in fs}) > 1:
+            return None
         return sum(fx.shared_norm_sq(fs) for fs in by_param.values())
 
 
