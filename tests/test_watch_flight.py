@@ -5,7 +5,6 @@ what the step was even where the code writes tensors in place (in-place ReLU, .g
 from __future__ import annotations
 
 import gc
-import importlib
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +14,7 @@ import hookwidget.record.assemble as assemble_mod
 import hookwidget.session as session_mod
 from hookwidget.capture.tracer import Tracer
 from hookwidget.record.calls import Call
-from hookwidget.watch import watch
+from hookwidget.watch import host, watch
 
 
 def model_and_data(inplace=False):
@@ -248,7 +247,7 @@ def test_steps_are_judged_from_their_scalars_while_rows_move_in_batches(monkeypa
     too) are those of a watch that moves every row at once (batch=1), for a loss spike and a NaN step."""
     from hookwidget.watch.core import Watch
 
-    monkeypatch.setattr(importlib.import_module("hookwidget.watch.host"), "FLUSH_SECONDS", 1e9)  # by the batch only
+    monkeypatch.setattr(host, "FLUSH_SECONDS", 1e9)  # by the batch only
     moves = []
     real = Watch._flush
 

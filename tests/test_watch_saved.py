@@ -3,7 +3,6 @@ watch answers what the live one did (statistics bitwise, anomalies, notes, the k
 a log_dir is readable with numpy alone and up to its last complete shard after kill -9, and what needs the
 live model is refused in one line."""
 
-import importlib
 import json
 import math
 import os
@@ -22,6 +21,7 @@ from torch import nn
 import hookwidget as hw
 from hookwidget.views import payload, watch_export
 from hookwidget.views.watch_widget import WatchWidget
+from hookwidget.watch import host
 
 MAX_LINE = 300
 
@@ -226,7 +226,6 @@ def test_a_slow_run_writes_a_shard_every_few_seconds_below_batch(tmp_path, monke
     after they reached the host (0 here: each chunk the watch moves is written)."""
     from hookwidget.views import watch_log
 
-    host = importlib.import_module("hookwidget.watch.host")
     monkeypatch.setattr(watch_log, "SHARD_SECONDS", 0.0)
     monkeypatch.setattr(host, "FLUSH_SECONDS", 0.0)  # a slow run: each step's end finds the rows before it due
     d, model = tmp_path / "log", mlp()

@@ -1,7 +1,6 @@
 """TensorBoard event files of a watch, read back with TensorBoard's EventAccumulator and compared with
 the losses and gradient norms of the loop (plain PyTorch) and with w.stats."""
 
-import importlib
 import math
 import sys
 import time
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hookwidget as hw
+from hookwidget.watch import host
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -56,7 +56,7 @@ def same(a, b):
 
 @pytest.mark.parametrize("live", [False, True])
 def test_event_files_hold_every_layer_statistic_and_step(tmp_path, live, monkeypatch):
-    monkeypatch.setattr(importlib.import_module("hookwidget.watch.host"), "FLUSH_SECONDS", 0.0)  # a slow run's pace
+    monkeypatch.setattr(host, "FLUSH_SECONDS", 0.0)  # a slow run's pace
     model, x, y = model_and_data()
     steps = 6
     kwargs = {"tensorboard": tmp_path / "live"} if live else {}

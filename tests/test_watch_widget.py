@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookwidget.watch import watch
+from hookwidget.watch import host, watch
 from hookwidget.watch.core import Watch
 
 ww = importlib.import_module("hookwidget.views.watch_widget")  # hookwidget.watch is also the function watch()
@@ -60,7 +60,7 @@ class Clock:
 def clock(monkeypatch):
     c = Clock()
     monkeypatch.setattr(ww, "time", c)
-    monkeypatch.setattr(importlib.import_module("hookwidget.watch.host"), "time", c)  # rows move on its time too
+    monkeypatch.setattr(host, "time", c)  # rows move on its time too
     return c
 
 
@@ -136,7 +136,7 @@ def test_no_extra_transfer_and_nothing_changed(clock, monkeypatch):
         return real(self, upto)
 
     monkeypatch.setattr(Watch, "_flush", counting)
-    monkeypatch.setattr(importlib.import_module("hookwidget.watch.host"), "FLUSH_SECONDS", 1e9)  # by the batch only
+    monkeypatch.setattr(host, "FLUSH_SECONDS", 1e9)  # by the batch only
     results = []
     for with_widget in (False, True):
         model, opt, x, y = setup()
