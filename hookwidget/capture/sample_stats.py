@@ -70,17 +70,15 @@ class PerSample:
         call.delta = grad.detach()
         members = [m for m in self.group.get(li, (li,)) if m in step.ps_calls]
         if all(c.delta is not None for m in members for c in step.ps_calls[m]):
-            self._reduce(step, {m: step.ps_calls[m] for m in members})
+            self._reduce(step, {m: step.ps_calls.pop(m) for m in members})
 
     def end(self, step, dev):
         """The step's [largest per-sample gradient norm, its sample] (float64, on dev), NaN if not known."""
-        while step.ps_calls:
+        while step.ps_calls:  # calls no δ reached added nothing to .grad: the others are counted
             li = next(iter(step.ps_calls))
-            got = {m: [c for c in step.ps_calls.get(m, ()) if c.delta is not None]
-                   for m in self.group.get(li, (li,))}
+            calls = {m: step.ps_calls.pop(m) for m in self.group.get(li, (li,)) if m in step.ps_calls}
+            got = {m: [c for c in cs if c.delta is not None] for m, cs in calls.items()}
             got = {m: cs for m, cs in got.items() if cs}
-            for m in self.group.get(li, (li,)):
-                step.ps_calls.pop(m, None)
             if got:
                 self._reduce(step, got)
         sq = step.ps_sq.get(step.ps_batch)
@@ -98,9 +96,7 @@ class PerSample:
 
     def _reduce(self, step, calls: dict) -> None:
         """The squared per-sample norms of the layers in `calls` (layer -> its calls this step: one layer, or
-        layers that share a parameter), added to the step's; their a and δ let go."""
-        for li in calls:
-            step.ps_calls.pop(li, None)
+        layers that share a parameter, taken out of step.ps_calls), added to the step's; their a and δ let go."""
         every = [c for cs in calls.values() for c in cs]
         if any(version(c.a) != c.version for c in every):
             step.ps_bad = True  # an input changed in place after the layer read it: not known this step
