@@ -85,6 +85,57 @@ def test_lstm_per_sample_gradients_equal_an_autograd_loop(batch_first):
     close(t.per_sample_grad_norms("lstm"), norms_of(ref, skip=("head",)))
 
 
+class Split(torch.autograd.Function):
+    """One node, two outputs (as cuDNN's LSTM gives output, h_n and c_n): the gradient of an output the loss
+    does not use is left undefined, and a tensor hook on that output is called with None."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(h):
+        return h * 2, h * 3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        return (0 if g1 is None else g1 * 2) + (0 if g2 is None else g2 * 3)
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return Split.apply(x @ self.w)
+
+
+@pytest.mark.parametrize("capture", ["full", "norms"])
+def test_an_output_whose_gradient_autograd_leaves_undefined(capture):
+    """The second output is unused: its δ hook gets None (on CUDA, every LSTM's h_n and c_n where only the
+    output is used). No δ arrived there: per-sample gradients as an autograd loop's, .grad untouched, and the
+    watch steps through it."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"two": TwoOutputs(), "head": nn.Linear(4, 2)})
+    x = torch.randn(B, 4)
+
+    def loss(xb):
+        return model["head"](model["two"](xb)[0]).pow(2).sum()
+
+    loss(x).backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters()}
+    t = traced(model, lambda: loss(x), capture=capture)
+    assert all(torch.equal(p.grad, want[k]) for k, p in model.named_parameters())
+    close(t.per_sample_grad_norms(), norms_of(loop_reference(model, lambda i: loss(x[i:i + 1]))))
+    with hw.watch(model, per_sample=True) as w:
+        for _ in range(2):
+            model.zero_grad()
+            loss(x).backward()
+    assert torch.isfinite(w.stats[:, :, w.stat_names.index("delta_norm")]).all()
+
+
 def test_gru_classifier():
     torch.manual_seed(0)
     gru, head = nn.GRU(4, 6, batch_first=True), nn.Linear(6, 2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from functools import partial
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -62,17 +63,20 @@ def hook_output(handles: list, out: torch.Tensor, fn) -> None:
     """A tensor hook fn(grad) -> new grad or None on a module's output, that fires even when a later
     in-place op rewrites the output. A hook on a plain tensor survives that; one on a view does not
     (a 3-D Linear's output is a view of a 2-D matmul result, and ReLU(inplace=True) replaces the
-    view's grad_fn). Then a hook on the view's base, which stays in the graph, stands in for it."""
+    view's grad_fn). Then a hook on the view's base, which stays in the graph, stands in for it.
+    fn sees gradients only: autograd passes None to a tensor hook where it leaves the gradient of one of a
+    node's several outputs undefined (one the loss does not use: cuDNN's LSTM's h_n and c_n, a custom
+    Function's second output), and then no gradient arrived there, as where the hook never fires."""
     base = view_base(out)
     if (base is None or not base.requires_grad or base.numel() != out.numel() or not out.is_contiguous()
             or not base.is_contiguous() or base.data_ptr() != out.data_ptr()):
-        handles.append(_register_hook(out, fn))
+        handles.append(_register_hook(out, partial(_defined, fn)))
         return
     fired = [False]
 
     def on_out(grad):
         fired[0] = True
-        return fn(grad)
+        return None if grad is None else fn(grad)
 
     handles.append(_register_hook(out, on_out))
     shape = out.shape
@@ -81,10 +85,16 @@ def hook_output(handles: list, out: torch.Tensor, fn) -> None:
         if fired[0]:  # the view's own hook ran in this backward pass
             fired[0] = False
             return None
+        if grad is None:
+            return None
         new = fn(grad.reshape(shape))
         return None if new is None else new.reshape(grad.shape)
 
     handles.append(_register_hook(base, on_base))
+
+
+def _defined(fn, grad):
+    return None if grad is None else fn(grad)
 
 
 def own(slots: list) -> None:

@@ -465,19 +465,26 @@ def missing(call) -> str | None:
 
 
 class _modes:
-    """The train/eval flags of the module and its submodules as they were at the call, for the recomputation."""
+    """The train/eval flags of the module and its submodules as they were at the call, for the recomputation;
+    and cuDNN off where it holds a recurrent layer: cuDNN's RNN reads its weights' memory directly, which
+    torch.func's per-sample tensors have none of (on a GPU vmap and the loop both failed, every LSTM's weights left
+    out), and torch's own RNN kernels, which it runs instead, compute the same gradient."""
 
     def __init__(self, module, flags):
         self.modules = list(module.modules())
         self.flags = flags
+        self.cudnn = (torch.backends.cudnn.flags(enabled=False)
+                      if any(isinstance(m, nn.RNNBase) for m in self.modules) else contextlib.nullcontext())
 
     def __enter__(self):
         self.before = [m.training for m in self.modules]
         if self.flags is not None and len(self.flags) == len(self.modules):
             for m, f in zip(self.modules, self.flags):
                 m.training = f
+        self.cudnn.__enter__()
 
     def __exit__(self, *exc):
+        self.cudnn.__exit__(*exc)
         for m, f in zip(self.modules, self.before):
             m.training = f
 
