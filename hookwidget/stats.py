@@ -193,26 +193,38 @@ def l2(t: torch.Tensor) -> torch.Tensor:
     """‖t‖₂ of one tensor as a 0-d tensor on its device, with no host sync (see l2_batch)."""
     if not t.is_floating_point():
         t = t.float()
+    if _wide(t) and t.layout == torch.strided:  # _wide first: compiled autograd refuses to read .layout
+        return foreach_norm([t], 2, dtype=torch.float64)[0]
     return _safe([t], [torch.linalg.vector_norm(t, dtype=torch.float32 if t.dtype in _LOW else None)])[0]
+
+
+def _wide(t: torch.Tensor) -> bool:
+    """Whether t's norm is accumulated in float64 from the start: off the CPU, outside torch.compile. The
+    multi-tensor kernel accumulates in its output dtype (no float64 copy of t), so one kernel stands where a
+    float32 norm and its overflow check (a second norm, isinf, where) took four: on a GPU, where a small step's
+    time is kernel launches, that is most of what a norm costs."""
+    return t.device.type != "cpu" and not torch.compiler.is_compiling()
 
 
 def l2_batch(ts: list, batched: bool = True) -> list[torch.Tensor]:
     """‖t‖₂ of each tensor as 0-d tensors on their devices, with no host-device sync: one multi-tensor
     reduction per (device, dtype) group of strided tensors (`batched=False`: one reduction per tensor).
-    float16 and bfloat16 accumulate in float32; an integer tensor is taken as float32. Tensors are taken as
-    given: detach them (or hold no_grad) where autograd would record the reduction.
+    On CPU float16 and bfloat16 accumulate in float32; an integer tensor is taken as float32. Tensors are taken
+    as given: detach them (or hold no_grad) where autograd would record the reduction.
     Overflow-safe: where the sum of squares overflows its dtype (float32: ‖t‖ past ~1.8e19 though every
     entry is finite) the norm is taken again accumulating in float64, and returned in float64. On CPU only
-    those, found by reading the norms (no sync there); elsewhere, and inside torch.compile, for the whole
-    group, kept by torch.where where the first overflowed (one more reduction, no sync; the CUDA multi-tensor
-    kernel accumulates in the output dtype, so no float64 copy is made). Where nothing overflowed the value is
-    bitwise the plain reduction's (off CPU promoted to float64)."""
+    those, found by reading the norms (no sync there), so that where nothing overflowed the value is bitwise
+    the plain reduction's; inside torch.compile for the whole group, kept by torch.where where the first
+    overflowed. On other devices every norm accumulates in float64 from the start (_wide: one kernel, no
+    copy, no sync), returned in float64."""
     if not ts:
         return []
     t0 = ts[0]
     dev, dtype = t0.device, t0.dtype
     if batched and dtype.is_floating_point and all(
             t.device == dev and t.dtype == dtype and t.layout == torch.strided for t in ts):  # the common case
+        if _wide(t0):
+            return list(foreach_norm(ts, 2, dtype=torch.float64))
         return _safe(ts, list(foreach_norm(ts, 2, dtype=torch.float32 if dtype in _LOW else None)))
     out: list = [None] * len(ts)
     groups: dict = {}
@@ -226,10 +238,12 @@ def l2_batch(ts: list, batched: bool = True) -> list[torch.Tensor]:
     for key, (idx, xs) in groups.items():
         acc = torch.float32 if xs[0].dtype in _LOW else None
         if isinstance(key, int):
-            ns = [torch.linalg.vector_norm(xs[0], dtype=acc)]
+            ns = _safe(xs, [torch.linalg.vector_norm(xs[0], dtype=acc)])
+        elif _wide(xs[0]):
+            ns = list(foreach_norm(xs, 2, dtype=torch.float64))
         else:
-            ns = list(foreach_norm(xs, 2, dtype=acc))
-        for i, n in zip(idx, _safe(xs, ns)):
+            ns = _safe(xs, list(foreach_norm(xs, 2, dtype=acc)))
+        for i, n in zip(idx, ns):
             out[i] = n
     return out
 

@@ -77,3 +77,24 @@ def test_factors_and_norms_on_cuda_match_torch_func():
     norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in ref.values()]).sum(0).sqrt()
     assert torch.allclose(t.per_sample_grad_norms(), norms, rtol=1e-4)
     assert torch.allclose(t.weight_grad("3"), model[3].weight.grad, atol=1e-5)
+
+
+def test_norms_on_cuda_accumulate_in_float64_without_a_sync():
+    """Off the CPU a norm is one float64-accumulating kernel: exact where float32's sum of squares overflows
+    (entries of 1e30, each finite), equal to float64's own norm elsewhere, and no host sync."""
+    from hookwidget.stats import l2, l2_batch
+
+    torch.manual_seed(0)
+    ts = [torch.randn(1000, device="cuda"), torch.full((7,), 1e30, device="cuda"),
+          torch.randn(3, 5, device="cuda").half(), torch.zeros(0, device="cuda")]
+    l2(ts[0])  # warm-up outside the check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = l2_batch(ts)
+        one = [l2(t) for t in ts]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = [torch.linalg.vector_norm(t.cpu().double()) for t in ts]
+    for b, o, w in zip(batch, one, want):
+        assert b.dtype == o.dtype == torch.float64
+        assert torch.isclose(b.cpu(), w, rtol=1e-12) and torch.isclose(o.cpu(), w, rtol=1e-12)

@@ -249,7 +249,7 @@ def _grad_counts(grads: list, total: torch.Tensor, dev) -> torch.Tensor | None:
     norm `total` is not finite (reading it there is no sync), elsewhere always (no sync)."""
     if not grads or dev.type == "cpu" and math.isfinite(total.item()):
         return None
-    return torch.stack([torch.stack([torch.isnan(g).sum(), torch.isinf(g).sum()]) for g in grads]).double()
+    return _stack([c for g in grads for c in (torch.isnan(g).sum(), torch.isinf(g).sum())], dev).view(-1, 2).double()
 
 
 def _stack(ts: list, dev) -> torch.Tensor:
