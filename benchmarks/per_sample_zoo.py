@@ -3,6 +3,7 @@
     python -m benchmarks.per_sample_zoo                        # all 46 models (tests/zoo.py + tests/zoo_real.py)
     python -m benchmarks.per_sample_zoo --part torch   # or transformers, real: one part, merged into the results
     python -m benchmarks.per_sample_zoo --models gpt2,vit --repeats 3
+    python -m benchmarks.per_sample_zoo --device cuda          # on a GPU: per_sample_zoo_cuda.json and .md
 
 Each zoo case (a tiny model, a batch of B=3, a sum-reduced loss) becomes one module of the sample indices
 (`Sampled`: forward(idx) = the case's loss on those samples), so benchmarks/variants.py's steps run it unchanged:
@@ -10,7 +11,8 @@ plain forward+backward, hookwidget (hw.trace(step, capture="norms") + per_sample
 (vmap of grad), Opacus (GradSampleModule's per-sample gradients, and its ghost clipping's norms) and BackPACK
 (BatchL2Grad). Time: medians of interleaved repeats (one step of each variant in turn), as ratios to plain.
 Peak memory: the most the CPU allocator holds during one step above the state before it (the profiler's memory
-events; benchmarks/run.py's peak RSS cannot resolve a B=3 step, below a page), as ratios to plain.
+events; benchmarks/run.py's peak RSS cannot resolve a B=3 step, below a page), as ratios to plain; on a GPU, the
+CUDA allocator's peak above its count before the step. On a GPU each timed step ends with a synchronisation.
 Exactness: each method's max relative difference to a loop of autograd over the samples, over the parameters
 that method covers (a peer that skips parameters is compared on the rest, and the table says so).
 Opacus hooks only modules in training mode: its copy has its parameter-holding layers in training mode
@@ -28,6 +30,8 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -100,17 +104,23 @@ def keys(part: str) -> list:
     return {"torch": torch_keys, "transformers": hf, "real": real, "all": torch_keys + hf + real}[part]
 
 
-def build(key: str):
-    """(case, (Sampled model, x, y, loss)) for a key of tests/zoo.py or tests/zoo_real.py."""
+def build(key: str, device: str = "cpu"):
+    """(case, (Sampled model, x, y, loss)) for a key of tests/zoo.py or tests/zoo_real.py, on `device`."""
     if key in zoo.BUILDERS:
         case = zoo.build(key)
     else:
         import zoo_real
 
         case = zoo_real.build(key)
+    case.model.to(device)
+    if device != "cpu":  # cuDNN's RNN backward runs only in training mode (the zoo's RNNs have no dropout)
+        for m in case.model.modules():
+            if isinstance(m, nn.RNNBase):
+                m.train()
+    case.batch = tuple(t.to(device) for t in case.batch)
     model = Sampled(case)
     n = case.batch[0].shape[0]
-    return case, (model, torch.arange(n), torch.zeros(n), _loss)
+    return case, (model, torch.arange(n, device=device), torch.zeros(n, device=device), _loss)
 
 
 # models whose samples-run-alone reference torch gets wrong (tests/test_zoo_real.py KNOWN: BatchNorm2d eval backward
@@ -137,7 +147,7 @@ def reference(case, key: str) -> dict:
 
 def _rel(norms, ref_sq: dict, ids) -> float:
     ref = sum(ref_sq[i] for i in ids).sqrt()
-    return float(((norms.double() - ref).abs() / ref.clamp_min(1e-30)).max())
+    return float(((norms.double().cpu() - ref).abs() / ref.clamp_min(1e-30)).max())
 
 
 def covered(v: str, step, sampled, hw_left: set) -> tuple[list, str]:
@@ -157,8 +167,20 @@ def _spread(times: dict) -> float:
     return max(statistics.median(ts) / min(ts) for ts in times.values())
 
 
-def bench(key: str, repeats: int) -> dict:
-    case, built = build(key)
+def _clock(device: str):
+    """The interleaved timer's clock: on a GPU it waits for the device, so that a step's time is its kernels'."""
+    if device == "cpu":
+        return time.perf_counter
+
+    def synchronised():
+        torch.cuda.synchronize()
+        return time.perf_counter()
+
+    return synchronised
+
+
+def bench(key: str, repeats: int, device: str = "cpu") -> dict:
+    case, built = build(key, device)
     sampled = built[0]
     res = {"name": case.name, "family": case.family, "B": int(built[1].shape[0]), "refused": {}, "notes": {},
            "max_rel_diff": {}}
@@ -172,9 +194,11 @@ def bench(key: str, repeats: int) -> dict:
             msg = str(e) if isinstance(e, Unavailable) else f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
             res["refused"][v] = msg[:160]
             steps.pop(v, None)
-    times = interleaved(steps, repeats)
+    if "plain" not in steps:
+        raise RuntimeError(f"the plain step fails: {res['refused']['plain']}")
+    times = interleaved(steps, repeats, _clock(device))
     if _spread(times) > 1.5:  # a neighbour's burst hit this model's timing: once more, the steadier of the two kept
-        again = interleaved(steps, repeats)
+        again = interleaved(steps, repeats, _clock(device))
         times = min(times, again, key=_spread)
         res["retimed"] = True
     med = {v: statistics.median(ts) for v, ts in times.items()}
@@ -197,7 +221,7 @@ def bench(key: str, repeats: int) -> dict:
             res["max_rel_diff"][v] = _rel(norms, ref_sq, ids)
         except Exception as e:  # noqa: BLE001
             res["notes"][v] = f"not compared: {type(e).__name__}: {str(e)[:80]}"
-    res["peak_mb"] = {v: peak_mb(step) for v, step in steps.items()}
+    res["peak_mb"] = {v: (peak_mb if device == "cpu" else cuda_peak_mb)(step) for v, step in steps.items()}
     res["peak_ratio"] = {v: m / max(res["peak_mb"]["plain"], 1e-9) for v, m in res["peak_mb"].items()}
     if getattr(steps.get("Opacus"), "partial", False):
         res["notes"]["Opacus"] = steps["Opacus"].note
@@ -222,6 +246,20 @@ def peak_mb(step) -> float:
     # freed only after profiling ended, its .grad, stays counted): the step's own peak is above its first event's
     base = mem[0]["Total Allocated"] - mem[0]["Bytes"]
     return max(0, max(m["Total Allocated"] for m in mem) - base) / 2**20
+
+
+def cuda_peak_mb(step) -> float:
+    """Peak MB a step allocates on the GPU above the allocator's count before it."""
+    step.reset()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    step.reset()
+    return max(0, peak) / 2**20
 
 
 # -- the table ---------------------------------------------------------------------------------------
@@ -292,7 +330,8 @@ def markdown(res: dict) -> str:
            f"models** where at least one peer runs ({within} within 1.1×); counting only peers that cover every "
            f"parameter with norms that agree with the reference: {fair_never} of {fair_judged}.\n",
            "Cells: time / peak memory of one step, as ratios to plain forward+backward (median of interleaved "
-           "repeats; peak of what the CPU allocator holds during one step, above the state before it). "
+           f"repeats; peak of what the {'CPU' if res['device'].startswith('CPU') else 'CUDA'} allocator holds during "
+           "one step, above the state before it). "
            "hookwidget: hw.trace(step, capture='norms') + per_sample_grad_norms(); torch.func: vmap(grad); "
            "Opacus: GradSampleModule (hooks), Opacus ghost: its "
            "ghost clipping (get_norm_sample); BackPACK: BatchL2Grad. * skips parameters (timed on less work; compared "
@@ -316,6 +355,8 @@ def markdown(res: dict) -> str:
         items += [f"{v}: {n}" for v, n in r["notes"].items()]
         if items:
             out.append(f"- **{r['name']}**: " + "; ".join(items))
+    for key, why in res.get("failed", {}).items():
+        out.append(f"- **{key}**: not run here: {why}")
     return "\n".join(out) + "\n"
 
 
@@ -325,23 +366,38 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="", help="comma-separated zoo keys (instead of --part)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here; run on a GPU machine or use --device cpu")
+    if args.device == "cuda":  # float32 products, as the autograd loop's reference: TF32 would differ by ~1e-3
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.set_num_threads(args.threads)
     chosen = [k for k in args.models.split(",") if k] or keys(args.part)
-    path = Path(args.out) / "per_sample_zoo.json"
+    stem = "per_sample_zoo" + ("" if args.device == "cpu" else "_cuda")
+    path = Path(args.out) / f"{stem}.json"
     res = json.loads(path.read_text()) if path.exists() else {"models": {}}  # a part is merged into the last run
-    res.update({"device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+    where = (f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)" if args.device == "cpu"
+             else torch.cuda.get_device_name())
+    res.update({"device": where,
                 "torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": args.repeats,
                 "load_average": [round(v, 2) for v in os.getloadavg()]})
     order = keys("all")
-    bench(chosen[0], repeats=3)  # a fresh process's first steps run slow: the first model's timing would pay it
+    bench(chosen[0], 3, args.device)  # a fresh process's first steps run slow: the first model's timing would pay it
+    res["failed"] = {}
     for key in chosen:
-        r = bench(key, args.repeats)
+        try:
+            r = bench(key, args.repeats, args.device)
+        except Exception as e:  # noqa: BLE001 - a model that cannot be built or stepped here is named, the rest run
+            res["failed"][key] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+            print(key, "failed:", res["failed"][key], flush=True)
+            traceback.print_exc()
+            continue
         res["models"][key] = r
         print(key, {v: round(x, 2) for v, x in r["ratio"].items()}, r["max_rel_diff"], flush=True)
     res["models"] = {k: res["models"][k] for k in order if k in res["models"]}
-    write_results(res, args.out, "per_sample_zoo", markdown)
+    write_results(res, args.out, stem, markdown)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
     python -m benchmarks.watch_gpu [--steps 200] [--rounds 3] [--models mlp,transformer,gpt2]
 
-The models and the loss are benchmarks/watch_overhead.py's (that script times CPU
-time on one thread; a GPU step is measured here in wall time). Each variant runs 20 warm-up steps, then
+The models, the loss and the hand-written floor (hooks computing the same statistics, counting NaN/Inf on the
+device) are benchmarks/watch_overhead.py's (that script times CPU time on one thread; a GPU step is measured here
+in wall time). Each variant runs 20 warm-up steps, then
 `--steps` steps, then its rows come to the host (part of the cost). Before timing, 40 steps of each variant
 run under torch.cuda.set_sync_debug_mode("error") (fewer than the 64 rows the watch moves to the host at once):
 a step that synchronises with the host raises, and the table marks that variant "(syncs)". Variants
@@ -21,9 +22,9 @@ import time
 import torch
 
 import hookwidget as hw
-from benchmarks.watch_overhead import build, loss_of
+from benchmarks.watch_overhead import Floor, build, loss_of
 
-VARIANTS = ("plain", "watch", "watch+fr", "per_sample")  # the CPU floor (watch_overhead.Floor) keeps counts on the host
+VARIANTS = ("plain", "floor", "watch", "watch+fr", "per_sample")
 RESULTS = pathlib.Path(__file__).parent / "results"
 
 
@@ -38,7 +39,7 @@ def time_loop(model, x, y, steps: int, variant: str, check: bool = False) -> flo
         loss_of(model(x), y).backward()
         opt.step()
 
-    w = {"plain": lambda: None,
+    w = {"plain": lambda: None, "floor": lambda: Floor(model),
          "watch": lambda: hw.watch(model, flight_recorder=False),
          "watch+fr": lambda: hw.watch(model),
          "per_sample": lambda: hw.watch(model, flight_recorder=False, per_sample=True)}[variant]()
@@ -54,7 +55,9 @@ def time_loop(model, x, y, steps: int, variant: str, check: bool = False) -> flo
                 step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        if w is not None:
+        if isinstance(w, Floor):
+            w.flush()
+        elif w is not None:
             _ = w.stats
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
@@ -93,17 +96,22 @@ def main() -> None:
         for r in range(args.rounds):
             for v in VARIANTS if r % 2 == 0 else reversed(VARIANTS):
                 times[v].append(time_loop(model, x, y, args.steps, v))
-        plain = statistics.median(times["plain"])
+        plain, floor = statistics.median(times["plain"]), statistics.median(times["floor"])
         rows[name] = {v: {"ms": 1e3 * statistics.median(ts), "x_plain": statistics.median(ts) / plain,
-                          "sync_free": free[v]} for v, ts in times.items()}
+                          "x_floor": statistics.median(ts) / floor, "sync_free": free[v]}
+                      for v, ts in times.items()}
+        print(name, {v: round(r["x_plain"], 2) for v, r in rows[name].items()}, flush=True)
     device = torch.cuda.get_device_name()
     lines = [f"# hw.watch on {device} (torch {torch.__version__}; {args.steps} steps × {args.rounds} rounds, "
              "wall time, medians)", "", "| model | " + " | ".join(VARIANTS) + " |", "|---" * (len(VARIANTS) + 1) + "|"]
     for name, vs in rows.items():
-        cells = [f"{vs[v]['ms']:.2f} ms" if v == "plain" else f"{vs[v]['x_plain']:.2f}×" + ("" if vs[v]["sync_free"]
-                 else " (syncs)") for v in VARIANTS]
+        cells = [f"{vs[v]['ms']:.2f} ms" if v == "plain" else f"{vs[v]['x_plain']:.2f}×"
+                 + ("" if v == "floor" else f" ({vs[v]['x_floor']:.2f}× floor)")
+                 + ("" if vs[v]["sync_free"] else " (syncs)") for v in VARIANTS]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "40 steps of each variant ran under torch.cuda.set_sync_debug_mode(\"error\") first; \"(syncs)\" "
+    lines += ["", "× plain, and in brackets × the floor (hand-written hooks for the same statistics, "
+              "benchmarks/watch_overhead.py's Floor). 40 steps of each variant ran under "
+              "torch.cuda.set_sync_debug_mode(\"error\") first; \"(syncs)\" "
               "marks one whose steps synchronised with the host."]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

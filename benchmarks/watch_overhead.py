@@ -149,9 +149,11 @@ def build(name: str):
 class Floor:
     """The floor: hand-written hooks for the watch's 12 statistics per layer, at its cadence. In the forward hook
     of each layer with parameters ‖a‖ and its nonzero entries, and a tensor hook on its output for ‖δ‖ and
-    min/max δ (NaN/Inf counted only where a norm is not finite: on CPU reading it is free, as the watch does);
-    at the optimizer step one multi-tensor norm for ‖W.grad‖ and ‖W‖, a copy of W before it and ‖ΔW‖ after;
-    the step's (layers, 12) row put together on device; rows to the host every 64 steps."""
+    min/max δ; NaN/Inf (of a, δ and each .grad) counted only where a norm is not finite on the CPU (reading it
+    there is free, as the watch does), always on a GPU (reading it would wait for the device); at the optimizer
+    step one multi-tensor norm for ‖W.grad‖ and ‖W‖, a copy of W before it and ‖ΔW‖ after; the step's
+    (layers, 12) row put together on the model's device (the layer of each call and its size go there once per
+    pattern of calls, as the watch's index tensors do); rows to the host every 64 steps."""
 
     def __init__(self, model):
         from hookwidget._torch.norms import foreach_copy_, foreach_norm, foreach_sub_
@@ -159,13 +161,18 @@ class Floor:
         self.norm, self.copy_, self.sub_ = foreach_norm, foreach_copy_, foreach_sub_
         self.layers = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
         self.params = [p for m in self.layers for p in m.parameters(recurse=False)]
+        self.device = self.params[0].device
+        self.on_host = self.device.type == "cpu"
         owner = [i for i, m in enumerate(self.layers) for _ in m.parameters(recurse=False)]
-        self.owner, self.L = torch.tensor(owner), len(self.layers)
+        self.owner, self.L = torch.tensor(owner, device=self.device), len(self.layers)
         self.copies = [torch.empty_like(p) for p in self.params]
-        self.calls, self.pending, self.rows = [], [], []
+        self.calls, self.pending, self.rows, self.index = [], [], [], {}
         self.handles = [m.register_forward_hook(self._forward(i)) for i, m in enumerate(self.layers)]
         self.handles += [register_optimizer_step_pre_hook(self._pre),
                          register_optimizer_step_post_hook(self._post)]
+
+    def _counted(self, n) -> bool:
+        return not self.on_host or not torch.isfinite(n)
 
     def _forward(self, i):
         def hook(module, inputs, out):
@@ -175,7 +182,7 @@ class Floor:
             a = inputs[0].detach()
             a = a if a.is_floating_point() else a.float()
             n = torch.linalg.vector_norm(a)
-            bad = a.numel() - torch.isfinite(a).sum() if not torch.isfinite(n) else n.new_zeros(())
+            bad = a.numel() - torch.isfinite(a).sum() if self._counted(n) else n.new_zeros(())
             entry = [i, n, a.bool().sum(), a.numel(), bad]
             self.calls.append(entry)
 
@@ -183,7 +190,7 @@ class Floor:
                 lo, hi = torch.aminmax(g)
                 gn = torch.linalg.vector_norm(g)
                 counts = (torch.stack([torch.isnan(g).sum(), torch.isinf(g).sum()]).double()
-                          if not torch.isfinite(gn) else torch.zeros(2, dtype=torch.float64))
+                          if self._counted(gn) else g.new_zeros(2, dtype=torch.float64))
                 entry.append((gn, torch.maximum(lo.abs(), hi.abs()), counts))
 
             out.register_hook(delta)
@@ -196,19 +203,29 @@ class Floor:
     def _post(self, opt, args, kwargs):
         calls, self.calls = [c for c in self.calls if len(c) == 6], []
         f64, L = torch.float64, self.L
-        li = torch.tensor([c[0] for c in calls])
+        key = tuple((c[0], c[3]) for c in calls)
+        if key not in self.index:
+            self.index[key] = (torch.tensor([c[0] for c in calls], device=self.device),
+                               torch.tensor([float(c[3]) for c in calls], dtype=f64, device=self.device))
+        li, numel = self.index[key]
         d = torch.stack([torch.stack([c[5][0].double() ** 2, c[5][1].double(), *c[5][2],
-                                      c[1].double() ** 2, float(c[3]) - c[2].double(), c[4].double(),
-                                      torch.tensor(float(c[3]), dtype=f64)]) for c in calls])
-        per = torch.zeros(L, 8, dtype=f64).index_add_(0, li, d)
-        per[:, 1] = torch.zeros(L, dtype=f64).scatter_reduce_(0, li, d[:, 1], "amax", include_self=False)
+                                      c[1].double() ** 2, -c[2].double(), c[4].double()]) for c in calls])
+        d = torch.cat([d, numel[:, None]], 1)
+        d[:, 5] += numel
+        per = torch.zeros(L, 8, dtype=f64, device=self.device).index_add_(0, li, d)
+        per[:, 1] = torch.zeros(L, dtype=f64, device=self.device).scatter_reduce_(0, li, d[:, 1], "amax",
+                                                                                  include_self=False)
         self.sub_(self.copies, [p.detach() for p in self.params])
         sq = torch.stack(self.norm([p.grad for p in self.params] + [p.detach() for p in self.params]
                                    + self.copies)).double().square().view(3, -1)
-        gwu = torch.zeros(3, L, dtype=f64).index_add_(1, self.owner, sq).sqrt()
+        gwu = torch.zeros(3, L, dtype=f64, device=self.device).index_add_(1, self.owner, sq).sqrt()
+        counts = torch.zeros(L, 2, dtype=f64, device=self.device)
+        if self._counted(sq[0].sum()):
+            c = torch.stack([c for p in self.params for c in (torch.isnan(p.grad).sum(), torch.isinf(p.grad).sum())])
+            counts.index_add_(0, self.owner, c.view(-1, 2).double())
         n = per[:, 7].clamp(min=1)
         row = torch.stack([per[:, 0].sqrt(), per[:, 1], per[:, 2], per[:, 3], (per[:, 4] / n).sqrt(), per[:, 5] / n,
-                           per[:, 6], gwu[0], gwu[1], gwu[2] / gwu[1], per[:, 2] * 0, per[:, 3] * 0], dim=1)
+                           per[:, 6], gwu[0], gwu[1], gwu[2] / gwu[1], counts[:, 0], counts[:, 1]], dim=1)
         self.pending.append(row)
         if len(self.pending) >= 64:
             self.flush()

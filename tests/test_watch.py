@@ -738,13 +738,14 @@ def test_a_layer_called_twice_counts_both_calls():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_no_host_sync_per_step_on_gpu():
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_no_host_sync_per_step_on_gpu(per_sample):
     torch.manual_seed(0)
     model = Net(bn=True).cuda()
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     x, y = (t.cuda() for t in data())
     run_loop(model, opt, x, y, 2)  # warm up outside the check
-    with watch(model, flight_recorder=False, batch=64) as w:
+    with watch(model, flight_recorder=False, batch=64, per_sample=per_sample) as w:
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(20):
@@ -754,6 +755,7 @@ def test_no_host_sync_per_step_on_gpu():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert w.stats.shape == (20, 4, len(STAT_NAMES)) and w.anomalies == []
+    assert not per_sample or (w.per_sample.shape == (20, 2) and torch.isfinite(w.per_sample).all())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

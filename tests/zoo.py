@@ -277,8 +277,8 @@ class MLPMixer(nn.Module):
 
 def _rope(x, base=10000.0):
     T, dh = x.shape[-2], x.shape[-1]
-    inv = base ** (-torch.arange(0, dh, 2, dtype=torch.float32) / dh)
-    ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None]
+    inv = base ** (-torch.arange(0, dh, 2, dtype=torch.float32, device=x.device) / dh)
+    ang = torch.arange(T, dtype=torch.float32, device=x.device)[:, None] * inv[None]
     cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
     x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
@@ -678,7 +678,7 @@ def _contribution(case: Case, params: list, i: int) -> list:
     """Sample i's contribution to these parameters' .grad: the batch's own backward with the gradient at the
     model's output kept for sample i's row only (batch dimension first)."""
     def keep_row(module, args, out):
-        mask = torch.zeros(out.shape[0], *[1] * (out.dim() - 1), dtype=out.dtype)
+        mask = torch.zeros(out.shape[0], *[1] * (out.dim() - 1), dtype=out.dtype, device=out.device)
         mask[i] = 1
         out.register_hook(lambda g: g * mask)
 
