@@ -220,6 +220,26 @@ def test_timms_weight_standardised_conv_is_exact(kwargs, shape, twice):
 
 
 @pytest.mark.parametrize("kwargs, shape", [
+    ({"kernel_size": 3, "stride": 2}, (B, 4, 7, 6)),  # odd and even sizes: the extra pixel right, bottom
+    ({"kernel_size": 3, "stride": 2, "groups": 4}, (B, 4, 8, 8)),  # depthwise, as the tf_ EfficientNets
+    ({"kernel_size": 4, "bias": False}, (B, 4, 5, 5)),  # an even kernel at stride 1: uneven padding
+    ({"kernel_size": 3, "dilation": 2}, (B, 4, 6, 7)),
+    ({"kernel_size": 1, "stride": 2}, (B, 4, 5, 5)),  # nothing to pad
+], ids=["3x3_s2", "depthwise_s2", "4x4", "dilated", "1x1_s2"])
+def test_timms_same_padded_conv_is_exact(kwargs, shape):
+    """timm's Conv2dSame pads its input as TensorFlow's SAME at each call (from the input's size): per sample
+    against torch.func and the sum against .grad, by the exact rule (not the generic one)."""
+    _timm_std_conv()
+    from timm.layers.conv2d_same import Conv2dSame
+
+    torch.manual_seed(0)
+    k = kwargs.pop("kernel_size")
+    m = Conv2dSame(4, 8, k, **kwargs)
+    assert fx.rule_for(m) is not None and not fx.is_generic(m)
+    check_rule(m, torch.randn(shape), what="Conv2dSame")
+
+
+@pytest.mark.parametrize("kwargs, shape", [
     ({"kernel_size": 3, "gamma": 1.7, "gain_init": 1.0}, (B, 4, 6, 5)),
     ({"kernel_size": 1, "bias": False, "eps": 1e-5}, (B, 4, 5, 3)),
 ], ids=["3x3", "1x1_no_bias"])

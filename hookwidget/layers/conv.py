@@ -2,9 +2,13 @@
 "valid"), groups and padding_mode. The weight gradient comes from the kernel autograd runs
 (aten.convolution_backward); per sample, the batch becomes groups of one convolution. timm's StdConv2d
 (weight standardisation, BiT's ResNet-V2) convolves with its weight standardised per output channel: its
-kernel's gradient is the convolution's, and the weight's is the standardisation's backward of it."""
+kernel's gradient is the convolution's, and the weight's is the standardisation's backward of it. timm's
+Conv2dSame (the tf_ EfficientNets, MixNets) pads its input as TensorFlow's SAME does, from the input's size at
+each call: the convolution of the input padded the same way."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +31,12 @@ def _pads_itself(m) -> bool:
     return False
 
 
-def _call(m, a, delta) -> ConvCall:
+def _call(m, a, delta, padding=None) -> ConvCall:
     n = m.weight.dim() - 2
     if a.dim() == n + 1:  # unbatched input (C, *S): a batch of one
         a, delta = a.unsqueeze(0), delta.unsqueeze(0)
     transposed = is_transposed_conv(m)
-    padding = m.padding
+    padding = m.padding if padding is None else padding
     if not transposed and (isinstance(padding, str) or m.padding_mode != "zeros"):
         pad = conv_self_padding(m)
         if any(pad):  # exactly what the layer does ("same": right side gets the extra)
@@ -97,6 +101,25 @@ class Standardised:
 
     def _parts(self) -> list:
         return [t for t in (self.w_hat, self.sigma, self.gain) if t is not None]
+
+
+def _tf_same_padding(m, a) -> tuple:
+    """F.pad's (left, right, top, bottom) that timm's pad_same adds before the convolution: TensorFlow's SAME, the
+    odd pixel on the right and at the bottom."""
+    pads = []
+    for size, k, s, d in zip(a.shape[-2:], m.kernel_size, m.stride, m.dilation):
+        p = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
+        pads.append((p // 2, p - p // 2))
+    (top, bottom), (left, right) = pads
+    return left, right, top, bottom
+
+
+@register("timm.layers.conv2d_same.Conv2dSame", keeps_input=lambda m: False)
+def same_padded_conv(m, a, delta, state=None):
+    """y = conv2d(pad_same(x), W, bias), the padding computed from x's size (timm's conv2d_same, which passes no
+    padding of the module's own to the convolution)."""
+    pad = _tf_same_padding(m, a)
+    return _factors(m, _call(m, F.pad(a, pad) if any(pad) else a, delta, padding=(0, 0)))
 
 
 _STD_CONVS = ("timm.layers.std_conv.StdConv2d", "timm.layers.std_conv.ScaledStdConv2d")
