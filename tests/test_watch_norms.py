@@ -64,11 +64,42 @@ def test_the_watch_reports_an_activation_past_float32s_sum_of_squares():
 
 
 def test_the_sync_free_path_agrees(monkeypatch):
-    """Off CPU (and inside torch.compile) overflow is found by torch.where, not by reading the norms: run that
-    path here by making the CPU look compiled."""
+    """Inside torch.compile overflow is found by torch.where, not by reading the norms: run that path here by
+    making the CPU look compiled."""
     ts = [torch.randn(6), torch.full((4,), 1e20), torch.randn(3, dtype=torch.bfloat16)]
     plain = [l2(t) for t in ts]
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     for got in ([l2(t) for t in ts], l2_batch(ts)):
         assert got[1].item() == pytest.approx(2e20)
         assert torch.equal(got[0], plain[0].double()) and torch.equal(got[2], plain[2].double())
+
+
+def test_the_device_path_accumulates_in_float64(monkeypatch):
+    """Off the CPU every norm is one float64-accumulating multi-tensor reduction (stats._wide): run that path here.
+    Overflow-safe by itself, float64 out, for one tensor and for groups of several dtypes; and a watch that takes
+    it records the statistics the CPU path does."""
+    import hookwidget.stats as stats
+
+    torch.manual_seed(0)
+    ts = [torch.randn(50), torch.full((7,), 1e30), torch.randn(3, 5).half(), torch.zeros(0), torch.randn(4, 4)]
+    want = [torch.linalg.vector_norm(t.double()) for t in ts]
+
+    def run():
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        torch.manual_seed(1)
+        x = torch.randn(5, 4)
+        with hw.watch(model, flight_recorder=False) as w:
+            for _ in range(3):
+                model.zero_grad()
+                F.mse_loss(model(x), torch.zeros(5, 2)).backward()
+        return w.stats
+
+    torch.manual_seed(2)
+    cpu_path = run()
+    monkeypatch.setattr(stats, "_wide", lambda t: True)
+    for got, ref in (([l2(t) for t in ts], want), (l2_batch(ts), want), (l2_batch(ts[:2]), want[:2])):
+        for g, w in zip(got, ref):
+            assert g.dtype == torch.float64 and g.item() == pytest.approx(w.item(), rel=1e-12)
+    torch.manual_seed(2)
+    device_path = run()
+    assert torch.allclose(device_path, cpu_path, rtol=1e-6, equal_nan=True)
