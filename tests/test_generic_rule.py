@@ -28,7 +28,7 @@ def loop_reference(model, loss_of, n=B) -> dict:
 
 
 def norms_of(ref: dict, skip=()) -> torch.Tensor:
-    return torch.cat([g.flatten(1) for k, g in ref.items() if not k.startswith(tuple(skip))], 1).norm(dim=1)
+    return torch.cat([g.reshape(len(g), -1) for k, g in ref.items() if not k.startswith(tuple(skip))], 1).norm(dim=1)
 
 
 def traced(model, loss_full, **options):
@@ -542,6 +542,36 @@ def test_weight_norm_conv():
     t = traced(model, lambda: model(x).pow(2).sum(), capture="norms")
     assert not t.per_sample_left_out, t.per_sample_left_out
     close(t.per_sample_grad_norms(), norms_of(ref))
+
+
+@pytest.mark.parametrize("make, shape, dim", [
+    (lambda: nn.Conv1d(3, 4, 3, padding=1), (B, 3, 8), 0),
+    (lambda: nn.Conv1d(4, 4, 5, padding=2, groups=2), (B, 4, 9), 2),  # wav2vec2's positional conv: dim=2, groups
+    (lambda: nn.Conv2d(3, 5, 3, stride=2, bias=False), (B, 3, 7, 6), None),  # the norm of the whole tensor
+    (lambda: nn.Conv2d(3, 4, 2, dilation=2), (B, 3, 6, 6), 1),
+], ids=["conv1d", "grouped_dim2", "conv2d_whole", "conv2d_dim1"])
+def test_weight_normed_convolutions_get_rows_from_their_kernel_gradient(monkeypatch, make, shape, dim):
+    """torch's weight_norm (w = g · v / ‖v‖): g's and v's per-sample gradients from the convolution's per-sample
+    kernel gradient mapped through weight_norm's backward (a fast rule), not a per-sample rerun: exact against
+    the autograd loop, in capture="full" and "norms", with the rerun made to fail."""
+    torch.manual_seed(0)
+    conv = nn.utils.parametrizations.weight_norm(make(), dim=dim)
+    with torch.no_grad():
+        conv.parametrizations.weight.original0.mul_(torch.rand_like(conv.parametrizations.weight.original0) + 0.5)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2))
+    x = torch.randn(shape)
+    model(x)  # the lazy head takes its size
+
+    def rerun(*args, **kwargs):
+        raise AssertionError("the fast rule should serve it")
+
+    monkeypatch.setattr(generic_layers, "per_sample", rerun)
+    ref = loop_reference(model, lambda i: model(x[i:i + 1]).pow(2).sum())
+    for capture in ("full", "norms"):
+        t = traced(model, lambda: model(x).pow(2).sum(), capture=capture)
+        assert not t.per_sample_left_out, t.per_sample_left_out
+        close(t.per_sample_grad_norms(), norms_of(ref))
+    check_layer(t, model, ref, "0")
 
 
 class ItemScale(nn.Module):

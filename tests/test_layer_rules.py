@@ -216,7 +216,7 @@ def test_timms_weight_standardised_conv_is_exact(kwargs, shape, twice):
     assert fx.rule_for(m) is not None and not fx.is_generic(m)
     fs = check_rule(m, torch.randn(shape), forward=(lambda m, x: m(torch.tanh(m(x)))) if twice else None,
                     what="StdConv2d", calls_per_forward=2 if twice else 1)
-    assert next(f for f in fs if f.param == "weight").kind == "standardised"
+    assert next(f for f in fs if f.param == "weight").kind == "mapped"
 
 
 @pytest.mark.parametrize("kwargs, shape", [
@@ -257,7 +257,7 @@ def test_timms_scaled_weight_standardised_conv_is_exact(kwargs, shape):
         m.gain.copy_(torch.rand_like(m.gain) + 0.5)  # a gain per output channel, not all ones
     assert fx.rule_for(m) is not None
     fs = check_rule(m, torch.randn(shape), what="ScaledStdConv2d")
-    assert {f.param for f in fs if f.kind == "standardised"} == {"weight", "gain"}
+    assert {f.param for f in fs if f.kind == "mapped"} == {"weight", "gain"}
 
 
 def test_conv_transpose_with_output_size():

@@ -8,12 +8,15 @@ Checked on torch 2.13. Why private names:
   than zeros applies itself (F.pad's argument order, the extra element on the right).
 - InstanceNorm's `_get_no_batch_dim()` is the rank of an unbatched input; MultiheadAttention's
   `_qkv_same_embed_dim` says whether q, k and v share one packed in_proj_weight.
+- `parametrizations._WeightNorm` is what `nn.utils.parametrizations.weight_norm` registers: w = g · v / ‖v‖.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.nn.modules import conv as _conv
+from torch.nn.utils import parametrizations as _parametrizations
+from torch.nn.utils import parametrize
 
 CONV_FORWARD_METHODS = ("forward", "_conv_forward")  # what a convolution's subclass must not override
 
@@ -42,3 +45,14 @@ def unbatched_rank(module: nn.Module) -> int:
 def packed_qkv(module: nn.MultiheadAttention) -> bool:
     """Whether a MultiheadAttention holds q, k and v in one packed in_proj_weight (same embedding sizes)."""
     return module._qkv_same_embed_dim
+
+
+def weight_norm_dim(module: nn.Module) -> int | None:
+    """The `dim` of torch's weight_norm where it is the one parametrization of the module's weight and nothing
+    else of the module is parametrized (-1: the norm of the whole tensor); else None."""
+    if not parametrize.is_parametrized(module, "weight") or len(module.parametrizations) != 1:
+        return None
+    chain = module.parametrizations["weight"]
+    if len(chain) != 1 or type(chain[0]) is not _parametrizations._WeightNorm:
+        return None
+    return chain[0].dim

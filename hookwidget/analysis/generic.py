@@ -8,6 +8,7 @@ generic_rows and gets the rows or a facts.Refusal saying why there are none.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -70,10 +71,9 @@ def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | N
     """None where the per-sample rows add up to the gradient the step made (the step's .grad where the layer is
     the parameter's only holder and that matches, else a full-batch vjp of the same calls), else why not."""
     try:
-        holders = facts.param_holders(trace)
         full, matched = None, []
         for pn, g in rows.items():
-            if holders.get(id(owned[pn])) == [name]:
+            if _only_holder(trace, owned[pn], name):
                 made = facts.step_grad(trace, owned[pn], k)
                 if made is not None and _adds_up(g, made):
                     matched.append(("complete", id(owned[pn]), k, (id(g.D if isinstance(g, fx.Factor) else g),)))
@@ -92,6 +92,13 @@ def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | N
         return f"the generic rule could not rerun it: {generic.first_line(e)}"
     trace.facts.update(dict.fromkeys(matched, True))  # _complete: these rows rebuild .grad (cached too)
     return None
+
+
+def _only_holder(trace, p, name: str) -> bool:
+    """Whether layer `name` is the one layer that holds p, parametrization containers aside: weight_norm's holds the
+    conv's g and v but adds to their .grad only through the conv's forward, which the conv's rows cover."""
+    holders = facts.param_holders(trace).get(id(p), ())
+    return [h for h in holders if not generic.is_parametrization(trace.layers[h].module)] == [name]
 
 
 # (fast rule, code-path key, id) -> weak reference to the module whose rows matched a sample rerun alone (_fast_rows):
@@ -118,7 +125,14 @@ def _fast_rows(module, calls: list, names: dict, B: int):
 
 def _renamed(f, param: str):
     """The fast rule's factor under the name the trace gives its parameter."""
-    return fx.Factor(param, f.kind, f.D, f._X, f.shape, f.rows, f.conv, f.per_sample)
+    return fx.Factor(param, f.kind, f.D, f._X, f.shape, f.rows, f.conv, f.per_sample, back=f.back)
+
+
+def _sample(f, b: int):
+    """Factor f of sample b alone (a convolution's call cut to that sample too)."""
+    conv = None if f.conv is None else dataclasses.replace(f.conv, a=f.conv.a[b:b + 1], delta=f.conv.delta[b:b + 1])
+    return fx.Factor(f.param, f.kind, f.D[b:b + 1], None if f._X is None else f._X[b:b + 1], f.shape, f.rows, conv,
+                     back=f.back)
 
 
 def _fast_rule_rows(rule, module, call, names: dict, B: int):
@@ -131,8 +145,7 @@ def _fast_rule_rows(rule, module, call, names: dict, B: int):
             want = generic.one_sample(module, call, list(names.values()), B, b)
             for pn, cn in names.items():
                 f = rows[pn]
-                one = fx.Factor(pn, f.kind, f.D[b:b + 1], None if f._X is None else f._X[b:b + 1], f.shape, f.rows)
-                if not _adds_up(one, want[cn]):
+                if not _adds_up(_sample(f, b), want[cn]):
                     return None
             if B > 1:
                 if len(_VERIFIED) > 4096:  # forget modules that are gone

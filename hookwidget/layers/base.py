@@ -32,7 +32,7 @@ class Factor:
                  rows: int = 0, conv: ConvCall | ConvCalls | None = None, per_sample: str = "exact", back=None):
         self.param, self.kind, self.D, self._X, self.shape, self.rows, self.conv = param, kind, D, X, shape, rows, conv
         self.per_sample = per_sample
-        self.back = back  # kind "standardised": what maps the kernel's gradient to the parameter's (conv.py)
+        self.back = back  # kind "mapped": what maps the kernel's gradient to the parameter's (conv.py)
 
     @property
     def X(self) -> torch.Tensor | None:
@@ -206,8 +206,10 @@ KINDS: dict[str, Kind] = {
     "diag": Kind(lambda f: (f.D * f.X).sum((0, 1)), lambda f: (f.D * f.X).sum(1)),
     "sum": Kind(lambda f: f.D.sum((0, 1)), lambda f: f.D.sum(1)),
     "conv": Kind(lambda f: f.conv.summed_weight_grad(), lambda f: f.conv.per_sample_weight_grad()),
-    "standardised": Kind(lambda f: f.back.grad(f.param, f.conv.summed_weight_grad().unsqueeze(0))[0],
-                         lambda f: f.back.grad(f.param, f.conv.per_sample_weight_grad())),
+    # a convolution whose kernel is computed from the parameters (weight standardisation, weight_norm): its kernel's
+    # gradient mapped to each parameter's by f.back (linear, so per sample too)
+    "mapped": Kind(lambda f: f.back.grad(f.param, f.conv.summed_weight_grad().unsqueeze(0))[0],
+                   lambda f: f.back.grad(f.param, f.conv.per_sample_weight_grad())),
     # the generic torch.func rule: D holds the per-sample gradients themselves, (B, *shape)
     "dense": Kind(lambda f: f.D.sum(0), lambda f: f.D),
 }

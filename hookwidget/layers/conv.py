@@ -2,7 +2,8 @@
 "valid"), groups and padding_mode. The weight gradient comes from the kernel autograd runs
 (aten.convolution_backward); per sample, the batch becomes groups of one convolution. timm's StdConv2d
 (weight standardisation, BiT's ResNet-V2) convolves with its weight standardised per output channel: its
-kernel's gradient is the convolution's, and the weight's is the standardisation's backward of it. timm's
+kernel's gradient is the convolution's, and the weight's is the standardisation's backward of it; so with
+torch's weight_norm (w = g · v / ‖v‖: wav2vec2's, TCNs', vocoders'), a fast rule of the generic one. timm's
 Conv2dSame (the tf_ EfficientNets, MixNets) pads its input as TensorFlow's SAME does, from the input's size at
 each call: the convolution of the input padded the same way."""
 
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookwidget._torch.layers import CONV_FORWARD_METHODS, conv_self_padding, is_transposed_conv
+from hookwidget._torch.layers import CONV_FORWARD_METHODS, conv_self_padding, is_transposed_conv, weight_norm_dim
+from hookwidget.layers import generic
 from hookwidget.layers.base import ConvCall, Factor
 from hookwidget.layers.registry import register
 
@@ -122,6 +124,64 @@ def same_padded_conv(m, a, delta, state=None):
     return _factors(m, _call(m, F.pad(a, pad) if any(pad) else a, delta, padding=(0, 0)))
 
 
+class WeightNormed:
+    """The backward of torch's weight_norm at one forward: w = g · v / ‖v‖, the norm over every axis but `dim`
+    (all of them for dim -1). A kernel gradient k gives g's as Σ k ⊙ v̂ and v's as (g / ‖v‖)(k - v̂ Σ k ⊙ v̂) over
+    those axes (v̂ = v / ‖v‖); per sample too (both maps are linear)."""
+
+    G, V = "parametrizations.weight.original0", "parametrizations.weight.original1"
+
+    def __init__(self, g: torch.Tensor, v: torch.Tensor, dim: int):
+        self.g, self.v = g.detach(), v.detach()
+        self.axes = tuple(i for i in range(v.dim()) if dim == -1 or i != dim)
+        n = torch.linalg.vector_norm(self.v, dim=self.axes, keepdim=True)
+        self.v_hat, self.scale = self.v / n, self.g.reshape(n.shape) / n
+
+    def grad(self, param: str, k: torch.Tensor) -> torch.Tensor:
+        """k (B, *weight shape), the kernel's gradient -> (B, ...) the gradient of `param` (g or v)."""
+        v_hat = self.v_hat.to(k.dtype)
+        along = tuple(a + 1 for a in self.axes)
+        s = (k * v_hat).sum(along, keepdim=True)
+        if param == self.G:
+            return s.reshape(k.shape[0], *self.g.shape)
+        return self.scale.to(k.dtype) * (k - v_hat * s)
+
+    def same(self, other) -> bool:
+        return torch.equal(self.g, other.g) and torch.equal(self.v, other.v)
+
+
+def _weight_normed_conv(m) -> bool:
+    base = next((c for c in _CONV if isinstance(m, c)), None)  # weight_norm makes a class of its own: Parametrized*
+    return (base is not None and weight_norm_dim(m) is not None
+            and all(getattr(type(m), name) is getattr(base, name) for name in CONV_FORWARD_METHODS))
+
+
+def weight_normed_factors(m, call, names: list, B: int) -> tuple:
+    """(name -> Factor, the code path's key) of one call of a weight-normed convolution: the convolution's
+    per-sample kernel gradients (from its input and δ, as the conv rule takes them) mapped by weight_norm's
+    backward to g and v; raises generic.NotApplicable where the call is not one plain convolution of a batch."""
+    if not set(names) <= {WeightNormed.G, WeightNormed.V, "bias"}:
+        raise generic.NotApplicable("other parameters")
+    args, kwargs = call.inputs
+    a = args[0] if args else kwargs.get("input")
+    delta = call.deltas[0] if call.deltas else None
+    n = call.params[WeightNormed.V].dim() - 2
+    if (not isinstance(a, torch.Tensor) or a.dim() != n + 2 or a.shape[0] != B or len(args) + len(kwargs) != 1
+            or delta is None or delta.shape[0] != B):
+        raise generic.NotApplicable("not one batched input")
+    dim = weight_norm_dim(m)
+    wn = WeightNormed(call.params[WeightNormed.G], call.params[WeightNormed.V], dim)
+    fs = _factors(m, _call(m, a.detach(), delta))
+    out = {p: Factor(p, "mapped", fs[0].D, None, tuple(call.params[p].shape), conv=fs[0].conv, back=wn)
+           for p in (WeightNormed.G, WeightNormed.V) if p in names}
+    if "bias" in names:
+        out["bias"] = fs[1]
+    return out, ("weight_norm", dim, tuple(a.shape), tuple(delta.shape))
+
+
+generic.FAST_RULES.append((_weight_normed_conv, weight_normed_factors))
+
+
 _STD_CONVS = ("timm.layers.std_conv.StdConv2d", "timm.layers.std_conv.ScaledStdConv2d")
 
 
@@ -132,7 +192,7 @@ def standardised_conv(m, a, delta, state=None):
     std = state if state is not None else Standardised(m)
     fs = _factors(m, _call(m, a, delta))
     w = fs[0]
-    fs[0] = Factor("weight", "standardised", w.D, None, w.shape, conv=w.conv, back=std)
+    fs[0] = Factor("weight", "mapped", w.D, None, w.shape, conv=w.conv, back=std)
     if std.gain is not None:
-        fs.append(Factor("gain", "standardised", w.D, None, tuple(m.gain.shape), conv=w.conv, back=std))
+        fs.append(Factor("gain", "mapped", w.D, None, tuple(m.gain.shape), conv=w.conv, back=std))
     return fs
