@@ -40,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import hookwidget as hw
 
-from .run import RESULTS, write_results
+from .run import RESULTS, cuda_peak_mb, write_results
 from .variants import Unavailable, interleaved, make_backpack, make_hookwidget, make_opacus, make_plain, make_torch_func
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -221,7 +221,7 @@ def bench(key: str, repeats: int, device: str = "cpu") -> dict:
             res["max_rel_diff"][v] = _rel(norms, ref_sq, ids)
         except Exception as e:  # noqa: BLE001
             res["notes"][v] = f"not compared: {type(e).__name__}: {str(e)[:80]}"
-    res["peak_mb"] = {v: (peak_mb if device == "cpu" else cuda_peak_mb)(step) for v, step in steps.items()}
+    res["peak_mb"] = {v: (peak_mb if device == "cpu" else _cuda_peak_mb)(step) for v, step in steps.items()}
     res["peak_ratio"] = {v: m / max(res["peak_mb"]["plain"], 1e-9) for v, m in res["peak_mb"].items()}
     if getattr(steps.get("Opacus"), "partial", False):
         res["notes"]["Opacus"] = steps["Opacus"].note
@@ -248,18 +248,13 @@ def peak_mb(step) -> float:
     return max(0, max(m["Total Allocated"] for m in mem) - base) / 2**20
 
 
-def cuda_peak_mb(step) -> float:
-    """Peak MB a step allocates on the GPU above the allocator's count before it."""
+def _cuda_peak_mb(step) -> float:
+    """Peak MB a step allocates on the GPU above the allocator's count before it (its .grad reset first)."""
     step.reset()
     gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = cuda_peak_mb(step)
     step.reset()
-    return max(0, peak) / 2**20
+    return max(0.0, peak)
 
 
 # -- the table ---------------------------------------------------------------------------------------

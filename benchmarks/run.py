@@ -205,12 +205,7 @@ def measure_memory(name: str, device: str, variants: list, quick: bool) -> dict:
         step.reset()
         model.zero_grad(set_to_none=True)
         if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            step()
-            torch.cuda.synchronize()
-            out[v] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            out[v] = cuda_peak_mb(step)
         else:
             base = _reset_peak_rss()
             step()
@@ -218,6 +213,16 @@ def measure_memory(name: str, device: str, variants: list, quick: bool) -> dict:
         step.reset()
         del step
     return out
+
+
+def cuda_peak_mb(step) -> float:
+    """Peak MB that one call of `step` allocates on the GPU above the CUDA allocator's count before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def _reset_peak_rss() -> int:

@@ -223,9 +223,7 @@ def l2_batch(ts: list, batched: bool = True) -> list[torch.Tensor]:
     dev, dtype = t0.device, t0.dtype
     if batched and dtype.is_floating_point and all(
             t.device == dev and t.dtype == dtype and t.layout == torch.strided for t in ts):  # the common case
-        if _wide(t0):
-            return list(foreach_norm(ts, 2, dtype=torch.float64))
-        return _safe(ts, list(foreach_norm(ts, 2, dtype=torch.float32 if dtype in _LOW else None)))
+        return _norms(ts)
     out: list = [None] * len(ts)
     groups: dict = {}
     for i, t in enumerate(ts):
@@ -236,16 +234,16 @@ def l2_batch(ts: list, batched: bool = True) -> list[torch.Tensor]:
         g[0].append(i)
         g[1].append(t)
     for key, (idx, xs) in groups.items():
-        acc = torch.float32 if xs[0].dtype in _LOW else None
-        if isinstance(key, int):
-            ns = _safe(xs, [torch.linalg.vector_norm(xs[0], dtype=acc)])
-        elif _wide(xs[0]):
-            ns = list(foreach_norm(xs, 2, dtype=torch.float64))
-        else:
-            ns = _safe(xs, list(foreach_norm(xs, 2, dtype=acc)))
-        for i, n in zip(idx, ns):
+        for i, n in zip(idx, [l2(xs[0])] if isinstance(key, int) else _norms(xs)):
             out[i] = n
     return out
+
+
+def _norms(xs: list) -> list:
+    """The 2-norms of strided tensors of one device and dtype, in one multi-tensor reduction (see l2_batch)."""
+    if _wide(xs[0]):
+        return list(foreach_norm(xs, 2, dtype=torch.float64))
+    return _safe(xs, list(foreach_norm(xs, 2, dtype=torch.float32 if xs[0].dtype in _LOW else None)))
 
 
 def _safe(xs: list, ns: list) -> list:

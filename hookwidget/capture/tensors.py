@@ -67,16 +67,17 @@ def hook_output(handles: list, out: torch.Tensor, fn) -> None:
     fn sees gradients only: autograd passes None to a tensor hook where it leaves the gradient of one of a
     node's several outputs undefined (one the loss does not use: cuDNN's LSTM's h_n and c_n, a custom
     Function's second output), and then no gradient arrived there, as where the hook never fires."""
+    fn = partial(_defined, fn)
     base = view_base(out)
     if (base is None or not base.requires_grad or base.numel() != out.numel() or not out.is_contiguous()
             or not base.is_contiguous() or base.data_ptr() != out.data_ptr()):
-        handles.append(_register_hook(out, partial(_defined, fn)))
+        handles.append(_register_hook(out, fn))
         return
     fired = [False]
 
     def on_out(grad):
         fired[0] = True
-        return None if grad is None else fn(grad)
+        return fn(grad)
 
     handles.append(_register_hook(out, on_out))
     shape = out.shape
@@ -85,7 +86,7 @@ def hook_output(handles: list, out: torch.Tensor, fn) -> None:
         if fired[0]:  # the view's own hook ran in this backward pass
             fired[0] = False
             return None
-        if grad is None:
+        if grad is None:  # reshaped before fn sees it
             return None
         new = fn(grad.reshape(shape))
         return None if new is None else new.reshape(grad.shape)

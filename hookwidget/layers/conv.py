@@ -146,9 +146,6 @@ class WeightNormed:
             return s.reshape(k.shape[0], *self.g.shape)
         return self.scale.to(k.dtype) * (k - v_hat * s)
 
-    def same(self, other) -> bool:
-        return torch.equal(self.g, other.g) and torch.equal(self.v, other.v)
-
 
 def _weight_normed_conv(m) -> bool:
     base = next((c for c in _CONV if isinstance(m, c)), None)  # weight_norm makes a class of its own: Parametrized*

@@ -82,8 +82,8 @@ class Detector:
         first = len(self.anomalies)
         if skipped is not None:
             self._add(step, "scaler", skipped)
+        loss, gnorm = step_row.tolist()
         if step not in self._early:
-            loss, gnorm = step_row.tolist()
             self.judge(step, loss if has_loss else None, gnorm)
         bad_loss, spikes = self._early.pop(step)
         for where, reason in bad_loss:
@@ -104,7 +104,6 @@ class Detector:
                 note = " (the GradScaler skipped this step: see where='scaler')"
                 self.anomalies[i] = a._replace(reason=a.reason + note)
         if self.keep is not None:
-            loss, gnorm = step_row.tolist()
             stats = {n: row[:, i] for i, n in enumerate(STAT_NAMES)}
             stats.update(loss=loss if has_loss else math.nan, global_grad_norm=gnorm)
             if self.keep(step, stats):
