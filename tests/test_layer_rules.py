@@ -367,6 +367,115 @@ def test_embedding_with_padding_idx():
     check(fx.per_sample_norm_sq(f), ref.flatten(1).pow(2).sum(1), "Embedding norm²")
 
 
+class TextScaled(nn.Embedding):
+    """A copy of transformers' GemmaTextScaledWordEmbedding (Gemma 1 to 4): the lookup times a 0-d buffer."""
+
+    def __init__(self, n, d, padding_idx=None, embed_scale=1.0):
+        super().__init__(n, d, padding_idx)
+        self.register_buffer("embed_scale", torch.tensor(embed_scale), persistent=False)
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
+
+
+class WordScaled(nn.Embedding):
+    """A copy of transformers' BartScaledWordEmbedding (BART, M2M100, XGLM, ...): the lookup times a number."""
+
+    def __init__(self, n, d, padding_idx=None, embed_scale=1.0):
+        super().__init__(n, d, padding_idx)
+        self.embed_scale = embed_scale
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale
+
+
+class KeepsScaledForward(WordScaled):
+    pass
+
+
+class Rescaled(WordScaled):
+    def forward(self, input_ids):
+        return super().forward(input_ids) * 2.0
+
+
+class Mixin:
+    pass
+
+
+class MixedScaled(nn.Embedding, Mixin):
+    """The same forward's code over other bases."""
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale
+
+
+@pytest.mark.parametrize("cls", [TextScaled, WordScaled, KeepsScaledForward])
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_a_scaled_word_embedding_gets_the_exact_rule_by_its_forwards_code(cls, padding_idx):
+    """A class whose forward has the code of the lookup times embed_scale (layers/embedding.py's references), wherever
+    it is defined, gets the rule: row idx_t of W.grad gets δ_t · embed_scale."""
+    torch.manual_seed(0)
+    m = cls(7, 4, padding_idx=padding_idx, embed_scale=1.3)
+    idx = torch.randint(0, 7, (B, 6))
+    idx[0, :3] = 2
+    assert not fx.is_generic(m) and fx.exact_reason(m) is None
+    check_rule(m, idx, what=cls.__name__)
+
+
+def test_a_changed_copy_other_bases_or_a_vector_scale_get_no_exact_rule():
+    assert fx.is_generic(Rescaled(7, 4))  # its own forward, not the copy's
+    mixed = MixedScaled(7, 4)
+    mixed.embed_scale = 2.0
+    assert fx.is_generic(mixed)  # the copy's code, other bases: its super() may lead elsewhere
+    vector = WordScaled(7, 4, embed_scale=torch.ones(4))
+    assert "embed_scale is not a number or a 0-d tensor" in fx.exact_reason(vector) and fx.is_generic(vector)
+    assert "embed_scale is not a 0-d tensor" in fx.exact_reason(TextScaled(7, 4, embed_scale=[1.0, 2.0, 3.0, 4.0]))
+
+
+@pytest.mark.parametrize("path", ["bart.modeling_bart.BartScaledWordEmbedding",
+                                  "m2m_100.modeling_m2m_100.M2M100ScaledWordEmbedding",
+                                  "xglm.modeling_xglm.XGLMScaledWordEmbedding",
+                                  "gemma.modeling_gemma.GemmaTextScaledWordEmbedding",
+                                  "gemma3.modeling_gemma3.Gemma3TextScaledWordEmbedding",
+                                  "t5gemma2.modeling_t5gemma2.T5Gemma2TextScaledWordEmbedding"])
+def test_transformers_scaled_word_embeddings_are_recognised(path):
+    """Each of these is a copy of one of the two references, except T5Gemma2's (it adds tokens of its own)."""
+    pytest.importorskip("transformers")
+    import importlib
+
+    module, name = path.rsplit(".", 1)
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"{name} is not in this transformers")
+    m = cls.__new__(cls)
+    nn.Embedding.__init__(m, 7, 4)
+    m.embed_scale = torch.tensor(2.0)
+    spec = fx.spec_for(m)
+    assert spec.name == ("generic (torch.func)" if name.startswith("T5Gemma2") else
+                         "CastScaledLookup" if "Gemma" in name else "ScaledLookup")
+
+
+@pytest.mark.parametrize("key", ["bart", "gemma"])
+def test_a_scaled_word_embedding_tied_to_the_lm_head_is_counted_by_capture_norms(key):
+    """BART's and Gemma's word embeddings share their table with the LM head: with capture="norms" the table's
+    per-sample norm (both contributions and their cross term) is counted, equal to an autograd loop's."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import zoo
+
+    case = zoo.build(key)
+    model = case.model
+    t = hw.trace(lambda: case.loss(model, case.batch).backward(), model, capture="norms")
+    assert t.per_sample_left_out == {}
+    params = [p for p in model.parameters() if p.requires_grad]
+    ref = []
+    for i in range(zoo.B):
+        gs = torch.autograd.grad(case.loss(model, zoo._take(case.batch, i)), params, allow_unused=True)
+        ref.append(sum(g.double().pow(2).sum() for g in gs if g is not None).sqrt())
+    torch.testing.assert_close(t.per_sample_grad_norms().double(), torch.stack(ref), rtol=1e-5, atol=0)
+
+
 # -- exact or absent ---------------------------------------------------------------------------
 class StdConv2d(nn.Conv2d):
     """A copy of timm.layers.std_conv.StdConv2d: the weight is standardised inside forward."""
@@ -535,7 +644,6 @@ def test_needs_input_and_supported_types_come_from_the_registry():
     for n in ("Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "Embedding",
               "LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d", "transformers.pytorch_utils.Conv1D"):
         assert n in names, n
-    assert set(fx.RULES) <= {k for k in fx.SPECS if isinstance(k, type)}
 
 
 class Net(nn.Module):

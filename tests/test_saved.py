@@ -185,18 +185,32 @@ class Plain(nn.Linear):
     """A subclass that keeps Linear's forward: the exact rule still answers."""
 
 
+class ScaledWords(nn.Embedding):
+    """A copy of transformers' scaled word embedding: the registry knows it by its forward's code."""
+
+    def __init__(self, n, d):
+        super().__init__(n, d)
+        self.embed_scale = 3.0
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale
+
+
 def test_subclasses_get_the_answers_they_had(tmp_path):
     from hookwidget.layers import factors as fx
 
     torch.manual_seed(0)
-    model = nn.Sequential(Plain(3, 4), nn.Tanh(), Standardised(4, 2))
-    x = torch.randn(5, 3)
+    model = nn.Sequential(ScaledWords(6, 3), Plain(3, 4), nn.Tanh(), Standardised(4, 2))
+    x = torch.randint(0, 6, (5, 2))
     t = hw.trace(lambda: model(x).pow(2).sum().backward())
     u = check_loaded(t, tmp_path)
-    for n in ("0", "2"):
+    for n in ("0", "1", "3"):
         live, loaded = t.layers[n].module, u.layers[n].module
-        assert (fx.is_generic(loaded), fx.exact_reason(loaded)) == (fx.is_generic(live), fx.exact_reason(live))
-    assert fx.is_generic(u.layers["2"].module) and isinstance(u.layers["0"].module, nn.Linear)
+        assert (fx.spec_for(loaded).name, fx.exact_reason(loaded)) == (fx.spec_for(live).name, fx.exact_reason(live))
+    assert fx.spec_for(u.layers["0"].module).name == "ScaledLookup"
+    assert fx.is_generic(u.layers["3"].module) and isinstance(u.layers["1"].module, nn.Linear)
+    with pytest.raises(TypeError):  # the stand-in has the reference's forward, which cannot run on it either
+        u.layers["0"].module(x)
 
 
 def test_tiny_gpt2(tmp_path):

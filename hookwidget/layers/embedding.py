@@ -1,11 +1,15 @@
-"""nn.Embedding: row idx_t of W.grad gets δ_t (padding_idx rows get nothing); nn.EmbeddingBag, and an Embedding
-subclass with a forward of its own (a scaled word embedding), through the generic rule's fast path (below).
+"""nn.Embedding: row idx_t of W.grad gets δ_t (padding_idx rows get nothing); a scaled word embedding (the lookup
+times a number: BART's, Gemma's and 22 more of transformers' classes, recognised by their forward's code) the same
+with δ_t times that number; nn.EmbeddingBag, and any other Embedding subclass with a forward of its own, through the
+generic rule's fast path (below).
 
 With scale_grad_by_freq, backward divides δ_t by how often idx_t occurs in the whole call's input, so samples
 share a statistic (as BatchNorm on batch statistics does): a row is the sample's *contribution* to .grad
 (its δ_t over the batch's counts; the rows still sum to .grad exactly), not the gradient of its loss alone."""
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +45,51 @@ def embedding(m: nn.Embedding, idx, delta, state=None):
     return [Factor("weight", "onehot", D, idx, tuple(m.weight.shape), rows=m.num_embeddings)]
 
 
-# -- nn.EmbeddingBag: through the generic rule's fast path -------------------------------------------------------
+# -- scaled word embeddings: the lookup times a number ----------------------------------------------------------
+# transformers defines this forward in 24 classes (BartScaledWordEmbedding, GemmaTextScaledWordEmbedding, ...), each a
+# copy of one of the two below: the registry gives a class the rule of the reference whose forward's code its forward
+# has (registry.same_code), so a changed copy (T5Gemma2's adds tokens of its own) gets no exact rule.
+class ScaledLookup(nn.Embedding):
+    """Reference: the lookup times embed_scale, a number (BART, M2M100, MBart, XGLM, ...)."""
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale
+
+
+class CastScaledLookup(nn.Embedding):
+    """Reference: the lookup times embed_scale, a 0-d tensor, in the weight's dtype (Gemma 1 to 4, VaultGemma, ...)."""
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
+
+
+def _scalar(s, numbers_too: bool) -> bool:
+    return isinstance(s, torch.Tensor) and s.dim() == 0 or numbers_too and isinstance(s, numbers.Real) and \
+        not isinstance(s, bool)
+
+
+def _scaled_refusal(numbers_too: bool):
+    def refuse(m) -> str | None:
+        if not _scalar(getattr(m, "embed_scale", None), numbers_too):
+            return f"{type(m).__name__}.embed_scale is not {'a number or ' if numbers_too else ''}a 0-d tensor"
+        return _refuse(m)
+
+    return refuse
+
+
+@register(ScaledLookup, by_code=True, refuse=_scaled_refusal(True), params=("weight",), tokens=True,
+          per_sample=_per_sample)
+def scaled_lookup(m, idx, delta, state=None):
+    return embedding(m, idx, delta * m.embed_scale)  # the gradient its forward's product passes to the lookup
+
+
+@register(CastScaledLookup, by_code=True, refuse=_scaled_refusal(False), params=("weight",), tokens=True,
+          per_sample=_per_sample)
+def cast_scaled_lookup(m, idx, delta, state=None):
+    return embedding(m, idx, delta * m.embed_scale.to(m.weight.dtype))
+
+
+# -- nn.EmbeddingBag: through the generic rule's fast path ------------------------------------------------------
 # No exact rule is registered for it: a bag's offsets and per_sample_weights are arguments that the factor rules do
 # not see. The generic rule sees every argument, and checks what this fast rule gives (the rows add up to the step's
 # gradient; one sample's rows equal its own vjp on the first call of each code path), so a call it does not cover
@@ -84,7 +132,7 @@ def bag_factors(module: nn.EmbeddingBag, call, names: list, B: int) -> tuple:
 generic.FAST_RULES.append((_plain_bag, bag_factors))
 
 
-# -- an nn.Embedding subclass with a forward of its own (a scaled word embedding: Gemma's, BART's) -----------------
+# -- any other nn.Embedding subclass with a forward of its own (T5Gemma2's word embedding, BART's positions) -------
 # The generic rule serves it (its forward is not nn.Embedding's), by vmap of its vjp: per-sample gradients of the
 # whole (vocabulary, d) table, B of them, over the memory budget for a real vocabulary. Where its forward looks its
 # weight up once (F.embedding), the gradient that arrives at that lookup gives its rows as nn.Embedding's rule does:

@@ -28,12 +28,9 @@ from torch import nn
 # The package's surface (hookwidget.layers.__all__: specs, kinds, registry look-ups) is this module's too, so that
 # callers reach all of it as `fx.name`; the list itself lives once, in layers/__init__.py.
 from hookwidget.layers import *  # noqa: F403
-from hookwidget.layers import KINDS, SPECS, ConvCalls, Factor, cost, shared, spec_for, unsupported_reason
+from hookwidget.layers import KINDS, ConvCalls, Factor, cost, shared, spec_for, unsupported_reason
 from hookwidget.layers.base import sq_norms
 from hookwidget.layers.linear import linear, linear_norm_sq
-
-# type -> rule(module, a, delta), for layer types that are classes (derived from SPECS)
-RULES: dict[type, Callable] = {t: s.rule for t, s in SPECS.items() if isinstance(t, type)}
 
 
 def rule_for(module: nn.Module):

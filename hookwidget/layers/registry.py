@@ -55,19 +55,54 @@ NO_RULE = {
 }
 
 
-def register(*types, **spec):
+def register(*types, by_code: bool = False, **spec):
     """Decorator: `rule(module, a, delta, state=None) -> list[Factor]` becomes the rule for these types
-    (classes, or "package.module.ClassName" strings matched without importing the package)."""
+    (classes, or "package.module.ClassName" strings matched without importing the package). by_code=True: the
+    types are references, classes that only define a forward; the rule also serves any class whose forward has
+    the same code (see same_code) over the same bases, wherever it is defined."""
 
     def deco(fn):
         name = "/".join(t if isinstance(t, str) else t.__name__ for t in types)
         s = LayerSpec(name, fn, types=types, **spec)
         for t in types:
             SPECS[t] = s
+            if by_code:
+                _BY_CODE[same_code(t.forward)] = t
         _BY_TYPE.clear()
         return fn
 
     return deco
+
+
+# A family of packages' classes that copy one forward word for word (transformers' scaled word embeddings: 24
+# classes of BART, Gemma, M2M100, ... whose forward is the lookup times a scale) is served by one reference class:
+# a class gets the reference's rule where its forward's code is the reference's and its bases are the reference's,
+# so the rule is applied exactly where the forward computes what the rule assumes, in any package or version.
+_BY_CODE: dict = {}  # same_code(reference.forward) -> the reference class
+
+
+def same_code(fn) -> tuple | None:
+    """What makes two functions compute the same: their bytecode, constants, names and arguments (not the file or
+    the line they were written at), or None for what is not a Python function."""
+    c = getattr(fn, "__code__", None)
+    return None if c is None else (c.co_code, c.co_consts, c.co_names, c.co_varnames, c.co_freevars,
+                                   c.co_argcount, c.co_kwonlyargcount, c.co_posonlyargcount)
+
+
+def twin(name: str):
+    """The reference forward of the spec called `name` where it is registered by_code, else None (a saved record's
+    stand-in of such a class gets it: record/saved.py)."""
+    return next((ref.forward for ref in _BY_CODE.values() if SPECS[ref].name == name), None)
+
+
+def _by_code(mro: tuple, i: int):
+    """(index in the MRO, spec) of the class among mro[:i] (those before the spec's class at i) whose forward is a
+    reference's copy (see register's by_code): the first to define forward, over the reference's own bases."""
+    j = next((j for j in range(i) if "forward" in vars(mro[j])), None)
+    if j is None:
+        return None
+    ref = _BY_CODE.get(same_code(vars(mro[j])["forward"]))
+    return (j, SPECS[ref]) if ref is not None and ref.__mro__[1:] == mro[j + 1:] else None
 
 
 def _key(cls):
@@ -87,6 +122,8 @@ def _type_facts(cls) -> tuple:
     if facts is None or facts[0] != len(SPECS) or facts[1] != len(NO_RULE):
         mro = cls.__mro__
         i, spec = next(((i, SPECS[k]) for i, k in enumerate(map(_key, mro)) if k in SPECS), (None, None))
+        if spec is not None and i and _BY_CODE:
+            i, spec = _by_code(mro, i) or (i, spec)
         no_rule = any(c in NO_RULE for c in mro)
         why = None
         if spec is None:
