@@ -85,6 +85,71 @@ def test_lstm_per_sample_gradients_equal_an_autograd_loop(batch_first):
     close(t.per_sample_grad_norms("lstm"), norms_of(ref, skip=("head",)))
 
 
+RECURRENT = {
+    "lstm 2 layers, bidirectional": lambda: nn.LSTM(4, 5, num_layers=2, batch_first=True, bidirectional=True),
+    "lstm sequence first, given (h0, c0)": lambda: nn.LSTM(4, 5, num_layers=2),
+    "gru": lambda: nn.GRU(4, 6, batch_first=True),
+    "gru 2 layers, bidirectional, no bias": lambda: nn.GRU(4, 5, num_layers=2, bidirectional=True, bias=False),
+    "rnn relu 2 layers": lambda: nn.RNN(4, 5, num_layers=2, nonlinearity="relu", batch_first=True),
+}
+
+
+@pytest.mark.parametrize("capture", ["full", "norms"])
+@pytest.mark.parametrize("kind", list(RECURRENT))
+def test_recurrent_layers_get_factors_over_time_steps(kind, capture, monkeypatch):
+    """layers/recurrent.py: W_ih's, W_hh's and the biases' rows from the gates' pre-activations over time, one
+    rerun of the batch. The vmap rule is made to refuse here, so the rows come from the fast rule or not at all
+    (a wrong gate equation fails the check and leaves the layer out)."""
+    torch.manual_seed(0)
+    rnn = RECURRENT[kind]()
+    head = nn.Linear(rnn.hidden_size * (2 if rnn.bidirectional else 1), 2)
+    model = nn.ModuleDict({"rnn": rnn, "head": head})
+    bd = 0 if rnn.batch_first else 1
+    x = torch.randn(B, 6, 4) if rnn.batch_first else torch.randn(6, B, 4)
+    given = "given" in kind
+    h0 = (torch.randn(2, B, 5), torch.randn(2, B, 5)) if given else None
+
+    def loss(i=None):
+        xb = x if i is None else x.narrow(bd, i, 1)
+        hx = None if h0 is None else tuple(h if i is None else h[:, i:i + 1] for h in h0)
+        out, h = rnn(xb, hx)
+        seq = out if rnn.batch_first else out.transpose(0, 1)
+        last = h[0] if isinstance(h, tuple) else h
+        return head(seq).pow(2).sum() + (last * last.flip(-1)).sum()
+
+    def refuse(*args, **kwargs):
+        raise generic_layers.Refused("the vmap rule is off in this test")
+
+    monkeypatch.setattr(generic_layers, "per_sample", refuse)
+    t = traced(model, loss, capture=capture)
+    ref = loop_reference(model, loss)
+    assert not t.per_sample_left_out, t.per_sample_left_out
+    close(t.per_sample_grad_norms(), norms_of(ref))
+    if capture == "full":
+        check_layer(t, model, ref, "rnn")
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+def test_what_the_recurrent_rule_does_not_cover_goes_to_the_vmap_rule():
+    """An LSTM with proj_size and a packed sequence: the fast rule steps aside, vmap answers, exactly."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 6, batch_first=True, proj_size=3)
+    model = nn.ModuleDict({"lstm": lstm})
+    x = torch.randn(B, 5, 4)
+    t = traced(model, lambda: lstm(x)[0].pow(2).sum())
+    check_layer(t, model, loop_reference(model, lambda i: lstm(x[i:i + 1])[0].pow(2).sum()), "lstm")
+    gru = nn.GRU(4, 5, batch_first=True)
+    model = nn.ModuleDict({"gru": gru})
+    lengths = torch.tensor([5, 3, 2])
+
+    def packed(i=None):
+        xs, ls = (x, lengths) if i is None else (x[i:i + 1], lengths[i:i + 1])
+        return gru(nn.utils.rnn.pack_padded_sequence(xs, ls, batch_first=True))[1].pow(2).sum()
+
+    t = traced(model, packed)
+    assert "gru.weight_ih_l0" in t.per_sample_left_out  # a packed sequence has no batch dimension to split
+
+
 class Split(torch.autograd.Function):
     """One node, two outputs (as cuDNN's LSTM gives output, h_n and c_n): the gradient of an output the loss
     does not use is left undefined, and a tensor hook on that output is called with None."""
@@ -816,13 +881,18 @@ def test_over_the_memory_budget_the_generic_layers_are_named():
 
 
 def test_per_sample_gradients_over_the_budget_are_refused_by_name():
+    """The vmap rule's per-sample gradients are B copies of the parameters: over budget_mb they are refused by name
+    (an LSTM with proj_size, which the recurrent fast rule does not cover); a plain LSTM's factors are not copies."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.LSTM(4, 256, batch_first=True))
+    model = nn.Sequential(nn.Linear(3, 4), nn.LSTM(4, 256, batch_first=True, proj_size=128))
     x = torch.randn(8, 5, 3)
     t = traced(model, lambda: model(x)[0].pow(2).sum(), budget_mb=5)
     why = t.per_sample_left_out["1.weight_hh_l0"]
-    assert "per-sample gradients would take 8 MB (batch 8), over budget_mb=5; raise budget_mb" in why
+    assert "per-sample gradients would take 5 MB (batch 8), over budget_mb=5; raise budget_mb" in why
     t = traced(model, lambda: model(x)[0].pow(2).sum(), budget_mb=20)
+    assert not t.per_sample_left_out
+    plain = nn.Sequential(nn.Linear(3, 4), nn.LSTM(4, 256, batch_first=True))  # 8 MB of per-sample copies
+    t = traced(plain, lambda: plain(x)[0].pow(2).sum(), budget_mb=5)
     assert not t.per_sample_left_out
 
 

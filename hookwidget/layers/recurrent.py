@@ -1,0 +1,139 @@
+"""nn.LSTM, nn.GRU and nn.RNN through the generic rule's fast path: their weights' per-sample gradients as
+factors over time steps, from one rerun of the recurrence on the whole batch.
+
+Each layer and direction computes, at every step t, gi_t = W_ih x_t + b_ih and gh_t = W_hh h_{t-1} + b_hh and
+mixes them in its gates (LSTM: i, f, g, o of gi + gh; GRU: r, z from gi + gh, n from gi_n + r ⊙ gh_n; RNN:
+tanh or relu of gi + gh). So W_ih.grad = Σ_t (∂L/∂gi_t) x_tᵀ, b_ih.grad = Σ_t ∂L/∂gi_t, W_hh.grad =
+Σ_t (∂L/∂gh_t) h_{t-1}ᵀ, b_hh.grad = Σ_t ∂L/∂gh_t: a Linear's outer and sum factors with the time steps as
+tokens, whose per-sample norms the Gram form gives without a per-sample copy of the weights. The rule reruns the
+recurrence (torch's documented equations, as tensors with the batch intact), pulls the call's output gradients
+back to every gi_t and gh_t in one backward, and is checked as every fast rule is (analysis/generic.py: the rows
+add up to the step's gradient, one sample's rows equal its own vjp); a call it does not cover (packed sequences,
+an unbatched input, LSTM's proj_size, dropout between layers in training) goes to the vmap rule.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hookwidget.layers import generic
+from hookwidget.layers.base import Factor
+
+_GATES = {nn.LSTM: 4, nn.GRU: 3, nn.RNN: 1}
+
+
+def _plain_recurrent(module) -> bool:
+    return type(module) in _GATES
+
+
+def _cell(module, gi, gh, state):
+    """One step of one layer and direction: (h, the state to carry) from gi_t, gh_t and the carried state."""
+    if isinstance(module, nn.LSTM):
+        h, c = state
+        i, f, g, o = (gi + gh).chunk(4, -1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return h, (h, c)
+    if isinstance(module, nn.GRU):
+        (h,) = state
+        ir, iz, in_ = gi.chunk(3, -1)
+        hr, hz, hn = gh.chunk(3, -1)
+        r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+        n = torch.tanh(in_ + r * hn)
+        h = (1 - z) * n + z * h
+        return h, (h,)
+    (h,) = state
+    h = torch.tanh(gi + gh) if module.nonlinearity == "tanh" else torch.relu(gi + gh)
+    return h, (h,)
+
+
+def _tracked(t: torch.Tensor) -> torch.Tensor:
+    """t, made to require grad where nothing it came from does (the first step's gh from h_0): its gradient is asked."""
+    return t if t.requires_grad else t.requires_grad_()
+
+
+def _arguments(module, call, B: int):
+    """(input (B, T, I), initial states per layer and direction: tuples of (B, H)) of a call, or NotApplicable."""
+    args, kwargs = call.inputs
+    given = {**dict(zip(("input", "hx"), args)), **kwargs}
+    x, hx = given.get("input"), given.get("hx")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise generic.NotApplicable("a packed sequence or an unbatched input")
+    x = x if module.batch_first else x.transpose(0, 1)
+    if x.shape[0] != B:
+        raise generic.NotApplicable("the input's batch is not the step's")
+    slots = module.num_layers * (2 if module.bidirectional else 1)
+    if hx is None:
+        zeros = x.new_zeros(slots, B, module.hidden_size)
+        hx = (zeros, zeros) if isinstance(module, nn.LSTM) else zeros
+    states = hx if isinstance(hx, (tuple, list)) else (hx,)
+    if any(not isinstance(s, torch.Tensor) or s.dim() != 3 or s.shape[1] != B for s in states):
+        raise generic.NotApplicable("an initial state without the batch")
+    return x, [tuple(s[k] for s in states) for k in range(slots)]
+
+
+def recurrent_factors(module, call, names: list, B: int) -> tuple:
+    """(name -> Factor, the code path's key) of one call of a plain nn.LSTM / nn.GRU / nn.RNN; raises
+    generic.NotApplicable for what it does not cover (see the module docstring)."""
+    if getattr(module, "proj_size", 0):
+        raise generic.NotApplicable("an LSTM with proj_size")
+    if module.training and module.dropout and module.num_layers > 1:
+        raise generic.NotApplicable("dropout between layers in training")
+    x, initial = _arguments(module, call, B)
+    prep = generic._prepare(module, call, list(names), B)
+    p = call.params
+    dirs = 2 if module.bidirectional else 1
+    parts = {}  # parts: (layer, direction) -> (gi, [gh_t], x, [h_{t-1}])
+    finals: list = []
+    with torch.enable_grad():
+        layer_in = x.detach()
+        for layer in range(module.num_layers):
+            seqs = []
+            for d in range(dirs):
+                sfx = f"_l{layer}" + ("_reverse" if d else "")
+                gi = _tracked(F.linear(layer_in, p["weight_ih" + sfx], p.get("bias_ih" + sfx)))
+                state = tuple(s.detach() for s in initial[layer * dirs + d])
+                steps = range(x.shape[1] - 1, -1, -1) if d else range(x.shape[1])
+                hs, ghs, prev = [None] * x.shape[1], [], []
+                for t in steps:
+                    prev.append(state[0])
+                    gh = _tracked(F.linear(state[0], p["weight_hh" + sfx], p.get("bias_hh" + sfx)))
+                    ghs.append(gh)
+                    hs[t], state = _cell(module, gi[:, t], gh, state)
+                parts[layer, d] = (gi, ghs, layer_in, prev, steps)
+                finals.append(state)
+                seqs.append(torch.stack(hs, 1))
+            layer_in = torch.cat(seqs, -1) if dirs == 2 else seqs[0]
+        output = layer_in if module.batch_first else layer_in.transpose(0, 1)
+        flat = [output, torch.stack([s[0] for s in finals])]
+        if isinstance(module, nn.LSTM):
+            flat.append(torch.stack([s[1] for s in finals]))
+        outs = [flat[i] for i in prep.outs]
+        if any(o.shape != c.shape for o, c in zip(outs, prep.cots)):
+            raise generic.NotApplicable("other outputs than at the call")
+        leaves = [t for gi, ghs, *_ in parts.values() for t in (gi, *ghs)]
+        grads = torch.autograd.grad(outs, leaves, prep.cots, allow_unused=True)
+    found, at = {}, 0
+    for (layer, d), (gi, ghs, layer_in, prev, steps) in parts.items():
+        got = grads[at:at + 1 + len(ghs)]
+        at += 1 + len(ghs)
+        dgi = torch.zeros_like(gi) if got[0] is None else got[0]
+        order = list(steps)  # ghs and prev are in the direction's own order: put them back in time order
+        back = sorted(range(len(order)), key=order.__getitem__)
+        dgh = torch.stack([torch.zeros_like(ghs[i]) if got[1 + i] is None else got[1 + i] for i in back], 1)
+        h_prev = torch.stack([prev[i] for i in back], 1).detach()
+        sfx = f"_l{layer}" + ("_reverse" if d else "")
+        for side, D, X in (("ih", dgi, layer_in.detach()), ("hh", dgh, h_prev)):
+            w, b = f"weight_{side}{sfx}", f"bias_{side}{sfx}"
+            found[w] = Factor(w, "outer", D, X, tuple(p[w].shape))
+            if module.bias:
+                found[b] = Factor(b, "sum", D, None, tuple(p[b].shape))
+    if not set(names) <= set(found):
+        raise generic.NotApplicable("parameters other than the recurrence's")
+    key = ("recurrent", type(module).__name__, tuple(x.shape), tuple(prep.outs))
+    return {n: found[n] for n in names}, key
+
+
+generic.FAST_RULES.append((_plain_recurrent, recurrent_factors))
