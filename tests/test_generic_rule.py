@@ -150,6 +150,65 @@ def test_what_the_recurrent_rule_does_not_cover_goes_to_the_vmap_rule():
     assert "gru.weight_ih_l0" in t.per_sample_left_out  # a packed sequence has no batch dimension to split
 
 
+class QVBiasAttention(nn.Module):
+    """timm's EvaAttention and BEiT's attention: F.linear with a child's weight (qkv is never called) and a bias made
+    of its own q and v biases around a zero k bias buffer."""
+
+    def __init__(self, d=8, heads=2, twice=False):
+        super().__init__()
+        self.heads, self.twice = heads, twice
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.q_bias, self.v_bias = nn.Parameter(torch.randn(d)), nn.Parameter(torch.randn(d))
+        self.register_buffer("k_bias", torch.zeros(d), persistent=False)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = F.linear(x, self.qkv.weight, torch.cat((self.q_bias, self.k_bias, self.v_bias)))
+        if self.twice:  # the weight used again: not one F.linear's alone
+            qkv = qkv + F.linear(x.flip(1), self.qkv.weight)
+        q, k, v = qkv.reshape(B, N, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, C))
+
+
+@pytest.mark.parametrize("capture", ["full", "norms"])
+def test_parameters_of_f_linear_calls_get_a_linears_factors(capture, monkeypatch):
+    """layers/linear_calls.py: the weight's rows as outer factors and each bias piece's as a slice of the sum, from one
+    rerun of the batch; the vmap rule is off here, so a wrong slice would leave the layer out."""
+    torch.manual_seed(0)
+    attn = QVBiasAttention()
+    model = nn.ModuleDict({"attn": attn})
+    x = torch.randn(B, 5, 8)
+
+    def refuse(*args, **kwargs):
+        raise generic_layers.Refused("the vmap rule is off in this test")
+
+    monkeypatch.setattr(generic_layers, "per_sample", refuse)
+    t = traced(model, lambda: attn(x).pow(2).sum(), capture=capture)
+    ref = loop_reference(model, lambda i: attn(x[i:i + 1]).pow(2).sum())
+    assert not t.per_sample_left_out, t.per_sample_left_out
+    close(t.per_sample_grad_norms(), norms_of(ref))
+    if capture == "full":
+        for k in ("qkv.weight", "q_bias", "v_bias"):
+            close(t.per_sample_grads("attn", k), ref[f"attn.{k}"])
+
+
+def test_a_weight_two_f_linear_calls_share_goes_to_the_vmap_rule(monkeypatch):
+    torch.manual_seed(0)
+    attn = QVBiasAttention(twice=True)
+    model = nn.ModuleDict({"attn": attn})
+    x = torch.randn(B, 5, 8)
+    t = traced(model, lambda: attn(x).pow(2).sum())
+    close(t.per_sample_grad_norms(), norms_of(loop_reference(model, lambda i: attn(x[i:i + 1]).pow(2).sum())))
+
+    def refuse(*args, **kwargs):
+        raise generic_layers.Refused("the vmap rule is off in this test")
+
+    monkeypatch.setattr(generic_layers, "per_sample", refuse)
+    t = traced(model, lambda: attn(x).pow(2).sum())
+    assert "attn.qkv.weight" in t.per_sample_left_out  # the fast rule stepped aside: no rows rather than wrong ones
+
+
 class Split(torch.autograd.Function):
     """One node, two outputs (as cuDNN's LSTM gives output, h_n and c_n): the gradient of an output the loss
     does not use is left undefined, and a tensor hook on that output is called with None."""

@@ -43,6 +43,7 @@ class NotApplicable(Exception):
 # path the call took (layout, masks, parameters). Checked in analysis/per_sample.py as the vmap rule's rows (they sum to
 # the step's gradient), and, on the first call of each key, one sample's rows against its own vjp (one_sample).
 FAST_RULES: list = []
+LAST_RULES: list = []  # as FAST_RULES, tried after all of them: rules that apply to many modules (linear_calls.py)
 
 # (applies(module) -> bool, capture(module, call, out) -> (parts, hooks)): what a fast rule takes from the call's own
 # graph at forward time, so that it need not rerun the module: `parts` (name -> tensor, e.g. an input autograd saved,
@@ -70,7 +71,7 @@ def call_nodes(root, seq_start: int, limit: int | None = None) -> list | None:
 
 def fast_rules(module) -> list:
     """The fast rules that may serve this module, in order."""
-    return [rule for applies, rule in FAST_RULES if applies(module)]
+    return [rule for applies, rule in FAST_RULES + LAST_RULES if applies(module)]
 
 
 # -- which parameters a module answers for -----------------------------------------------------------
