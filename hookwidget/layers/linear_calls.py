@@ -38,7 +38,7 @@ class _Linears(TorchFunctionMode):
         if func is F.linear:
             given = {**dict(zip(("input", "weight", "bias"), args)), **kwargs}
             self.calls.append((given.get("input"), given.get("weight"), given.get("bias"), out))
-        elif func is torch.cat and isinstance(out, torch.Tensor) and out.dim() == 1:
+        elif func is torch.cat and isinstance(out, torch.Tensor) and out.dim() == 1:  # out kept: its id names it
             self.cats[id(out)] = (out, list(args[0] if args else kwargs.get("tensors", ())))
         return out
 
@@ -61,12 +61,12 @@ def linear_call_factors(module, call, names: list, B: int) -> tuple:
         uses = _uses(mode, by_id, B)
         grads = torch.autograd.grad(outs, [out for out, _ in uses], prep.cots, allow_unused=True)
     found = {}
-    for (out, (x, weight, bias)), g in zip(uses, grads):
+    for (out, (x, weight, pieces)), g in zip(uses, grads):
         D = (torch.zeros_like(out) if g is None else g).reshape(B, -1, out.shape[-1])
         if weight is not None:
             found[weight] = Factor(weight, "outer", D, x.detach().reshape(B, -1, x.shape[-1]),
                                    tuple(train[weight].shape))
-        for name, lo, hi in bias:
+        for name, lo, hi in pieces:
             found[name] = Factor(name, "sum", D[..., lo:hi], None, tuple(train[name].shape))
     if set(found) != set(names):
         raise generic.NotApplicable("parameters used otherwise than as an F.linear's weight or bias")

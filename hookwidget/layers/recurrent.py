@@ -21,11 +21,9 @@ from torch import nn
 from hookwidget.layers import generic
 from hookwidget.layers.base import Factor
 
-_GATES = {nn.LSTM: 4, nn.GRU: 3, nn.RNN: 1}
-
 
 def _plain_recurrent(module) -> bool:
-    return type(module) in _GATES
+    return type(module) in (nn.LSTM, nn.GRU, nn.RNN)  # the classes themselves: a subclass may change the cell
 
 
 def _cell(module, gi, gh, state):
@@ -47,6 +45,10 @@ def _cell(module, gi, gh, state):
     (h,) = state
     h = torch.tanh(gi + gh) if module.nonlinearity == "tanh" else torch.relu(gi + gh)
     return h, (h,)
+
+
+def _or_zeros(g, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if g is None else g  # no gradient reached it: it added nothing
 
 
 def _tracked(t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +87,8 @@ def recurrent_factors(module, call, names: list, B: int) -> tuple:
     prep = generic._prepare(module, call, list(names), B)
     p = call.params
     dirs = 2 if module.bidirectional else 1
-    parts = {}  # parts: (layer, direction) -> (gi, [gh_t], x, [h_{t-1}])
+    T = x.shape[1]
+    parts = {}  # (layer, direction) -> (gi, [gh_t], its input, [h_{t-1}]), by time step
     finals: list = []
     with torch.enable_grad():
         layer_in = x.detach()
@@ -95,14 +98,12 @@ def recurrent_factors(module, call, names: list, B: int) -> tuple:
                 sfx = f"_l{layer}" + ("_reverse" if d else "")
                 gi = _tracked(F.linear(layer_in, p["weight_ih" + sfx], p.get("bias_ih" + sfx)))
                 state = tuple(s.detach() for s in initial[layer * dirs + d])
-                steps = range(x.shape[1] - 1, -1, -1) if d else range(x.shape[1])
-                hs, ghs, prev = [None] * x.shape[1], [], []
-                for t in steps:
-                    prev.append(state[0])
-                    gh = _tracked(F.linear(state[0], p["weight_hh" + sfx], p.get("bias_hh" + sfx)))
-                    ghs.append(gh)
-                    hs[t], state = _cell(module, gi[:, t], gh, state)
-                parts[layer, d] = (gi, ghs, layer_in, prev, steps)
+                hs, ghs, prev = [None] * T, [None] * T, [None] * T
+                for t in range(T - 1, -1, -1) if d else range(T):
+                    prev[t] = state[0]
+                    ghs[t] = _tracked(F.linear(state[0], p["weight_hh" + sfx], p.get("bias_hh" + sfx)))
+                    hs[t], state = _cell(module, gi[:, t], ghs[t], state)
+                parts[layer, d] = (gi, ghs, layer_in, prev)
                 finals.append(state)
                 seqs.append(torch.stack(hs, 1))
             layer_in = torch.cat(seqs, -1) if dirs == 2 else seqs[0]
@@ -114,18 +115,13 @@ def recurrent_factors(module, call, names: list, B: int) -> tuple:
         if any(o.shape != c.shape for o, c in zip(outs, prep.cots)):
             raise generic.NotApplicable("other outputs than at the call")
         leaves = [t for gi, ghs, *_ in parts.values() for t in (gi, *ghs)]
-        grads = torch.autograd.grad(outs, leaves, prep.cots, allow_unused=True)
-    found, at = {}, 0
-    for (layer, d), (gi, ghs, layer_in, prev, steps) in parts.items():
-        got = grads[at:at + 1 + len(ghs)]
-        at += 1 + len(ghs)
-        dgi = torch.zeros_like(gi) if got[0] is None else got[0]
-        order = list(steps)  # ghs and prev are in the direction's own order: put them back in time order
-        back = sorted(range(len(order)), key=order.__getitem__)
-        dgh = torch.stack([torch.zeros_like(ghs[i]) if got[1 + i] is None else got[1 + i] for i in back], 1)
-        h_prev = torch.stack([prev[i] for i in back], 1).detach()
+        grads = iter(torch.autograd.grad(outs, leaves, prep.cots, allow_unused=True))
+    found = {}
+    for (layer, d), (gi, ghs, layer_in, prev) in parts.items():
+        dgi = _or_zeros(next(grads), gi)
+        dgh = torch.stack([_or_zeros(next(grads), gh) for gh in ghs], 1)
         sfx = f"_l{layer}" + ("_reverse" if d else "")
-        for side, D, X in (("ih", dgi, layer_in.detach()), ("hh", dgh, h_prev)):
+        for side, D, X in (("ih", dgi, layer_in.detach()), ("hh", dgh, torch.stack(prev, 1).detach())):
             w, b = f"weight_{side}{sfx}", f"bias_{side}{sfx}"
             found[w] = Factor(w, "outer", D, X, tuple(p[w].shape))
             if module.bias:
