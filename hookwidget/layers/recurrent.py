@@ -4,12 +4,13 @@ factors over time steps, from one rerun of the recurrence on the whole batch.
 Each layer and direction computes, at every step t, gi_t = W_ih x_t + b_ih and gh_t = W_hh h_{t-1} + b_hh and
 mixes them in its gates (LSTM: i, f, g, o of gi + gh; GRU: r, z from gi + gh, n from gi_n + r ⊙ gh_n; RNN:
 tanh or relu of gi + gh). So W_ih.grad = Σ_t (∂L/∂gi_t) x_tᵀ, b_ih.grad = Σ_t ∂L/∂gi_t, W_hh.grad =
-Σ_t (∂L/∂gh_t) h_{t-1}ᵀ, b_hh.grad = Σ_t ∂L/∂gh_t: a Linear's outer and sum factors with the time steps as
-tokens, whose per-sample norms the Gram form gives without a per-sample copy of the weights. The rule reruns the
-recurrence (torch's documented equations, as tensors with the batch intact), pulls the call's output gradients
-back to every gi_t and gh_t in one backward, and is checked as every fast rule is (analysis/generic.py: the rows
-add up to the step's gradient, one sample's rows equal its own vjp); a call it does not cover (packed sequences,
-an unbatched input, LSTM's proj_size, dropout between layers in training) goes to the vmap rule.
+Σ_t (∂L/∂gh_t) h_{t-1}ᵀ, b_hh.grad = Σ_t ∂L/∂gh_t (∂L/∂gh_t is ∂L/∂gi_t but in a GRU): a Linear's outer and
+sum factors with the time steps as tokens, whose per-sample norms the Gram form gives without a per-sample copy
+of the weights. The rule reruns the recurrence (torch's documented equations, as tensors with the batch intact),
+pulls the call's output gradients back to every gi_t (and a GRU's gh_t) in one backward, and is checked as every
+fast rule is (analysis/generic.py: the rows add up to the step's gradient, one sample's rows equal its own vjp); a
+call it does not cover (packed sequences, an unbatched input, LSTM's proj_size, dropout between layers in
+training) goes to the vmap rule.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def recurrent_factors(module, call, names: list, B: int) -> tuple:
     prep = generic._prepare(module, call, list(names), B)
     p = call.params
     dirs = 2 if module.bidirectional else 1
-    T = x.shape[1]
+    T, gru = x.shape[1], isinstance(module, nn.GRU)
     parts = {}  # (layer, direction) -> (gi, [gh_t], its input, [h_{t-1}]), by time step
     finals: list = []
     with torch.enable_grad():
@@ -101,7 +102,9 @@ def recurrent_factors(module, call, names: list, B: int) -> tuple:
                 hs, ghs, prev = [None] * T, [None] * T, [None] * T
                 for t in range(T - 1, -1, -1) if d else range(T):
                     prev[t] = state[0]
-                    ghs[t] = _tracked(F.linear(state[0], p["weight_hh" + sfx], p.get("bias_hh" + sfx)))
+                    ghs[t] = F.linear(state[0], p["weight_hh" + sfx], p.get("bias_hh" + sfx))
+                    if gru:  # else gh_t only adds to gi_t: the same gradient reaches both
+                        ghs[t] = _tracked(ghs[t])
                     hs[t], state = _cell(module, gi[:, t], ghs[t], state)
                 parts[layer, d] = (gi, ghs, layer_in, prev)
                 finals.append(state)
@@ -114,12 +117,12 @@ def recurrent_factors(module, call, names: list, B: int) -> tuple:
         outs = [flat[i] for i in prep.outs]
         if any(o.shape != c.shape for o, c in zip(outs, prep.cots)):
             raise generic.NotApplicable("other outputs than at the call")
-        leaves = [t for gi, ghs, *_ in parts.values() for t in (gi, *ghs)]
+        leaves = [t for gi, ghs, *_ in parts.values() for t in ((gi, *ghs) if gru else (gi,))]
         grads = iter(torch.autograd.grad(outs, leaves, prep.cots, allow_unused=True))
     found = {}
     for (layer, d), (gi, ghs, layer_in, prev) in parts.items():
         dgi = _or_zeros(next(grads), gi)
-        dgh = torch.stack([_or_zeros(next(grads), gh) for gh in ghs], 1)
+        dgh = torch.stack([_or_zeros(next(grads), gh) for gh in ghs], 1) if gru else dgi
         sfx = f"_l{layer}" + ("_reverse" if d else "")
         for side, D, X in (("ih", dgi, layer_in.detach()), ("hh", dgh, torch.stack(prev, 1).detach())):
             w, b = f"weight_{side}{sfx}", f"bias_{side}{sfx}"
