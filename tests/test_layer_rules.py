@@ -476,6 +476,72 @@ def test_a_scaled_word_embedding_tied_to_the_lm_head_is_counted_by_capture_norms
     torch.testing.assert_close(t.per_sample_grad_norms().double(), torch.stack(ref), rtol=1e-5, atol=0)
 
 
+class CopiedRMSNorm(nn.Module):
+    """A copy of transformers' LlamaRMSNorm (and of 141 more models' RMSNorm classes)."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class OnePlusRMSNorm(CopiedRMSNorm):
+    """Gemma's (1 + w): another forward, so no exact rule."""
+
+    def forward(self, hidden_states):
+        h = hidden_states.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)) * (1.0 + self.weight)
+
+
+@pytest.mark.parametrize("shape", [(B, 5, 6), (B, 6)])
+def test_a_llama_style_rms_norm_gets_the_exact_rule_by_its_forwards_code(shape):
+    torch.manual_seed(0)
+    m = CopiedRMSNorm(6, eps=0.5)  # an eps that matters: a rule that left it out would be off
+    assert fx.spec_for(m).name == "LlamaStyleRMSNorm"
+    check_rule(m, torch.randn(*shape), what="llama-style RMSNorm")
+    assert fx.is_generic(OnePlusRMSNorm(6))
+
+
+@pytest.mark.parametrize("path", ["llama.modeling_llama.LlamaRMSNorm", "qwen2.modeling_qwen2.Qwen2RMSNorm",
+                                  "mistral.modeling_mistral.MistralRMSNorm", "gemma.modeling_gemma.GemmaRMSNorm"])
+def test_transformers_rms_norms_are_recognised(path):
+    pytest.importorskip("transformers")
+    import importlib
+
+    module, name = path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+    want = "generic (torch.func)" if name.startswith("Gemma") else "LlamaStyleRMSNorm"
+    assert fx.spec_for(cls(6)).name == want
+
+
+def test_the_watch_counts_a_llamas_rms_norms_in_its_per_sample_norms():
+    """hw.watch(per_sample=True) streams only exact rules: with the RMSNorms' rule a Llama is covered whole, its
+    largest per-sample norm that of an autograd loop over every parameter."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import zoo
+
+    case = zoo.build("llama")
+    model = case.model
+    with hw.watch(model, per_sample=True) as w:
+        model.zero_grad()
+        case.loss(model, case.batch).backward()
+    assert not w.notes, w.notes
+    params = [p for p in model.parameters() if p.requires_grad]
+    ref = torch.stack([sum(g.double().pow(2).sum() for g in torch.autograd.grad(
+        case.loss(model, zoo._take(case.batch, i)), params, allow_unused=True) if g is not None).sqrt()
+        for i in range(zoo.B)])
+    assert w.per_sample[0, 0].item() == pytest.approx(ref.max().item(), rel=1e-5)
+    assert int(w.per_sample[0, 1]) == int(ref.argmax())
+
+
 # -- exact or absent ---------------------------------------------------------------------------
 class StdConv2d(nn.Conv2d):
     """A copy of timm.layers.std_conv.StdConv2d: the weight is standardised inside forward."""

@@ -8,6 +8,7 @@ its *contribution*: what its own δ and x̂ add to .grad (rows still sum to .gra
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -58,6 +59,33 @@ def rms_norm(m: nn.RMSNorm, a, delta, state=None):
     if m.weight is None:
         return []
     return _diag(m, F.rms_norm(a, m.normalized_shape, None, m.eps), delta)
+
+
+# transformers' LlamaRMSNorm, copied word for word into 141 more models' RMSNorm classes (Mistral, Qwen2, OLMo, ...):
+# y = weight ⊙ x̂, x̂ = x·rsqrt(mean(x²) + eps) in float32, cast back to x's dtype. The registry gives a class this
+# rule where its forward has this reference's code (registry.same_code); a changed copy (Gemma's 1 + w) gets none.
+class LlamaStyleRMSNorm(nn.Module):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def _weighted(m) -> str | None:
+    w = getattr(m, "weight", None)
+    if not isinstance(w, nn.Parameter) or w.dim() != 1 or not isinstance(getattr(m, "variance_epsilon", None), float):
+        return f"{type(m).__name__}: not a weight vector and a float variance_epsilon, as its forward reads them"
+    return None
+
+
+@register(LlamaStyleRMSNorm, by_code=True, refuse=_weighted, params=("weight",), tokens=True,
+          keeps_input=lambda m: False)  # in half precision autograd saves the float32 copy, not the input
+def llama_style_rms_norm(m, a, delta, state=None):
+    h = a.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+    return _diag(m, h.to(a.dtype), delta)
 
 
 @register(nn.GroupNorm)

@@ -75,7 +75,7 @@ def register(*types, by_code: bool = False, **spec):
 
 
 # A family of packages' classes that copy one forward word for word (transformers' scaled word embeddings: 24
-# classes of BART, Gemma, M2M100, ... whose forward is the lookup times a scale) is served by one reference class:
+# classes of BART, Gemma, M2M100, ...; its LlamaRMSNorm: 142 classes) is served by one reference class:
 # a class gets the reference's rule where its forward's code is the reference's and its bases are the reference's,
 # so the rule is applied exactly where the forward computes what the rule assumes, in any package or version.
 _BY_CODE: dict = {}  # same_code(reference.forward) -> the reference class
@@ -122,8 +122,8 @@ def _type_facts(cls) -> tuple:
     if facts is None or facts[0] != len(SPECS) or facts[1] != len(NO_RULE):
         mro = cls.__mro__
         i, spec = next(((i, SPECS[k]) for i, k in enumerate(map(_key, mro)) if k in SPECS), (None, None))
-        if spec is not None and i and _BY_CODE:
-            i, spec = _by_code(mro, i) or (i, spec)
+        if i != 0 and _BY_CODE:  # a class that defines its own forward before any spec's class (or has none)
+            i, spec = _by_code(mro, len(mro) if i is None else i) or (i, spec)
         no_rule = any(c in NO_RULE for c in mro)
         why = None
         if spec is None:
