@@ -492,32 +492,83 @@ class CopiedRMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
+class CopiedT5LayerNorm(nn.Module):
+    """A copy of transformers' T5LayerNorm (over nn.Module, as the reference: other bases would not match)."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight.dtype in [torch.float16, torch.bfloat16]:
+            hidden_states = hidden_states.to(self.weight.dtype)
+        return self.weight * hidden_states
+
+
+class CopiedGemmaRMSNorm(nn.Module):
+    """A copy of transformers' GemmaRMSNorm: its forward and the _norm it calls."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+class OwnNorm(CopiedGemmaRMSNorm):
+    """Gemma's forward with a _norm of its own: the subclass computes something else."""
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+
+
 class OnePlusRMSNorm(CopiedRMSNorm):
-    """Gemma's (1 + w): another forward, so no exact rule."""
+    """(1 + w) in a forward of its own: no reference has its code, so no exact rule."""
 
     def forward(self, hidden_states):
         h = hidden_states.float()
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)) * (1.0 + self.weight)
 
 
+@pytest.mark.parametrize("cls,spec", [(CopiedRMSNorm, "LlamaStyleRMSNorm"), (CopiedT5LayerNorm, "T5StyleRMSNorm"),
+                                      (CopiedGemmaRMSNorm, "GemmaStyleRMSNorm")])
 @pytest.mark.parametrize("shape", [(B, 5, 6), (B, 6)])
-def test_a_llama_style_rms_norm_gets_the_exact_rule_by_its_forwards_code(shape):
+def test_transformers_style_rms_norms_get_their_exact_rule_by_their_code(cls, spec, shape):
     torch.manual_seed(0)
-    m = CopiedRMSNorm(6, eps=0.5)  # an eps that matters: a rule that left it out would be off
-    assert fx.spec_for(m).name == "LlamaStyleRMSNorm"
-    check_rule(m, torch.randn(*shape), what="llama-style RMSNorm")
+    m = cls(6, eps=0.5)  # an eps that matters: a rule that left it out would be off
+    assert fx.spec_for(m).name == spec
+    check_rule(m, torch.randn(*shape), what=spec)
+
+
+def test_a_changed_rms_norm_gets_no_exact_rule():
     assert fx.is_generic(OnePlusRMSNorm(6))
+    assert fx.is_generic(OwnNorm(6))  # a method the reference's forward calls, overridden
+    m = CopiedGemmaRMSNorm(6)
+    m.eps = 1  # an int: not what the rule reads
+    assert "float eps" in fx.exact_reason(m)
 
 
 @pytest.mark.parametrize("path", ["llama.modeling_llama.LlamaRMSNorm", "qwen2.modeling_qwen2.Qwen2RMSNorm",
-                                  "mistral.modeling_mistral.MistralRMSNorm", "gemma.modeling_gemma.GemmaRMSNorm"])
+                                  "mistral.modeling_mistral.MistralRMSNorm", "gemma.modeling_gemma.GemmaRMSNorm",
+                                  "t5.modeling_t5.T5LayerNorm"])
 def test_transformers_rms_norms_are_recognised(path):
     pytest.importorskip("transformers")
     import importlib
 
     module, name = path.rsplit(".", 1)
     cls = getattr(importlib.import_module(f"transformers.models.{module}"), name)
-    want = "generic (torch.func)" if name.startswith("Gemma") else "LlamaStyleRMSNorm"
+    want = ("GemmaStyleRMSNorm" if name.startswith("Gemma") else "T5StyleRMSNorm" if name.startswith("T5") else
+            "LlamaStyleRMSNorm")
     assert fx.spec_for(cls(6)).name == want
 
 

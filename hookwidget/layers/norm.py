@@ -61,10 +61,12 @@ def rms_norm(m: nn.RMSNorm, a, delta, state=None):
     return _diag(m, F.rms_norm(a, m.normalized_shape, None, m.eps), delta)
 
 
-# transformers' LlamaRMSNorm, copied word for word into 141 more models' RMSNorm classes (Mistral, Qwen2, OLMo, ...):
-# y = weight ⊙ x̂, x̂ = x·rsqrt(mean(x²) + eps) in float32, cast back to x's dtype. The registry gives a class this
-# rule where its forward has this reference's code (registry.same_code); a changed copy (Gemma's 1 + w) gets none.
+# transformers' RMSNorm classes, each copied word for word into many models' (found by their methods' code: a changed
+# copy gets no exact rule). All are y = w' ⊙ x̂ with x̂ = x·rsqrt(mean(x²) + eps), so w.grad = Σ δ ⊙ x̂ (times what w'
+# is of w: 1); they differ in where they compute in float32 and cast back, which each rule repeats.
 class LlamaStyleRMSNorm(nn.Module):
+    """LlamaRMSNorm and 141 copies (Mistral, Qwen2, OLMo, ...): x̂ in float32, cast to x's dtype, then w ⊙ x̂."""
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
@@ -73,19 +75,63 @@ class LlamaStyleRMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
-def _weighted(m) -> str | None:
-    w = getattr(m, "weight", None)
-    if not isinstance(w, nn.Parameter) or w.dim() != 1 or not isinstance(getattr(m, "variance_epsilon", None), float):
-        return f"{type(m).__name__}: not a weight vector and a float variance_epsilon, as its forward reads them"
-    return None
+class T5StyleRMSNorm(nn.Module):
+    """T5LayerNorm and 9 copies (MT5, LongT5, SwitchTransformers, ...): the variance in float32, x̂ in x's dtype
+    promoted, cast to a half-precision weight's dtype, then w ⊙ x̂."""
+
+    def forward(self, hidden_states):
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight.dtype in [torch.float16, torch.bfloat16]:
+            hidden_states = hidden_states.to(self.weight.dtype)
+        return self.weight * hidden_states
 
 
-@register(LlamaStyleRMSNorm, by_code=True, refuse=_weighted, params=("weight",), tokens=True,
-          keeps_input=lambda m: False)  # in half precision autograd saves the float32 copy, not the input
+class GemmaStyleRMSNorm(nn.Module):
+    """GemmaRMSNorm and 12 copies (Gemma 2 and 3, Qwen3-Next, ...): x̂ in float32, times (1 + w) in float32, cast
+    to x's dtype."""
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+def _reads(eps: str):
+    def refuse(m) -> str | None:
+        w = getattr(m, "weight", None)
+        if not isinstance(w, nn.Parameter) or w.dim() != 1 or not isinstance(getattr(m, eps, None), float):
+            return f"{type(m).__name__}: not a weight vector and a float {eps}, as its forward reads them"
+        return None
+
+    return refuse
+
+
+_RMS = {"by_code": True, "params": ("weight",), "tokens": True,
+        "keeps_input": lambda m: False}  # autograd may save a float32 copy of the input, not the input
+
+
+@register(LlamaStyleRMSNorm, refuse=_reads("variance_epsilon"), **_RMS)
 def llama_style_rms_norm(m, a, delta, state=None):
     h = a.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
     return _diag(m, h.to(a.dtype), delta)
+
+
+@register(T5StyleRMSNorm, refuse=_reads("variance_epsilon"), **_RMS)
+def t5_style_rms_norm(m, a, delta, state=None):
+    h = a * torch.rsqrt(a.to(torch.float32).pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+    return _diag(m, h.to(m.weight.dtype) if m.weight.dtype in (torch.float16, torch.bfloat16) else h, delta)
+
+
+@register(GemmaStyleRMSNorm, refuse=_reads("eps"), **_RMS)
+def gemma_style_rms_norm(m, a, delta, state=None):
+    h = a.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.eps)
+    return _diag(m, h, delta.float())  # type_as's backward brings δ to float32, where (1 + w) met x̂
 
 
 @register(nn.GroupNorm)

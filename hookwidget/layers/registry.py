@@ -63,6 +63,8 @@ def register(*types, by_code: bool = False, **spec):
 
     def deco(fn):
         name = "/".join(t if isinstance(t, str) else t.__name__ for t in types)
+        if by_code:  # a subclass that overrides any of the reference's methods changes what it computes
+            spec.setdefault("forward_methods", tuple(sorted({n for t in types for n in _methods(t)})))
         s = LayerSpec(name, fn, types=types, **spec)
         for t in types:
             SPECS[t] = s
@@ -89,20 +91,30 @@ def same_code(fn) -> tuple | None:
                                    c.co_argcount, c.co_kwonlyargcount, c.co_posonlyargcount)
 
 
-def twin(name: str):
-    """The reference forward of the spec called `name` where it is registered by_code, else None (a saved record's
-    stand-in of such a class gets it: record/saved.py)."""
-    return next((ref.forward for ref in _BY_CODE.values() if SPECS[ref].name == name), None)
+def twin(name: str) -> dict:
+    """The reference's methods (name -> function) of the spec called `name` where it is registered by_code, else {}
+    (a saved record's stand-in of such a class gets them: record/saved.py)."""
+    return next((_methods(ref) for ref in _BY_CODE.values() if SPECS[ref].name == name), {})
+
+
+def _methods(ref) -> dict:
+    """name -> function: what a reference class defines (forward and the methods it calls, as `_norm`)."""
+    return {n: f for n, f in vars(ref).items() if callable(f) and not n.startswith("__")}
 
 
 def _by_code(mro: tuple, i: int):
-    """(index in the MRO, spec) of the class among mro[:i] (those before the spec's class at i) whose forward is a
-    reference's copy (see register's by_code): the first to define forward, over the reference's own bases."""
+    """(index in the MRO, spec) of the class among mro[:i] (those before the spec's class at i) that is a reference's
+    copy (see register's by_code): the first to define forward, defining each of the reference's methods with the
+    same code, over the reference's own bases."""
     j = next((j for j in range(i) if "forward" in vars(mro[j])), None)
     if j is None:
         return None
     ref = _BY_CODE.get(same_code(vars(mro[j])["forward"]))
-    return (j, SPECS[ref]) if ref is not None and ref.__mro__[1:] == mro[j + 1:] else None
+    if ref is None or ref.__mro__[1:] != mro[j + 1:]:
+        return None
+    own = vars(mro[j])
+    same = all(same_code(own.get(n)) == same_code(f) for n, f in _methods(ref).items())
+    return (j, SPECS[ref]) if same else None
 
 
 def _key(cls):

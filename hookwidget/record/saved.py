@@ -319,7 +319,7 @@ class _Decoder:
         return m
 
     def _stand_in(self, data: dict, exact: bool, like: nn.Module | None = None) -> nn.Module:
-        cls = self._class(data["mro"], exact, registry.twin(data["answer"][0]) if exact else None)
+        cls = self._class(data["mro"], exact, registry.twin(data["answer"][0]) if exact else {})
         m = cls.__new__(cls)
         nn.Module.__init__(m)
         m.__dict__.update({k: self.dec(v) for k, v in data["attrs"].items()})
@@ -334,11 +334,11 @@ class _Decoder:
             m.add_module(n, c)
         return m
 
-    def _class(self, mro: list, exact: bool, twin=None) -> type:
-        """The stand-in class; `twin`: the reference forward the registry matched the class's own forward to by its
-        code (registry.register's by_code), given to the first class that overrides forward, so that the stand-in
-        gets the same rule. It cannot run either (its super() is the reference's)."""
-        key = (json.dumps(mro), exact, twin)
+    def _class(self, mro: list, exact: bool, twin: dict) -> type:
+        """The stand-in class; `twin`: the reference's methods the registry matched the class's own to by their code
+        (registry.register's by_code), given to the first class that overrides forward, so that the stand-in gets
+        the same rule. It cannot run either (a super() in them is the reference's)."""
+        key = (json.dumps(mro), exact, tuple(twin.values()))
         found = self._classes.get(key)
         if found is not None:
             return found
@@ -349,8 +349,8 @@ class _Decoder:
         own = next((k for k, (_, _, overrides) in enumerate(mro[:i]) if "forward" in overrides), None)
         for k, (mod, qual, overrides) in reversed(list(enumerate(mro[:i]))):
             body = {"__module__": mod, "__qualname__": qual, **dict.fromkeys(overrides, _needs_code)}
-            if k == own and twin is not None:
-                body["forward"] = twin
+            if k == own:
+                body.update(twin)
             if not exact:
                 body["forward"] = _needs_code
             base = type(qual.rsplit(".", 1)[-1], (base,), body)
