@@ -85,6 +85,16 @@ def test_lstm_per_sample_gradients_equal_an_autograd_loop(batch_first):
     close(t.per_sample_grad_norms("lstm"), norms_of(ref, skip=("head",)))
 
 
+def vmap_off(monkeypatch) -> None:
+    """The vmap rule refuses: rows come from a fast rule or not at all (a wrong fast rule then leaves the layer out
+    instead of being rescued by the vmap fallback)."""
+
+    def refuse(*args, **kwargs):
+        raise generic_layers.Refused("the vmap rule is off in this test")
+
+    monkeypatch.setattr(generic_layers, "per_sample", refuse)
+
+
 RECURRENT = {
     "lstm 2 layers, bidirectional": lambda: nn.LSTM(4, 5, num_layers=2, batch_first=True, bidirectional=True),
     "lstm sequence first, given (h0, c0)": lambda: nn.LSTM(4, 5, num_layers=2),
@@ -117,10 +127,7 @@ def test_recurrent_layers_get_factors_over_time_steps(kind, capture, monkeypatch
         last = h[0] if isinstance(h, tuple) else h
         return head(seq).pow(2).sum() + (last * last.flip(-1)).sum()
 
-    def refuse(*args, **kwargs):
-        raise generic_layers.Refused("the vmap rule is off in this test")
-
-    monkeypatch.setattr(generic_layers, "per_sample", refuse)
+    vmap_off(monkeypatch)
     t = traced(model, loss, capture=capture)
     ref = loop_reference(model, loss)
     assert not t.per_sample_left_out, t.per_sample_left_out
@@ -180,10 +187,7 @@ def test_parameters_of_f_linear_calls_get_a_linears_factors(capture, monkeypatch
     model = nn.ModuleDict({"attn": attn})
     x = torch.randn(B, 5, 8)
 
-    def refuse(*args, **kwargs):
-        raise generic_layers.Refused("the vmap rule is off in this test")
-
-    monkeypatch.setattr(generic_layers, "per_sample", refuse)
+    vmap_off(monkeypatch)
     t = traced(model, lambda: attn(x).pow(2).sum(), capture=capture)
     ref = loop_reference(model, lambda i: attn(x[i:i + 1]).pow(2).sum())
     assert not t.per_sample_left_out, t.per_sample_left_out
@@ -201,10 +205,7 @@ def test_a_weight_two_f_linear_calls_share_goes_to_the_vmap_rule(monkeypatch):
     t = traced(model, lambda: attn(x).pow(2).sum())
     close(t.per_sample_grad_norms(), norms_of(loop_reference(model, lambda i: attn(x[i:i + 1]).pow(2).sum())))
 
-    def refuse(*args, **kwargs):
-        raise generic_layers.Refused("the vmap rule is off in this test")
-
-    monkeypatch.setattr(generic_layers, "per_sample", refuse)
+    vmap_off(monkeypatch)
     t = traced(model, lambda: attn(x).pow(2).sum())
     assert "attn.qkv.weight" in t.per_sample_left_out  # the fast rule stepped aside: no rows rather than wrong ones
 
