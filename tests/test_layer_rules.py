@@ -593,6 +593,54 @@ def test_the_watch_counts_a_llamas_rms_norms_in_its_per_sample_norms():
     assert int(w.per_sample[0, 1]) == int(ref.argmax())
 
 
+class CopiedTimmLayerNorm(nn.LayerNorm):
+    """A copy of timm's LayerNorm (its fast-norm branch names a function of timm's: never taken here)."""
+
+    _fast_norm = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fast_norm:
+            x = fast_layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)  # noqa: F821
+        else:
+            x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x
+
+
+class CopiedLayerNorm2d(nn.LayerNorm):
+    """A copy of torchvision's ConvNeXt LayerNorm2d."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        x = x.permute(0, 3, 1, 2)
+        return x
+
+
+@pytest.mark.parametrize("cls,shape", [(CopiedTimmLayerNorm, (B, 5, 6)), (CopiedLayerNorm2d, (B, 6, 3, 4))])
+def test_timm_and_torchvision_layer_norms_get_the_exact_rule_by_their_code(cls, shape):
+    torch.manual_seed(0)
+    m = _randomise(cls(6))
+    assert not fx.is_generic(m)
+    check_rule(m, torch.randn(*shape), what=cls.__name__)
+    m._fast_norm = True  # timm's fast norm: another kernel, refused
+    assert "fast norm" in fx.exact_reason(m)
+
+
+def test_timms_and_torchvisions_own_layer_norms_are_recognised():
+    sys.path.insert(0, str(Path(__file__).parent))
+    import vision_shim
+
+    try:
+        vision_shim.import_timm()
+    except ImportError as e:
+        pytest.skip(str(e))
+    import timm.layers.norm as timm_norm
+    import torchvision.models.convnext as tv_convnext
+
+    for m in (timm_norm.LayerNorm(6), timm_norm.LayerNorm2d(6), tv_convnext.LayerNorm2d(6)):
+        assert not fx.is_generic(m) and fx.exact_reason(m) is None, type(m)
+
+
 # -- exact or absent ---------------------------------------------------------------------------
 class StdConv2d(nn.Conv2d):
     """A copy of timm.layers.std_conv.StdConv2d: the weight is standardised inside forward."""

@@ -61,6 +61,53 @@ def rms_norm(m: nn.RMSNorm, a, delta, state=None):
     return _diag(m, F.rms_norm(a, m.normalized_shape, None, m.eps), delta)
 
 
+# nn.LayerNorm subclasses whose forward is F.layer_norm, channels last for the 2d ones: timm's LayerNorm and
+# LayerNorm2d (its ViTs, DeiT, EVA, ConvNeXt) and torchvision's LayerNorm2d (ConvNeXt). References of their code (never
+# run: timm's fast_layer_norm is a name of timm's module, not of this one); a layer with timm's fast norm on is refused.
+class TimmLayerNorm(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fast_norm:
+            x = fast_layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)  # noqa: F821
+        else:
+            x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x
+
+
+class TimmLayerNorm2d(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 2, 3, 1)
+        if self._fast_norm:
+            x = fast_layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)  # noqa: F821
+        else:
+            x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        x = x.permute(0, 3, 1, 2)
+        return x
+
+
+class TorchvisionLayerNorm2d(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        x = x.permute(0, 3, 1, 2)
+        return x
+
+
+def _not_fast(m) -> str | None:
+    return "timm's fast norm is on: it may normalise in another precision" if getattr(m, "_fast_norm", False) else None
+
+
+register(TimmLayerNorm, by_code=True, refuse=_not_fast, tokens=True)(layer_norm)
+
+
+@register(TimmLayerNorm2d, TorchvisionLayerNorm2d, by_code=True, refuse=_not_fast, keeps_input=lambda m: False)
+def channels_first_layer_norm(m: nn.LayerNorm, a, delta, state=None):
+    """LayerNorm over the channels of an NCHW tensor: w.grad = Σ over positions of δ ⊙ x̂, per channel."""
+    if not m.elementwise_affine:
+        return []
+    xhat = F.layer_norm(a.permute(0, 2, 3, 1), m.normalized_shape, None, None, m.eps).permute(0, 3, 1, 2)
+    return _diag(m, xhat, delta, channel_dim=1)
+
+
 # transformers' RMSNorm classes, each copied word for word into many models' (found by their methods' code: a changed
 # copy gets no exact rule). All are y = w' ⊙ x̂ with x̂ = x·rsqrt(mean(x²) + eps), so w.grad = Σ δ ⊙ x̂ (times what w'
 # is of w: 1); they differ in where they compute in float32 and cast back, which each rule repeats.
