@@ -641,6 +641,51 @@ def test_timms_and_torchvisions_own_layer_norms_are_recognised():
         assert not fx.is_generic(m) and fx.exact_reason(m) is None, type(m)
 
 
+class CopiedLayerScale(nn.Module):
+    """A copy of timm's LayerScale."""
+
+    def __init__(self, dim, inplace=False):
+        super().__init__()
+        self.inplace = inplace
+        self.gamma = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(self.gamma) if self.inplace else x * self.gamma
+
+
+class CopiedLayerScale2d(nn.Module):
+    """A copy of timm's LayerScale2d."""
+
+    def __init__(self, dim, inplace=False):
+        super().__init__()
+        self.inplace = inplace
+        self.gamma = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        gamma = self.gamma.view(1, -1, 1, 1)
+        return x.mul_(gamma) if self.inplace else x * gamma
+
+
+@pytest.mark.parametrize("cls,shape", [(CopiedLayerScale, (B, 5, 6)), (CopiedLayerScale2d, (B, 6, 3, 4))])
+def test_timms_layer_scale_gets_an_exact_rule_by_its_code(cls, shape):
+    torch.manual_seed(0)
+    m = cls(6)
+    assert fx.spec_for(m).name in ("TimmLayerScale", "TimmLayerScale2d")
+    check_rule(m, torch.randn(*shape), what=cls.__name__)
+
+
+def test_an_in_place_layer_scale_is_exact_on_its_input_before_the_write():
+    """inplace=True overwrites x with x ⊙ γ: the rows come from x as the layer read it, not as it left it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), CopiedLayerScale(6, inplace=True), nn.Tanh(), nn.Linear(6, 2))
+    x = torch.randn(B, 5, 4)
+    t = hw.trace(lambda: model(x).pow(2).sum().backward(), model)
+    gamma = model[1].gamma
+    ref = torch.stack([torch.autograd.grad(model(x[i:i + 1]).pow(2).sum(), gamma)[0] for i in range(B)])
+    torch.testing.assert_close(t.per_sample_grads("1", "gamma"), ref)
+    assert not t.per_sample_left_out
+
+
 # -- exact or absent ---------------------------------------------------------------------------
 class StdConv2d(nn.Conv2d):
     """A copy of timm.layers.std_conv.StdConv2d: the weight is standardised inside forward."""

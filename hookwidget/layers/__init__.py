@@ -4,7 +4,18 @@ the cross terms of a parameter several layers hold (tied weights).
 
 Floor: above _torch, which is all of hookwidget it imports (torch internals only through it)."""
 
-from hookwidget.layers import affine_nodes, attention, conv, embedding, generic, linear, linear_calls, norm, recurrent  # noqa: F401  (each registers its specs)
+from hookwidget.layers import (  # noqa: F401  (each registers its specs)
+    affine_nodes,
+    attention,
+    conv,
+    embedding,
+    generic,
+    linear,
+    linear_calls,
+    norm,
+    recurrent,
+    scale,
+)
 from hookwidget.layers.base import KINDS, ConvCall, ConvCalls, Factor, Kind, gram_applies
 from hookwidget.layers.registry import (
     GENERIC,

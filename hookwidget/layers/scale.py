@@ -1,0 +1,45 @@
+"""timm's LayerScale and LayerScale2d: y = x ⊙ γ, so γ.grad = Σ δ ⊙ x over the positions (a diag factor of x).
+
+Found by their code, as the transformers norms are (registry.register's by_code): a class whose forward is a copy of
+one of these references, over the same bases, gets the rule (ViTs with layer scale, EVA, CaiT, EfficientFormer);
+the generic rule read the same rows from the call's graph (affine_nodes.py), but only the exact rules stream in
+capture="norms" and in hw.watch(per_sample=True). The references are never run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hookwidget.layers.norm import affine_factors
+from hookwidget.layers.registry import register
+
+
+class TimmLayerScale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(self.gamma) if self.inplace else x * self.gamma
+
+
+class TimmLayerScale2d(nn.Module):
+    def forward(self, x):
+        gamma = self.gamma.view(1, -1, 1, 1)
+        return x.mul_(gamma) if self.inplace else x * gamma
+
+
+def _vector_gamma(m) -> str | None:
+    g = getattr(m, "gamma", None)
+    return None if isinstance(g, nn.Parameter) and g.dim() == 1 else f"{type(m).__name__}.gamma is not a vector"
+
+
+def _keeps_input(m) -> bool:
+    return not getattr(m, "inplace", True)  # in place, x is overwritten: capture keeps its own copy
+
+
+@register(TimmLayerScale, by_code=True, refuse=_vector_gamma, params=("gamma",), tokens=True, keeps_input=_keeps_input)
+def layer_scale(m, a, delta, state=None):
+    return affine_factors(a, delta, ("gamma", m.gamma), None)
+
+
+@register(TimmLayerScale2d, by_code=True, refuse=_vector_gamma, params=("gamma",), keeps_input=_keeps_input)
+def layer_scale_2d(m, a, delta, state=None):
+    return affine_factors(a, delta, ("gamma", m.gamma), None, channel_dim=1)
