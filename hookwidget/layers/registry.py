@@ -58,8 +58,8 @@ NO_RULE = {
 def register(*types, by_code: bool = False, **spec):
     """Decorator: `rule(module, a, delta, state=None) -> list[Factor]` becomes the rule for these types
     (classes, or "package.module.ClassName" strings matched without importing the package). by_code=True: the
-    types are references, classes that only define a forward; the rule also serves any class whose forward has
-    the same code (see same_code) over the same bases, wherever it is defined."""
+    types are references, classes that define only a forward and the methods it calls; the rule also serves any
+    class that defines them with the same code (see same_code) over the same bases, wherever it is defined."""
 
     def deco(fn):
         name = "/".join(t if isinstance(t, str) else t.__name__ for t in types)
@@ -78,7 +78,7 @@ def register(*types, by_code: bool = False, **spec):
 
 # A family of packages' classes that copy one forward word for word (transformers' scaled word embeddings: 24
 # classes of BART, Gemma, M2M100, ...; its LlamaRMSNorm: 142 classes) is served by one reference class:
-# a class gets the reference's rule where its forward's code is the reference's and its bases are the reference's,
+# a class gets the reference's rule where its methods' code is the reference's and its bases are the reference's,
 # so the rule is applied exactly where the forward computes what the rule assumes, in any package or version.
 _BY_CODE: dict = {}  # same_code(reference.forward) -> the reference class
 

@@ -337,7 +337,8 @@ class _Decoder:
     def _class(self, mro: list, exact: bool, twin: dict) -> type:
         """The stand-in class; `twin`: the reference's methods the registry matched the class's own to by their code
         (registry.register's by_code), given to the first class that overrides forward, so that the stand-in gets
-        the same rule. It cannot run either (a super() in them is the reference's)."""
+        the same rule. They are hookwidget's own code, never the file's: where they call super() (the scaled
+        embeddings) the stand-in cannot run; an RMSNorm's reads only the attributes the file kept."""
         key = (json.dumps(mro), exact, tuple(twin.values()))
         found = self._classes.get(key)
         if found is not None:
