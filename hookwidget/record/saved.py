@@ -11,7 +11,8 @@ The modules a record names are stored as what the layer rules read of them (thei
 torch's, plain attributes, parameters, buffers, children) and come back as parameter-bearing stand-ins: torch.nn
 classes are rebuilt as themselves (found in torch.nn, never imported from a name in the file), other classes as
 empty subclasses with the same names, so the layer registry answers for a stand-in as it did for the module (a
-class that overrode forward gets a forward that says the code is not here). A stand-in cannot run.
+class that overrode forward gets a forward that says the code is not here; one the registry knows by its code gets
+the reference's methods, hookwidget's own: _Decoder._class). A stand-in cannot run the file's code.
 
 Floor: record. Imports layers/ (the registry's specs), interventions, options, stats, _torch.
 """
