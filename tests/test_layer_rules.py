@@ -686,6 +686,39 @@ def test_an_in_place_layer_scale_is_exact_on_its_input_before_the_write():
     assert not t.per_sample_left_out
 
 
+def _transformers_module(kind: str):
+    from types import SimpleNamespace
+
+    from transformers.models.afmoe.modeling_afmoe import AfmoeRMSNorm
+    from transformers.models.convnext.modeling_convnext import ConvNextLayerNorm
+    from transformers.models.dinov2.modeling_dinov2 import Dinov2LayerScale
+
+    torch.manual_seed(0)
+    if kind == "afmoe rmsnorm":
+        m = AfmoeRMSNorm(6, eps=0.5)
+        return m, (B, 5, 6), "CastAfterRMSNorm"
+    if kind == "dinov2 layer scale":
+        m = Dinov2LayerScale(SimpleNamespace(layerscale_value=0.5, hidden_size=6))
+        return m, (B, 5, 6), "Dinov2StyleLayerScale"
+    fmt = kind.split()[-1]
+    return ConvNextLayerNorm(6, data_format=fmt), ((B, 6, 3, 4) if fmt == "channels_first" else (B, 3, 4, 6)), \
+        "HFConvNextLayerNorm"
+
+
+@pytest.mark.parametrize("kind", ["afmoe rmsnorm", "dinov2 layer scale", "convnext channels_first",
+                                  "convnext channels_last"])
+def test_more_transformers_copies_get_their_exact_rules(kind):
+    """The classes themselves (each with copies in other models): AfmoeRMSNorm casts after w ⊙ x̂, Dinov2's layer
+    scale, ConvNeXt's LayerNorm in both data formats."""
+    pytest.importorskip("transformers")
+    m, shape, spec = _transformers_module(kind)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p))
+    assert fx.spec_for(m).name == spec
+    check_rule(m, torch.randn(*shape), what=kind)
+
+
 # -- exact or absent ---------------------------------------------------------------------------
 class StdConv2d(nn.Conv2d):
     """A copy of timm.layers.std_conv.StdConv2d: the weight is standardised inside forward."""

@@ -92,6 +92,24 @@ class TorchvisionLayerNorm2d(nn.LayerNorm):
         return x
 
 
+class HFConvNextLayerNorm(nn.LayerNorm):
+    """transformers' ConvNextLayerNorm and 19 copies (ConvNextV2, DINOv3's ConvNext, ...): nn.LayerNorm's forward,
+    over the channels of NCHW where data_format says channels_first."""
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            features: Tensor of shape (batch_size, channels, height, width) OR (batch_size, height, width, channels)
+        """
+        if self.data_format == "channels_first":
+            features = features.permute(0, 2, 3, 1)
+            features = super().forward(features)
+            features = features.permute(0, 3, 1, 2)
+        else:
+            features = super().forward(features)
+        return features
+
+
 def _not_fast(m) -> str | None:
     return "timm's fast norm is on: it may normalise in another precision" if getattr(m, "_fast_norm", False) else None
 
@@ -108,6 +126,19 @@ def channels_first_layer_norm(m: nn.LayerNorm, a, delta, state=None):
     return _diag(m, xhat, delta, channel_dim=1)
 
 
+def _data_format(m) -> str | None:
+    if getattr(m, "data_format", None) not in ("channels_first", "channels_last"):
+        return f"{type(m).__name__}.data_format is neither channels_first nor channels_last"
+    return None
+
+
+@register(HFConvNextLayerNorm, by_code=True, refuse=_data_format, keeps_input=lambda m: False)
+def hf_convnext_layer_norm(m, a, delta, state=None):
+    if m.data_format == "channels_first":
+        return channels_first_layer_norm(m, a, delta)
+    return layer_norm(m, a, delta)
+
+
 # transformers' RMSNorm classes, each copied word for word into many models' (found by their methods' code: a changed
 # copy gets no exact rule). All are y = w' ⊙ x̂ with x̂ = x·rsqrt(mean(x²) + eps), so w.grad = Σ δ ⊙ x̂ (times what w'
 # is of w: 1); they differ in where they compute in float32 and cast back, which each rule repeats.
@@ -120,6 +151,17 @@ class LlamaStyleRMSNorm(nn.Module):
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * hidden_states.to(input_dtype)
+
+
+class CastAfterRMSNorm(nn.Module):
+    """AfmoeRMSNorm and 11 copies (DeepSeek-V4, FlexOlmo, GPT-OSS, ...): w ⊙ x̂ in float32, then cast to x's dtype."""
+
+    def forward(self, hidden_states) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return (self.weight * hidden_states).to(input_dtype)
 
 
 class T5StyleRMSNorm(nn.Module):
@@ -166,6 +208,13 @@ def llama_style_rms_norm(m, a, delta, state=None):
     h = a.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
     return _diag(m, h.to(a.dtype), delta)
+
+
+@register(CastAfterRMSNorm, refuse=_reads("variance_epsilon"), **_RMS)
+def cast_after_rms_norm(m, a, delta, state=None):
+    h = a.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+    return _diag(m, h, delta.to(torch.promote_types(m.weight.dtype, torch.float32)))  # where w met x̂
 
 
 @register(T5StyleRMSNorm, refuse=_reads("variance_epsilon"), **_RMS)

@@ -1,7 +1,9 @@
-"""timm's LayerScale and LayerScale2d: y = x ⊙ γ, so γ.grad = Σ δ ⊙ x over the positions (a diag factor of x).
+"""timm's LayerScale and LayerScale2d, transformers' Dinov2LayerScale: y = x ⊙ γ, so γ.grad = Σ δ ⊙ x over the
+positions (a diag factor of x).
 
 Found by their code, as the transformers norms are (registry.register's by_code): a class whose forward is a copy of
-one of these references, over the same bases, gets the rule (ViTs with layer scale, EVA, CaiT, EfficientFormer);
+one of these references, over the same bases, gets the rule (timm's ViTs with layer scale, EVA, CaiT,
+EfficientFormer; DINOv2 and 10 copies in transformers);
 the generic rule read the same rows from the call's graph (affine_nodes.py), but only the exact rules stream in
 capture="norms" and in hw.watch(per_sample=True). The references are never run.
 """
@@ -43,3 +45,18 @@ def layer_scale(m, a, delta, state=None):
 @register(TimmLayerScale2d, by_code=True, refuse=_vector_gamma, params=("gamma",), keeps_input=_keeps_input)
 def layer_scale_2d(m, a, delta, state=None):
     return affine_factors(a, delta, ("gamma", m.gamma), None, channel_dim=1)
+
+
+class Dinov2StyleLayerScale(nn.Module):
+    def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        return hidden_state * self.lambda1
+
+
+def _vector_lambda(m) -> str | None:
+    g = getattr(m, "lambda1", None)
+    return None if isinstance(g, nn.Parameter) and g.dim() == 1 else f"{type(m).__name__}.lambda1 is not a vector"
+
+
+@register(Dinov2StyleLayerScale, by_code=True, refuse=_vector_lambda, params=("lambda1",), tokens=True)
+def dinov2_layer_scale(m, a, delta, state=None):
+    return affine_factors(a, delta, ("lambda1", m.lambda1), None)
