@@ -1,4 +1,5 @@
-"""Layer specs: one small module per layer family registers its exact (a, δ) rule (see registry.py);
+"""Layer specs: one small module per layer family registers its exact (a, δ) rule (see registry.py; a rule may also
+serve other packages' copies of a forward, found by their code), or a fast rule of the generic one (generic.py);
 cost.py chooses per factor between the ghost norm and the materialised per-sample gradient, shared.py adds
 the cross terms of a parameter several layers hold (tied weights).
 

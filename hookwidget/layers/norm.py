@@ -4,7 +4,11 @@ x̂ is recomputed from the kept input by the layer's own normalisation kernel, w
 LayerNorm and RMSNorm normalise the trailing normalized_shape, GroupNorm each sample's groups: per-sample
 gradients are exact. BatchNorm on running statistics (eval with track_running_stats) is exact too; on
 batch statistics (training, or no running statistics) samples share the statistics, so a sample's row is
-its *contribution*: what its own δ and x̂ add to .grad (rows still sum to .grad exactly)."""
+its *contribution*: what its own δ and x̂ add to .grad (rows still sum to .grad exactly).
+
+Other packages' norms get these rules where their code is a known copy (registry.register's by_code: references
+below): timm's and torchvision's channels-last LayerNorms, transformers' RMSNorms (Llama's, T5's, Gemma's, Afmoe's)
+and its ConvNeXt LayerNorm, each x̂ recomputed exactly as that forward computes it."""
 
 from __future__ import annotations
 
