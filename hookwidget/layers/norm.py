@@ -207,31 +207,34 @@ _RMS = {"by_code": True, "params": ("weight",), "tokens": True,
         "keeps_input": lambda m: False}  # autograd may save a float32 copy of the input, not the input
 
 
+def _inv_rms(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    """rsqrt(mean(x²) + eps) over the last dimension, from x in float32: what every one of these forwards computes."""
+    return torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
 @register(LlamaStyleRMSNorm, refuse=_reads("variance_epsilon"), **_RMS)
 def llama_style_rms_norm(m, a, delta, state=None):
     h = a.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
-    return _diag(m, h.to(a.dtype), delta)
+    return _diag(m, (h * _inv_rms(h, m.variance_epsilon)).to(a.dtype), delta)
 
 
 @register(CastAfterRMSNorm, refuse=_reads("variance_epsilon"), **_RMS)
 def cast_after_rms_norm(m, a, delta, state=None):
     h = a.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+    h = h * _inv_rms(h, m.variance_epsilon)
     return _diag(m, h, delta.to(torch.promote_types(m.weight.dtype, torch.float32)))  # where w met x̂
 
 
 @register(T5StyleRMSNorm, refuse=_reads("variance_epsilon"), **_RMS)
 def t5_style_rms_norm(m, a, delta, state=None):
-    h = a * torch.rsqrt(a.to(torch.float32).pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+    h = a * _inv_rms(a.to(torch.float32), m.variance_epsilon)
     return _diag(m, h.to(m.weight.dtype) if m.weight.dtype in (torch.float16, torch.bfloat16) else h, delta)
 
 
 @register(GemmaStyleRMSNorm, refuse=_reads("eps"), **_RMS)
 def gemma_style_rms_norm(m, a, delta, state=None):
     h = a.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.eps)
-    return _diag(m, h, delta.float())  # type_as's backward brings δ to float32, where (1 + w) met x̂
+    return _diag(m, h * _inv_rms(h, m.eps), delta.float())  # δ in float32, where (1 + w) met x̂ (type_as's backward)
 
 
 @register(nn.GroupNorm)

@@ -89,7 +89,7 @@ def recurrent_factors(module, call, names: list, B: int) -> tuple:
     p = call.params
     dirs = 2 if module.bidirectional else 1
     T, gru = x.shape[1], isinstance(module, nn.GRU)
-    parts = {}  # (layer, direction) -> (gi, [gh_t], its input, [h_{t-1}]), by time step
+    parts = {}  # the parameters' suffix (layer, direction) -> (gi, [gh_t], its input, [h_{t-1}]), by time step
     finals: list = []
     with torch.enable_grad():
         layer_in = x.detach()
@@ -106,7 +106,7 @@ def recurrent_factors(module, call, names: list, B: int) -> tuple:
                     if gru:  # else gh_t only adds to gi_t: the same gradient reaches both
                         ghs[t] = _tracked(ghs[t])
                     hs[t], state = _cell(module, gi[:, t], ghs[t], state)
-                parts[layer, d] = (gi, ghs, layer_in, prev)
+                parts[sfx] = (gi, ghs, layer_in, prev)
                 finals.append(state)
                 seqs.append(torch.stack(hs, 1))
             layer_in = torch.cat(seqs, -1) if dirs == 2 else seqs[0]
@@ -120,10 +120,9 @@ def recurrent_factors(module, call, names: list, B: int) -> tuple:
         leaves = [t for gi, ghs, *_ in parts.values() for t in ((gi, *ghs) if gru else (gi,))]
         grads = iter(torch.autograd.grad(outs, leaves, prep.cots, allow_unused=True))
     found = {}
-    for (layer, d), (gi, ghs, layer_in, prev) in parts.items():
+    for sfx, (gi, ghs, layer_in, prev) in parts.items():
         dgi = _or_zeros(next(grads), gi)
         dgh = torch.stack([_or_zeros(next(grads), gh) for gh in ghs], 1) if gru else dgi
-        sfx = f"_l{layer}" + ("_reverse" if d else "")
         for side, D, X in (("ih", dgi, layer_in.detach()), ("hh", dgh, torch.stack(prev, 1).detach())):
             w, b = f"weight_{side}{sfx}", f"bias_{side}{sfx}"
             found[w] = Factor(w, "outer", D, X, tuple(p[w].shape))

@@ -28,21 +28,27 @@ class TimmLayerScale2d(nn.Module):
         return x.mul_(gamma) if self.inplace else x * gamma
 
 
-def _vector_gamma(m) -> str | None:
-    g = getattr(m, "gamma", None)
-    return None if isinstance(g, nn.Parameter) and g.dim() == 1 else f"{type(m).__name__}.gamma is not a vector"
+def _vector(name: str):
+    """refuse(m): why m's `name` is not the vector parameter its forward scales by, or None."""
+
+    def refuse(m) -> str | None:
+        g = getattr(m, name, None)
+        return None if isinstance(g, nn.Parameter) and g.dim() == 1 else f"{type(m).__name__}.{name} is not a vector"
+
+    return refuse
 
 
 def _keeps_input(m) -> bool:
     return not getattr(m, "inplace", True)  # in place, x is overwritten: capture keeps its own copy
 
 
-@register(TimmLayerScale, by_code=True, refuse=_vector_gamma, params=("gamma",), tokens=True, keeps_input=_keeps_input)
+@register(TimmLayerScale, by_code=True, refuse=_vector("gamma"), params=("gamma",), tokens=True,
+          keeps_input=_keeps_input)
 def layer_scale(m, a, delta, state=None):
     return affine_factors(a, delta, ("gamma", m.gamma), None)
 
 
-@register(TimmLayerScale2d, by_code=True, refuse=_vector_gamma, params=("gamma",), keeps_input=_keeps_input)
+@register(TimmLayerScale2d, by_code=True, refuse=_vector("gamma"), params=("gamma",), keeps_input=_keeps_input)
 def layer_scale_2d(m, a, delta, state=None):
     return affine_factors(a, delta, ("gamma", m.gamma), None, channel_dim=1)
 
@@ -52,11 +58,6 @@ class Dinov2StyleLayerScale(nn.Module):
         return hidden_state * self.lambda1
 
 
-def _vector_lambda(m) -> str | None:
-    g = getattr(m, "lambda1", None)
-    return None if isinstance(g, nn.Parameter) and g.dim() == 1 else f"{type(m).__name__}.lambda1 is not a vector"
-
-
-@register(Dinov2StyleLayerScale, by_code=True, refuse=_vector_lambda, params=("lambda1",), tokens=True)
+@register(Dinov2StyleLayerScale, by_code=True, refuse=_vector("lambda1"), params=("lambda1",), tokens=True)
 def dinov2_layer_scale(m, a, delta, state=None):
     return affine_factors(a, delta, ("lambda1", m.lambda1), None)
