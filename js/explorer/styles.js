@@ -66,11 +66,11 @@ body.hw-page { margin: 8px; }
 .hw-tree-num { color: var(--hw-dim); flex: 0 0 auto; }
 .hw-flag { color: var(--hw-error); }
 .hw-graph { display: flex; flex-direction: column; min-width: 0; min-height: 0; border: 1px solid var(--hw-border); border-radius: 4px; }
-/* One line whatever the width: the legend gives way first (clipped; each item says itself in its title). */
+/* One line whatever the width: the legend gives way first (its items dropped whole; each says itself in its title). */
 .hw-toolbar { display: flex; flex-wrap: nowrap; gap: 4px; align-items: center; padding: 4px; border-bottom: 1px solid var(--hw-border); white-space: nowrap; min-width: 0; overflow: hidden; }
 .hw-toolbar > * { flex: 0 0 auto; }
 .hw-toolbar .hw-search { width: 14ch; min-width: 7ch; flex: 0 1 auto; }
-.hw-toolbar .hw-legend { flex: 1 1 0; min-width: 0; overflow: hidden; }
+.hw-toolbar .hw-legend { flex: 1 1 0; min-width: 0; overflow: hidden; flex-wrap: wrap; height: 1.4em; align-content: flex-start; row-gap: 1em; } /* items that do not fit wrap onto a hidden second line: dropped whole */
 .hw-graph { container-type: inline-size; } /* a short toolbar drops its legend and the panes' words */
 @container (max-width: 460px) { .hw-toolbar .hw-legend, .hw-toolbar .hw-pane-label { display: none; } .hw-toolbar .hw-search { width: 9ch; } }
 .hw-pane-toggle[aria-pressed="true"] { border-color: var(--hw-selected) !important; }

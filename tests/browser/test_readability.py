@@ -98,6 +98,22 @@ def test_gpt2_shaped_default_view_is_readable(browser, gpt2_page, width, img_dir
         assert pg.errors == []
 
 
+# The toolbar legend's displayed items: (those partly inside its box, those wholly inside).
+LEGEND_ITEMS = """() => {
+  const legend = document.querySelector('.hw-toolbar .hw-legend').getBoundingClientRect();
+  const cut = [], shown = [];
+  for (const item of document.querySelectorAll('.hw-toolbar .hw-legend-item')) {
+    const r = item.getBoundingClientRect();
+    if (r.width === 0) continue;  // not displayed: a narrow toolbar drops the whole legend
+    const inside = r.left >= legend.left - 1 && r.right <= legend.right + 1 && r.top >= legend.top - 1
+      && r.bottom <= legend.bottom + 1;
+    const outside = r.left >= legend.right - 1 || r.top >= legend.bottom - 1;
+    if (inside) shown.push(item.textContent); else if (!outside) cut.push(item.textContent);
+  }
+  return [cut, shown];
+}"""
+
+
 @pytest.fixture(scope="module")
 def gpt2_param_layers():
     """Names of the GPT-2-shaped model's layers that hold parameters of their own, in module order."""
@@ -138,6 +154,9 @@ def test_gpt2_shaped_layer_overview_is_visible_first(browser, gpt2_page, gpt2_pa
         assert pg.locator('[data-testid="detail-target"]').inner_text() == name
         assert "selected" in row.get_attribute("class")
         pg.locator(f'.hw-nodes [data-module="{name}"]').wait_for()
+        # The graph's toolbar gives way to the panes by dropping legend items whole, never one cut mid-word.
+        cut, shown = pg.evaluate(LEGEND_ITEMS)
+        assert cut == [] and (shown or width < 1500), (cut, shown)
         pg.screenshot(path=str(img_dir / f"gpt2_overview_selected_{width}.png"))
         assert pg.errors == []
 
