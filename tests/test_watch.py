@@ -604,6 +604,46 @@ def test_spikes_and_window():
     assert w.anomalies == [] and w.kept == [39]
 
 
+def test_a_non_finite_step_is_kept_over_earlier_spikes():
+    """max_kept=2 filled by two loss spikes: a third spike is not kept, but the NaN step after it is, in place of
+    the earliest spike (a run's early warnings must not crowd out the step that went wrong); every anomaly is
+    still listed, and dropped_traces counts the spike given up and the one never kept."""
+    torch.manual_seed(0)
+    model = Net(bn=False, p=0.0)
+    x, y = data()
+    scale = {10: 1000.0, 17: 1000.0, 24: 1000.0, 31: float("nan")}
+    with watch(model, window=5, max_kept=2) as w:
+        run_loop(model, torch.optim.SGD(model.parameters(), 1e-4), x, y, 36, scale=scale, skip_nonfinite=True)
+    assert {a.step for a in w.anomalies} == {10, 17, 24, 31}
+    assert w.kept == [17, 31, 35] and w.dropped_traces == 2
+    assert math.isnan(w.trace(31).loss) and w.trace(17).loss == pytest.approx(w.loss[17].item())
+    with pytest.raises(KeyError, match="step 10 was not kept"):
+        w.trace(10)
+
+
+def test_what_a_kept_trace_is_worth():
+    """Detector.rank, which the flight recorder keeps by: a non-finite .grad ranks above the user's keep=, which
+    ranks above a spike; the same non-finite .grad in a step the GradScaler skipped is the scaler's found-inf
+    (a warning, as a spike); an unflagged step has no rank."""
+    from hookwidget.watch.detect import ASKED, NONFINITE, WARNING, Detector
+
+    det = Detector(["a", "b"], spike=6.0, window=2, keep=lambda step, stats: step == 3)
+
+    def check(step, nan_grad=False, loss=1.0, skipped=None):
+        row = torch.zeros(2, len(STAT_NAMES), dtype=torch.float64)
+        row[1, STAT_NAMES.index("grad_nan")] = float(nan_grad)
+        det.check(step, row, torch.tensor([loss, 1.0], dtype=torch.float64), {0: 1, 1: 0}, {0: 0, 1: 1},
+                  skipped=skipped)
+
+    for k in range(3):
+        check(k, loss=1.0 + 0.01 * k)
+    check(3)
+    check(4, loss=100.0)
+    check(5, nan_grad=True)
+    check(6, nan_grad=True, skipped="found inf")
+    assert [det.rank(k) for k in range(7)] == [None, None, None, ASKED, WARNING, NONFINITE, WARNING]
+
+
 # -- the magic ------------------------------------------------------------------------------------
 def test_hookwatch_magic():
     from IPython.core.error import UsageError

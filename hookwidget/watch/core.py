@@ -161,7 +161,7 @@ class Watch:
         if was_active:
             self._flush()
             if self._flight is not None:
-                self._flight.finish(self._detector.flagged)
+                self._flight.finish(self._detector.rank)
             self._tell("closed")
 
     def _scale_now(self):
@@ -192,7 +192,7 @@ class Watch:
         if self._flight is not None:
             if self._flight.latest is not None:  # no forward ran since the step before (compiled code): judged now
                 self._judge(upto=step.index - 1)
-            self._flight.step_ended(step.index, self._detector.flagged)
+            self._flight.step_ended(step.index, self._detector.rank)
         if self._rows.due(self.batch, timed=self._flight is not None or self._params[0].device.type == "cpu"):
             self._flush(upto=step.index - 1)
 
@@ -202,7 +202,7 @@ class Watch:
         Traces while the model runs."""
         if self._flight is not None and self._flight.latest is not None:
             self._judge(upto=step.index - 1)
-            self._flight.judge(self._detector.flagged)
+            self._flight.judge(self._detector.rank)
 
     def _judge(self, upto: int) -> None:
         """Judge the steps up to `upto` for the flight recorder from their scalars (loss, global gradient norm) and
@@ -403,7 +403,8 @@ class Watch:
 
     @property
     def dropped_traces(self) -> int:
-        """Anomalous steps whose Trace was not kept, max_kept being reached."""
+        """Anomalous steps whose Trace was not kept, or was given up for a higher-ranked one, max_kept being
+        reached (FlightRecorder.decide)."""
         return self._flight.dropped if self._flight is not None else 0
 
     def save(self, path) -> None:

@@ -24,18 +24,35 @@ class Anomaly(NamedTuple):
     reason: str
 
 
+# What a kept Trace of an anomalous step is worth beside the others (FlightRecorder keeps at most max_kept):
+# a non-finite value is what the recorder is for; the user's keep= asked; a spike or a GradScaler skip is a
+# warning that a run can give many times (the early steps of training, the scaler finding its scale).
+NONFINITE, ASKED, WARNING = 2, 1, 0
+
+
+def _rank(where: str, reason: str) -> int:
+    if where == "keep":
+        return ASKED
+    return WARNING if where == "scaler" or reason.startswith("spike") else NONFINITE
+
+
 class Detector:
     def __init__(self, layer_names: list, spike: float, window: int, keep):
         self.layer_names, self.spike, self.window, self.keep = layer_names, float(spike), window, keep
         self.anomalies: list[Anomaly] = []
-        self._flagged: set = set()
+        self._ranks: dict = {}  # step -> the highest _rank of its anomalies
         self._early: dict = {}  # step -> its scalars' verdicts (judge), until check() lists them
         self._count_index: dict = {}  # device -> the count columns' indices (judge_on_device)
         self._history = {"loss": deque(maxlen=window), "grad_norm": deque(maxlen=window)}
 
-    def flagged(self, step: int) -> bool:
+    def rank(self, step: int) -> int | None:
+        """None where nothing flagged the step, else what a kept Trace of it is worth (NONFINITE, ASKED, WARNING)."""
         early = self._early.get(step)
-        return step in self._flagged or early is not None and any(early)
+        ranks = [self._ranks[step]] if step in self._ranks else []
+        if early is not None:
+            bad_loss, spikes = early
+            ranks += [NONFINITE] * bool(bad_loss) + [WARNING] * bool(spikes)
+        return max(ranks, default=None)
 
     def judge_on_device(self, step: int, row: torch.Tensor, step_row: torch.Tensor, has_loss: bool) -> bool:
         """judge() a step whose row is still on its device: its scalars and the row's count columns read in one
@@ -54,7 +71,7 @@ class Detector:
 
     def _add(self, step: int, where: str, reason: str) -> None:
         self.anomalies.append(Anomaly(step, where, reason))
-        self._flagged.add(step)
+        self._ranks[step] = max(self._ranks.get(step, WARNING), _rank(where, reason))
 
     def judge(self, step: int, loss: float | None, gnorm: float) -> bool:
         """The verdicts on a step's scalars (loss None: backward started from no scalar), made once per step and
@@ -103,6 +120,7 @@ class Detector:
                 a = self.anomalies[i]
                 note = " (the GradScaler skipped this step: see where='scaler')"
                 self.anomalies[i] = a._replace(reason=a.reason + note)
+            self._ranks[step] = WARNING  # its non-finite values are the scaler's found-inf, which it handled
         if self.keep is not None:
             stats = {n: row[:, i] for i, n in enumerate(STAT_NAMES)}
             stats.update(loss=loss if has_loss else math.nan, global_grad_norm=gnorm)

@@ -28,7 +28,8 @@ class FlightRecorder:
         self._rec = None  # the open recording (session.Deferred)
         self.latest = None  # (step, Deferred) of the latest completed step, not judged yet
         self.kept: dict = {}
-        self.dropped = 0  # anomalous steps whose Trace was not kept (max_kept reached)
+        self._ranks: dict = {}  # kept step -> its Detector.rank (the latest, kept at the end, has none)
+        self.dropped = 0  # anomalous steps whose Trace was not kept or was given up (max_kept reached)
 
     def open(self) -> None:
         recorder = self.session.tracer()
@@ -52,35 +53,45 @@ class FlightRecorder:
         later.ended(records, recorder)
         return later if later.steps else None
 
-    def step_ended(self, step: int, flagged) -> None:
+    def step_ended(self, step: int, rank) -> None:
         """Backward of `step` ended: cut its recording off (what the recorder holds of it, settled: unassembled and
         uncopied), start the next, decide on the step before."""
         later = self._ended(self._recorder.cut(), self._recorder)
         self._rec = self._new()
-        self.judge(flagged)
+        self.judge(rank)
         self.latest = (step, later) if later is not None else None
 
-    def judge(self, flagged) -> None:
-        """Keep or let go the latest completed step (judged from its scalars by `flagged`: Watch._judge)."""
+    def judge(self, rank) -> None:
+        """Keep or let go the latest completed step (judged from its scalars by `rank`: Watch._judge,
+        Detector.rank)."""
         if self.latest is not None:
             latest, self.latest = self.latest, None
-            self.decide(*latest, flagged)
+            self.decide(*latest, rank)
 
-    def finish(self, flagged) -> None:
+    def finish(self, rank) -> None:
         self.close()
         if self.latest is not None:
-            self.decide(*self.latest, flagged, latest=True)
+            self.decide(*self.latest, rank, latest=True)
             self.latest = None
 
-    def decide(self, step: int, later, flagged, latest: bool = False) -> None:
-        """Keep step `step`'s Trace (assembled now, from what its recording holds) or let the recording go."""
+    def decide(self, step: int, later, rank, latest: bool = False) -> None:
+        """Keep step `step`'s Trace (assembled now, from what its recording holds) or let the recording go. With
+        max_kept Traces kept already, a step ranked above one of them (a non-finite value above a spike) takes
+        the place of the earliest of the lowest ranked: early warnings do not crowd out the step that went wrong."""
         if latest:
             self.kept[step] = later.assemble()
-        elif flagged(step):
-            if len(self.kept) < self.max_kept:  # the latest joins them at the end, beyond max_kept
-                self.kept[step] = later.assemble()
-            else:
-                self.dropped += 1
+            return
+        r = rank(step)
+        if r is None:
+            return
+        if len(self.kept) >= self.max_kept:  # the latest joins them at the end, beyond max_kept
+            lowest = min(self._ranks.items(), key=lambda kr: (kr[1], kr[0]), default=None)
+            self.dropped += 1
+            if lowest is None or lowest[1] >= r:
+                return
+            del self.kept[lowest[0]], self._ranks[lowest[0]]
+        self.kept[step] = later.assemble()
+        self._ranks[step] = r
 
     def steps(self) -> list:
         return sorted(set(self.kept) | ({self.latest[0]} if self.latest is not None else set()))
