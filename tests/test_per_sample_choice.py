@@ -86,6 +86,68 @@ def test_tied_embedding_and_head_norms_equal_torch_func(capture, tied):
     assert torch.allclose(t.per_sample_grad_norms(), ref_norms(model, idx, y, ce), rtol=1e-5)
 
 
+class ProbedGPT(TinyGPT):
+    """TinyGPT that calls `probe()` as the gradient reaches the embedding's output, before the embedding's δ."""
+
+    probe = None
+
+    def forward(self, idx):
+        h = self.tok(idx) * 1.0
+        if self.probe is not None:
+            h.register_hook(lambda g: self.probe())
+        return self.head(torch.tanh(self.mid(h)))
+
+
+def test_a_tied_head_lets_its_vocabulary_wide_delta_go_before_the_embeddings_arrives(monkeypatch):
+    """capture="norms" on a tied LM whose ghost form is the cheaper (vocabulary 4096): the head's δ (B, T, V) is
+    reduced as it arrives (its ghost norm, its input, its δ at the sample's token ids), so no (B, T, V) tensor is
+    alive when the embedding's δ comes; the norms are bitwise those of the whole factors and torch.func's."""
+    import gc
+
+    from hookwidget.capture.norms import StreamingNorms
+
+    torch.manual_seed(0)
+    vocab = 4096
+    model = ProbedGPT(vocab=vocab, d=16)
+    idx, y = torch.randint(0, vocab, (4, 8)), torch.randint(0, vocab, (4, 8))
+    idx[2, 5] = idx[2, 1]
+    wide = []
+
+    def probe():
+        gc.collect()
+        wide.append(sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.shape[-1:] == (vocab,)
+                        and o.dim() == 3))
+
+    def step():
+        model.zero_grad()
+        ce(model(idx), y).backward()
+
+    model.probe = probe
+    reduced = hw.trace(step, capture="norms").per_sample_grad_norms()
+    monkeypatch.setattr(StreamingNorms, "_head_part", lambda *args: None)
+    whole = hw.trace(step, capture="norms").per_sample_grad_norms()
+    assert wide[0] == 0 and wide[1] > 0  # reduced; then held whole
+    assert torch.equal(reduced, whole)
+    model.probe = None
+    assert torch.allclose(reduced, ref_norms(model, idx, y, ce), rtol=1e-5)
+
+
+def test_a_head_part_pairs_only_with_the_ids_it_was_reduced_at():
+    """shared.HeadPart keeps the head's δ at one set of token ids: with the embedding's factor at those ids it
+    gives the ghost terms' norms; at other ids it refuses (capture/norms.py then leaves the weight out, named)."""
+    from hookwidget.layers import shared
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=30, d=6).double()
+    idx, y = torch.randint(0, 30, (3, 5)), torch.randint(0, 30, (3, 5))
+    emb, head = _tied_contributions(model, idx, y)
+    part = shared.HeadPart(head, emb.X)
+    assert torch.equal(fx.shared_norm_sq([part, emb]), fx.shared_norm_sq([head, emb], method="ghost"))
+    other = Factor(emb.param, "onehot", emb.D, (emb.X + 1) % 30, emb.shape, rows=emb.rows)
+    with pytest.raises(ValueError, match="other token ids"):
+        fx.shared_norm_sq([part, other])
+
+
 def _tied_contributions(model, idx, y):
     t = hw.trace(lambda: ce(model(idx), y).backward())
     rows = [fx.factors(model.get_submodule(n), [c for c in t.layers[n].calls]) for n in ("tok", "head")]

@@ -21,7 +21,7 @@ from hookwidget._torch.layers import is_conv
 from hookwidget._torch.modules import own_parameters
 from hookwidget._torch.tensors import version
 from hookwidget.layers import factors as fx
-from hookwidget.layers import generic
+from hookwidget.layers import generic, shared
 
 
 class StreamingNorms:
@@ -35,6 +35,7 @@ class StreamingNorms:
         self._readers: Counter | None = None  # input key -> Linear layers reading that input (q, k, v: 3)
         self._grams: dict = {}  # input key -> [input, X Xᵀ, readers still to come]
         self._open: dict = {}  # this step: module -> its calls whose input is kept, not yet counted
+        self._left: list = []  # this step: modules whose shared parameter could not be counted (see end_step)
 
     def wants(self, module) -> bool:
         w = self._wants.get(module)
@@ -65,11 +66,15 @@ class StreamingNorms:
                 c.a = c.delta = None
         for p, pairs in self._shared.items():
             # counted only where every module holding it contributed (else its per-sample gradient is partial)
-            if len({f.D.shape[0] for _, f in pairs}) == 1 and len({id(m) for m, _ in pairs}) == self._owners[id(p)]:
-                self._add(pairs[0][0], fx.shared_norm_sq([f for _, f in pairs]))
+            whole = len({id(m) for m, _ in pairs}) == self._owners[id(p)]
+            if whole and len({shared.batch_of(f) for _, f in pairs}) == 1:
+                try:
+                    self._add(pairs[0][0], fx.shared_norm_sq([f for _, f in pairs]))
+                except ValueError:  # a tied head reduced at token ids its embedding's calls did not end with
+                    self._left += [m for m, _ in pairs]
         self._steps.append(self._step_result(model_batch))
         self._sq, self._layers, self._shared, self._readers, self._grams = {}, {}, {}, None, {}
-        self._open = {}
+        self._open, self._left = {}, []
 
     def _consume(self, module, calls, modules) -> None:
         if self._owners is None:
@@ -79,7 +84,8 @@ class StreamingNorms:
         for f in _factors(module, calls):
             p = getattr(module, f.param)
             if self._owners[id(p)] > 1:
-                self._shared.setdefault(p, []).append((module, f))
+                part = self._head_part(module, p, f) or f
+                self._shared.setdefault(p, []).append((module, part))
             else:
                 own.append(f)
         w = next((f for f in own if f.param == "weight"), None)
@@ -100,6 +106,26 @@ class StreamingNorms:
             self._open[module] = left
         else:
             self._open.pop(module, None)
+
+    def _head_part(self, module, p, f):
+        """`f` reduced to a shared.HeadPart where it is the first of two contributions to `p`: an LM head's, the
+        other a token embedding's whose one call this step still waits for its δ (its ids known since its forward);
+        else None (the factor is kept whole until the step ends)."""
+        if f.kind != "outer" or f.conv is not None or f.D.dim() != 3 or self._owners[id(p)] != 2 or p in self._shared:
+            return None
+        for m, calls in self._open.items():
+            if m is module or not isinstance(m, nn.Embedding) or m.weight is not p:
+                continue
+            pending = [c for c in calls if c.a is not None]
+            if len(pending) != 1 or pending[0].delta is not None or pending[0].folded_from is not None:
+                return None
+            a = pending[0].a
+            idx = a.reshape(a.shape[0], -1) if a.dim() else a
+            if (a.is_floating_point() or idx.dim() != 2 or idx.shape[0] != f.D.shape[0]
+                    or f.D.shape[-1] != m.num_embeddings or not shared.HeadPart.worth(f, idx, m.num_embeddings)):
+                return None
+            return shared.HeadPart(f, idx)
+        return None
 
     def _shared_gram(self, module, calls, modules):
         """X Xᵀ of a Linear layer's input, computed once for all layers that read the same tensor.
@@ -139,7 +165,7 @@ class StreamingNorms:
         if not self._sq:
             return None, []
         batch = model_batch if model_batch in self._layers else max(self._layers, key=lambda b: len(self._layers[b]))
-        left_out = [m for b, ms in self._layers.items() if b != batch for m in ms]
+        left_out = [m for b, ms in self._layers.items() if b != batch for m in ms] + self._left
         return _summed(self._sq[batch]), left_out
 
     def result(self) -> list:
