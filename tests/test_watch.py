@@ -605,20 +605,20 @@ def test_spikes_and_window():
 
 
 def test_a_non_finite_step_is_kept_over_earlier_spikes():
-    """max_kept=2 filled by two loss spikes: a third spike is not kept, but the NaN step after it is, in place of
-    the earliest spike (a run's early warnings must not crowd out the step that went wrong); every anomaly is
-    still listed, and dropped_traces counts the spike given up and the one never kept."""
+    """max_kept=2 filled by two loss spikes: a third spike is not kept, but the first NaN step is, in place of the
+    latest kept spike (warnings must not crowd out the step that went wrong; the first warning stays), and a second
+    NaN step is not (first come); every anomaly is still listed, and dropped_traces counts the three."""
     torch.manual_seed(0)
     model = Net(bn=False, p=0.0)
     x, y = data()
-    scale = {10: 1000.0, 17: 1000.0, 24: 1000.0, 31: float("nan")}
+    scale = {10: 1000.0, 17: 1000.0, 24: 1000.0, 31: float("nan"), 33: float("nan")}
     with watch(model, window=5, max_kept=2) as w:
         run_loop(model, torch.optim.SGD(model.parameters(), 1e-4), x, y, 36, scale=scale, skip_nonfinite=True)
-    assert {a.step for a in w.anomalies} == {10, 17, 24, 31}
-    assert w.kept == [17, 31, 35] and w.dropped_traces == 2
-    assert math.isnan(w.trace(31).loss) and w.trace(17).loss == pytest.approx(w.loss[17].item())
-    with pytest.raises(KeyError, match="step 10 was not kept"):
-        w.trace(10)
+    assert {a.step for a in w.anomalies} == {10, 17, 24, 31, 33}
+    assert w.kept == [10, 31, 35] and w.dropped_traces == 3
+    assert math.isnan(w.trace(31).loss) and w.trace(10).loss == pytest.approx(w.loss[10].item())
+    with pytest.raises(KeyError, match="step 17 was not kept"):
+        w.trace(17)
 
 
 def test_what_a_kept_trace_is_worth():

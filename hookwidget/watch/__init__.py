@@ -92,9 +92,9 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     of step k holds the optimizer step and zero_grad that followed step k-1, the forward of step k
     and its backward (t.steps[-1], its .grad, its graph). w.trace(k) returns it for the kept steps
     (w.kept): every anomalous step, including those keep= asks for (at most max_kept of these, and when
-    they are full a step with a non-finite value takes the place of the earliest kept for a spike or a
-    GradScaler skip, and one keep= asks for that of a spike; w.dropped_traces counts the steps not kept or
-    given up), and the latest step; w.trace() is the latest. No step is kept
+    they are full the first step with a non-finite value takes the place of the latest kept for a spike
+    or a GradScaler skip, and the first one keep= asks for that of a spike; w.dropped_traces counts the
+    steps not kept or given up), and the latest step; w.trace() is the latest. No step is kept
     for nothing: keep=lambda step, stats: step == 0 keeps the first, a healthy step to compare with.
     The others are dropped as the next step's forward begins (under compile: when its backward ends):
     while the model runs, only the running step's recording is alive besides the kept ones.

@@ -75,9 +75,10 @@ class FlightRecorder:
             self.latest = None
 
     def decide(self, step: int, later, rank, latest: bool = False) -> None:
-        """Keep step `step`'s Trace (assembled now, from what its recording holds) or let the recording go. With
-        max_kept Traces kept already, a step ranked above one of them (a non-finite value above a spike) takes
-        the place of the earliest of the lowest ranked: early warnings do not crowd out the step that went wrong."""
+        """Keep step `step`'s Trace (assembled now, from what its recording holds) or let the recording go. First
+        come, first kept, up to max_kept; then the first step of a higher rank than some kept one (the first
+        non-finite value, after spikes) takes the place of the latest of the lowest ranked: warnings do not crowd
+        out the step that went wrong, and the first warning, which the anomalies' lead points from, stays."""
         if latest:
             self.kept[step] = later.assemble()
             return
@@ -85,8 +86,10 @@ class FlightRecorder:
         if r is None:
             return
         if len(self.kept) >= self.max_kept:  # the latest joins them at the end, beyond max_kept
-            lowest = min(self._ranks.items(), key=lambda kr: (kr[1], kr[0]), default=None)
             self.dropped += 1
+            if r in self._ranks.values():  # one of its rank is kept: the first of them
+                return
+            lowest = min(self._ranks.items(), key=lambda kr: (kr[1], -kr[0]), default=None)
             if lowest is None or lowest[1] >= r:
                 return
             del self.kept[lowest[0]], self._ranks[lowest[0]]
