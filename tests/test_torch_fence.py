@@ -143,6 +143,27 @@ def test_current_node_is_the_running_backward_node():
         assert seen and seen[0] is not None
 
 
+def test_checkpoint_frame_names_a_checkpointed_forward_and_its_rerun():
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+    lin = nn.Linear(3, 3)
+    lin.register_forward_pre_hook(lambda m, i: seen.append(autograd.checkpoint_frame()))
+    x = torch.randn(2, 3, requires_grad=True)
+    with internal("torch.utils.checkpoint's _checkpoint_hook / _recomputation_hook closures"):
+        y = checkpoint(lin, x, use_reentrant=False) + checkpoint(lin, x, use_reentrant=False)
+        lin(x)
+        y.sum().backward()
+        (phase1, first), (phase2, second), plain = seen[:3]
+        assert (phase1, phase2, plain) == ("forward", "forward", None) and first is not second
+        reruns = seen[3:]
+        assert sorted(p for p, _ in reruns) == ["rerun", "rerun"]
+        assert {id(f) for _, f in reruns} == {id(first), id(second)}
+        seen.clear()
+        checkpoint(lin, x, use_reentrant=True).sum().backward()  # reentrant: no saved-tensor hooks
+        assert seen == [None, None]
+
+
 def test_sequence_numbers_order_the_nodes_a_forward_makes():
     x = torch.randn(3, requires_grad=True)
     with internal("torch._C._autograd._get_sequence_nr / Node._sequence_nr"):

@@ -11,6 +11,10 @@ Checked on torch 2.13. Why private names:
 - `node._input_metadata` (the shape of the gradient a node receives) and `node._saved_<name>` (what its forward
   saved: a transpose's dims, a matmul's operand) let capture prove rows of a folded batch and reuse what a
   matmul saved instead of rerunning it. They are the names autograd's generated nodes expose.
+- `torch._C._autograd._top_saved_tensors_default_hooks` and the closures of torch.utils.checkpoint's
+  `_checkpoint_hook` / `_recomputation_hook` (their `frame` / `target_frame_ref`) tell a forward that
+  non-reentrant checkpointing will rerun, and which of its reruns is which: capture="norms" then takes a layer's
+  input from the rerun instead of holding the first forward's (the memory checkpointing frees).
 """
 
 from __future__ import annotations
@@ -51,3 +55,27 @@ def saved(node, name: str):
     """What the node's forward saved under `name` (TransposeBackward0: "dim0", AddmmBackward0: "mat1"); raises
     AttributeError where the node saves no such value."""
     return getattr(node, "_saved_" + name)
+
+
+def checkpoint_frame() -> tuple | None:
+    """("forward", frame) while a forward runs that torch.utils.checkpoint (use_reentrant=False) will rerun in
+    backward, ("rerun", frame) while backward reruns it (the same frame object both times), else None; None too
+    where torch's checkpoint is not laid out as understood here (capture then holds the first forward's input)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if not hooks:
+        return None
+    pack = hooks[0]
+    pack = getattr(pack, "__wrapped__", pack)  # the rerun's hook is wrapped by torch._dynamo.disable
+    qualname, code, cells = getattr(pack, "__qualname__", ""), getattr(pack, "__code__", None), pack.__closure__
+    if code is None or cells is None:
+        return None
+    env = dict(zip(code.co_freevars, cells))
+    try:
+        if qualname.startswith("_checkpoint_hook.") and "frame" in env:
+            return "forward", env["frame"].cell_contents
+        if qualname.startswith("_recomputation_hook.") and "target_frame_ref" in env:
+            frame = env["target_frame_ref"].cell_contents()
+            return ("rerun", frame) if frame is not None else None
+    except ValueError:  # an empty cell
+        return None
+    return None

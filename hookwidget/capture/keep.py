@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from hookwidget._torch.autograd import checkpoint_frame
 from hookwidget._torch.modules import children, own_parameters
 from hookwidget._torch.tensors import version
 from hookwidget.capture.budget import Budget
@@ -92,6 +93,9 @@ class Keep:
     def on_delta(self, module, call, grad, modules) -> bool:
         self.budget.summarize(call, "delta_summary", grad)
         return False
+
+    def on_no_delta(self, rec, call) -> None:
+        """The call's output needs no gradient: no δ will come for it."""
 
     def begin_step(self, step) -> None:
         pass
@@ -181,9 +185,20 @@ class NormsKeep(FullKeep):
             rec.norms = self.rule.wants(module)
 
     def on_input(self, rec, call, a) -> None:
-        if rec.norms:
+        if not rec.norms:
+            return
+        where = checkpoint_frame()  # non-reentrant checkpointing: the input comes again, with the rerun
+        if where is None:
             call.a = a.detach()
             self.rule.on_input(rec.module, call)
+        elif where[0] == "forward":
+            self.rule.await_input(rec.module, call, where[1])
+        else:
+            self.rule.rerun_input(rec.module, where[1], a.detach())
+
+    def on_no_delta(self, rec, call) -> None:
+        if rec.norms:
+            self.rule.no_delta(rec.module, call)
 
     def on_generic_inputs(self, call, tree) -> None:
         pass  # the generic rule's norms are not streamed: per_sample adds them when asked
@@ -194,6 +209,9 @@ class NormsKeep(FullKeep):
             call.delta = grad.detach()
             self.rule.on_delta(module, modules)
         return False
+
+    def begin_step(self, step) -> None:
+        self.rule.begin_step()
 
     def end_step(self, modules: dict, batches) -> None:
         common = batches.most_common(1)

@@ -6,13 +6,17 @@ are dropped. A parameter shared by several layers (weight tying) keeps its facto
 pass ends, since its per-sample gradient is the sum over those layers: its norm then comes from each
 contribution's ghost norm and their cross terms where that is cheaper (layers/shared.py). Each backward pass (step)
 has its own rows: under gradient accumulation every micro-batch's samples are kept, in order.
+Under activation checkpointing a layer's input is not held from the first forward to its δ, which would keep the
+activations checkpointing frees: without reentrance, the call waits for the rerun's input (the rerun of the same
+checkpoint, _torch.autograd.checkpoint_frame); with it, the first forward's calls (no gradient) stand for their reruns,
+and their inputs are let go as backward begins.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from collections import Counter
+from collections import Counter, deque
 
 import torch
 from torch import nn
@@ -35,7 +39,11 @@ class StreamingNorms:
         self._readers: Counter | None = None  # input key -> Linear layers reading that input (q, k, v: 3)
         self._grams: dict = {}  # input key -> [input, X Xᵀ, readers still to come]
         self._open: dict = {}  # this step: module -> its calls whose input is kept, not yet counted
-        self._left: list = []  # this step: modules whose shared parameter could not be counted (see end_step)
+        self._left: list = []  # this step: modules whose norms could not be counted (see end_step)
+        self._awaiting: dict = {}  # this step: (module, id(checkpoint frame)) -> its calls awaiting their input
+        self._waiting: set = set()  # ids of those calls
+        self._no_grad: set = set()  # this step: ids of calls whose output needs no gradient (no_delta)
+        self._modules: dict = {}  # the tracer's records, as on_delta last got them
 
     def wants(self, module) -> bool:
         w = self._wants.get(module)
@@ -46,23 +54,79 @@ class StreamingNorms:
         return w
 
     def on_input(self, module, call) -> None:
-        """The tracer kept `call.a` of a module it wants: the call waits for its δ."""
+        """The tracer kept `call.a` of a module it wants: the call waits for its δ. A call backward reruns
+        (reentrant checkpointing) takes the place of one of the module's calls whose output needed no gradient
+        (no_delta: the first forward's, which stood for it), whose input is let go then."""
+        calls = self._open.setdefault(module, [])
+        if call.recomputed:
+            stand_in = next((c for c in calls if id(c) in self._no_grad), None)
+            if stand_in is not None:
+                self._no_grad.discard(id(stand_in))
+                self._waiting.discard(id(stand_in))
+                stand_in.a = None
+                calls[:] = [c for c in calls if c is not stand_in]
+        calls.append(call)
+
+    def await_input(self, module, call, frame) -> None:
+        """A call in a forward that activation checkpointing (use_reentrant=False) reruns in backward: its input is
+        taken from the rerun (rerun_input) instead of held from now until its δ, the memory checkpointing frees."""
         self._open.setdefault(module, []).append(call)
+        self._awaiting.setdefault((module, id(frame)), deque()).append(call)
+        self._waiting.add(id(call))
+
+    def rerun_input(self, module, frame, a) -> None:
+        """Backward reran `frame`'s forward: `a` is the input of the module's next call in it, whose δ arrives (or
+        arrived) at the first forward's call. A rerun no call awaits (its input was held) gives nothing."""
+        calls = self._awaiting.get((module, id(frame)))
+        if not calls:
+            return
+        call = calls.popleft()  # popped whatever it is: the reruns come in the order of the calls
+        if id(call) not in self._waiting:  # its output needed no gradient (no_delta): nothing to count
+            return
+        self._waiting.discard(id(call))
+        call.a = a
+        if call.delta is not None:  # the last layer of a checkpointed block: its δ came before the rerun
+            self.on_delta(module, self._modules)
+
+    def no_delta(self, module, call) -> None:
+        """The call's output needs no gradient, so no δ comes for it: a forward without grad, the first one of
+        reentrant checkpointing, whose rerun in backward (on_input) takes its place. Until then it is waited for
+        as that rerun: the module's norms are of all its calls. (Not rerun, it is counted out as the step ends; a
+        forward-only trace keeps its input.)"""
+        if any(c is call for c in self._open.get(module, ())):
+            self._no_grad.add(id(call))
+
+    def begin_step(self) -> None:
+        """Backward begins: the inputs of calls whose output needed no gradient are let go (their reruns bring
+        their own); a trace that ends without backward keeps them, to show."""
+        for calls in self._open.values():
+            for c in calls:
+                if id(c) in self._no_grad:
+                    c.a = None
+                    self._waiting.add(id(c))  # still stands for its rerun: waited for without an input
+
+    def _pending(self, module) -> list:
+        """The module's calls this step that will add to its norms: input kept or awaited, or one a rerun will
+        stand in for."""
+        return [c for c in self._open.get(module, ()) if c.a is not None or id(c) in self._waiting]
 
     def on_delta(self, module, modules) -> None:
-        pending = [c for c in self._open.get(module, ()) if c.a is not None]
-        if pending and all(c.delta is not None for c in pending):  # else wait for the last call's δ
+        self._modules = modules
+        pending = self._pending(module)
+        if pending and all(c.delta is not None and c.a is not None for c in pending):  # else wait for the rest
             self._consume(module, pending, modules)
 
     def end_step(self, modules, model_batch: int | None = None) -> None:
         """The backward pass ended: count the calls that got a δ, forget those that did not. model_batch: the
         leading dimension of the model's input this step (see per_sample.model_batches), where known."""
         for module, calls in list(self._open.items()):
-            pending = [c for c in calls if c.a is not None]
-            got = [c for c in pending if c.delta is not None]
-            if got:
+            pending = self._pending(module)
+            got = [c for c in pending if c.delta is not None]  # a first forward no rerun stood in for: none
+            if any(c.a is None for c in got):  # a δ whose input checkpointing's rerun never gave: not countable
+                self._left.append(module)
+            elif got:
                 self._consume(module, got, modules)
-            for c in pending:
+            for c in calls:
                 c.a = c.delta = None
         for p, pairs in self._shared.items():
             # counted only where every module holding it contributed (else its per-sample gradient is partial)
@@ -74,7 +138,7 @@ class StreamingNorms:
                     self._left += [m for m, _ in pairs]
         self._steps.append(self._step_result(model_batch))
         self._sq, self._layers, self._shared, self._readers, self._grams = {}, {}, {}, None, {}
-        self._open, self._left = {}, []
+        self._open, self._left, self._awaiting, self._waiting, self._no_grad = {}, [], {}, set(), set()
 
     def _consume(self, module, calls, modules) -> None:
         if self._owners is None:
@@ -101,7 +165,7 @@ class StreamingNorms:
             c.a = c.delta = None
             if c.bdelta is not None:
                 c.bdelta = None
-        left = [c for c in self._open.get(module, ()) if c.a is not None]
+        left = self._pending(module)
         if left:
             self._open[module] = left
         else:
@@ -113,11 +177,12 @@ class StreamingNorms:
         else None (the factor is kept whole until the step ends)."""
         if f.kind != "outer" or f.conv is not None or f.D.dim() != 3 or self._owners[id(p)] != 2 or p in self._shared:
             return None
-        for m, calls in self._open.items():
+        for m in self._open:
             if m is module or not isinstance(m, nn.Embedding) or m.weight is not p:
                 continue
-            pending = [c for c in calls if c.a is not None]
-            if len(pending) != 1 or pending[0].delta is not None or pending[0].folded_from is not None:
+            pending = self._pending(m)
+            if (len(pending) != 1 or pending[0].a is None or pending[0].delta is not None
+                    or pending[0].folded_from is not None):
                 return None
             a = pending[0].a
             idx = a.reshape(a.shape[0], -1) if a.dim() else a

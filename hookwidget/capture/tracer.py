@@ -31,8 +31,8 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from hookwidget._torch.autograd import checkpoint_frame, in_transform
 from hookwidget._torch.autograd import current_node as _current_node
-from hookwidget._torch.autograd import in_transform
 from hookwidget._torch.autograd import next_sequence_nr as _next_sequence_nr
 from hookwidget._torch.autograd import peek_transform as _peek_transform
 from hookwidget._torch.compile import is_compiled
@@ -233,8 +233,6 @@ class Tracer:
             rec = self._new_record(module)
         rec.open_calls.append(self._open_call(module, rec, inputs, kwargs))
         self.run.open += 1
-        if _current_node() is not None:  # forward rerun by backward: checkpoint
-            rec.calls[-1].recomputed = True
 
     def _new_record(self, module) -> ModuleRecord:
         """A module's first call: what does not change between its calls is decided once, and so is the
@@ -255,6 +253,7 @@ class Tracer:
         if rec.compiled:
             run.saw("compiled", module)
         call = Call(len(rec.calls), seq_start=_next_sequence_nr())
+        call.recomputed = _current_node() is not None  # forward rerun by backward: checkpointing
         rec.calls.append(call)
         outer, folds = run.outer, run.folds
         if run.open == 0:  # an outermost call: a new forward pass
@@ -299,6 +298,8 @@ class Tracer:
         call.seq_end = _next_sequence_nr()
         if out is not None:
             self._on_output(module, rec, call, out)
+        if out is None or not out.requires_grad:
+            self.run.keep.on_no_delta(rec, call)
         if rec.generic and call.inputs is not None:
             self.run.generic.hook_outputs(module, call, output, out)
         return replaced
@@ -326,7 +327,9 @@ class Tracer:
         call.output_shape = tuple(out.shape)
         if call.folded_from is not None and rec.keeps_rows:
             self.run.folds.output(call, out)
-        node = call.out_node = out.grad_fn
+        # A rerun of non-reentrant checkpointing builds a graph backward never runs: a reference to its output's
+        # node would keep that graph's saved tensors (the activations checkpointing frees) until the step ends.
+        node = call.out_node = None if call.recomputed and checkpoint_frame() is not None else out.grad_fn
         if node is not None:
             self.run.live.append(call)
         if out.requires_grad:
