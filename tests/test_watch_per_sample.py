@@ -162,3 +162,54 @@ def test_per_sample_off_by_default():
         model(torch.randn(4, 3)).sum().backward()
     with pytest.raises(KeyError, match="per_sample=True"):
         _ = w.per_sample
+
+
+def test_a_tied_head_lets_its_vocabulary_wide_delta_go_before_the_embeddings_arrives(monkeypatch):
+    """Vocabulary 4096 (the ghost form the cheaper): the head's δ (B, T, V) is reduced as it arrives (its ghost
+    norm, its bias's norm, its δ at the sample's token ids), so none is alive when the gradient reaches the
+    embedding; the largest per-sample norm is the per-sample loop's, and that of a watch holding the δ whole."""
+    import gc
+
+    from hookwidget.capture.sample_stats import PerSample
+
+    V, B, T = 4096, 4, 6
+
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc, self.head = nn.Embedding(V, 8), nn.Linear(8, 8), nn.Linear(8, V)
+            self.head.weight = self.emb.weight
+            self.probe = None
+
+        def forward(self, idx):
+            h = self.emb(idx) * 1.0
+            if self.probe is not None:
+                h.register_hook(lambda g: self.probe())  # after the head's δ, before the embedding's
+            return self.head(torch.tanh(self.fc(h)))
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    idx, tgt = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    idx[1, 3] = idx[1, 0]
+    wide = []
+
+    def probe():
+        gc.collect()
+        wide.append(sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.shape == (B, T, V)))
+
+    def run():
+        model.probe = probe
+        with watch(model, per_sample=True, flight_recorder=False) as w:
+            model.zero_grad()
+            F.cross_entropy(model(idx).reshape(-1, V), tgt.reshape(-1)).backward()
+        model.probe = None
+        return w.per_sample[0]
+
+    reduced = run()
+    monkeypatch.setattr(PerSample, "_head_part", lambda *args: None)
+    whole = run()
+    assert wide[0] == 0 and wide[1] > 0
+    want = per_sample_reference(model, idx, tgt, lambda out, t: F.cross_entropy(out.reshape(-1, V), t.reshape(-1),
+                                                                              reduction="sum") / T)
+    assert reduced[0].item() == pytest.approx(want.max().item(), rel=1e-5) and int(reduced[1]) == int(want.argmax())
+    assert reduced[0].item() == pytest.approx(whole[0].item(), rel=1e-9) and reduced[1] == whole[1]

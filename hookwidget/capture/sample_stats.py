@@ -4,6 +4,7 @@ sample, from each layer's (a, δ) shortcut as its δ arrives (the keep strategy 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from hookwidget._torch.tensors import version
 from hookwidget.capture.stat_rows import F64, NAN
@@ -24,7 +25,8 @@ class PerSample:
     themselves, where that is cheaper). A layer's squared norms are computed as soon as the δ of its
     last call of the step arrives, and its a and δ let go at once. Layers that share a parameter (a tied
     embedding and LM head) are reduced together once the last of them has its δ, the shared parameter's
-    norm with its cross terms (layers/shared.py): the first one's a and δ wait until then."""
+    norm with its cross terms (layers/shared.py): the first one's a and δ wait until then, but for a tied LM
+    head's, reduced as it arrives to what the cross term needs (_head_part)."""
 
     def __init__(self, layers: list, layer_names: list, pairs: list):
         from hookwidget.layers import factors as fx
@@ -66,11 +68,44 @@ class PerSample:
 
     def delta(self, step, li: int, call, grad: torch.Tensor) -> None:
         """δ of that call arrived (under the watch's lock): reduce the layer once all its calls have theirs (and
-        those of the layers it shares a parameter with)."""
+        those of the layers it shares a parameter with; a tied LM head is reduced as far as it can be at once,
+        _head_part)."""
         call.delta = grad.detach()
         members = [m for m in self.group.get(li, (li,)) if m in step.ps_calls]
         if all(c.delta is not None for m in members for c in step.ps_calls[m]):
-            self._reduce(step, {m: step.ps_calls.pop(m) for m in members})
+            parts = {m: step.ps_parts.pop(m) for m in self.group.get(li, ()) if m in step.ps_parts}
+            self._reduce(step, {m: step.ps_calls.pop(m) for m in members}, parts)
+        elif li in self.group and all(c.delta is not None for c in step.ps_calls[li]):
+            self._head_part(step, li)
+
+    def _head_part(self, step, li: int) -> None:
+        """Layer li has all its δ and shares its weight with a token embedding whose one call still waits for its
+        δ (a tied LM head): its contribution is reduced now (layers/shared.HeadPart, its other parameters' norms
+        with it) and its a and δ let go, instead of holding the vocabulary-wide δ until backward ends."""
+        from hookwidget.layers import shared
+
+        others = [m for m in self.group[li] if m != li]
+        head, calls = self.layers[li], step.ps_calls[li]
+        e = others[0] if len(others) == 1 else None
+        lookup = self.layers[e] if e is not None else None
+        pending = step.ps_calls.get(e, ())
+        if (not isinstance(lookup, nn.Embedding) or lookup.weight is not getattr(head, "weight", None)
+                or len(pending) != 1 or pending[0].delta is not None or pending[0].a.is_floating_point()
+                or any(version(c.a) != c.version for c in calls)):
+            return
+        idx = pending[0].a.reshape(pending[0].a.shape[0], -1)
+        with torch.no_grad():
+            fs = self.fx.factors(head, calls)
+            w = next((f for f in fs if f.param == "weight"), None)
+            if (w is None or w.kind != "outer" or w.conv is not None or w.D.dim() != 3 or w.D.shape[0] != idx.shape[0]
+                    or w.D.shape[-1] != lookup.num_embeddings
+                    or not shared.HeadPart.worth(w, idx, lookup.num_embeddings)):
+                return
+            rest = [self.fx.per_sample_norm_sq(f) for f in fs if f is not w]
+            step.ps_parts[li] = (shared.HeadPart(w, idx), sum(rest) if rest else None)
+        del step.ps_calls[li]
+        for c in calls:
+            c.a = c.delta = None
 
     def end(self, step, dev):
         """The step's [largest per-sample gradient norm, its sample] (float64, on dev), NaN if not known."""
@@ -79,8 +114,11 @@ class PerSample:
             calls = {m: step.ps_calls.pop(m) for m in self.group.get(li, (li,)) if m in step.ps_calls}
             got = {m: [c for c in cs if c.delta is not None] for m, cs in calls.items()}
             got = {m: cs for m, cs in got.items() if cs}
-            if got:
-                self._reduce(step, got)
+            parts = {m: step.ps_parts.pop(m) for m in self.group.get(li, ()) if m in step.ps_parts}
+            if got or parts:
+                self._reduce(step, got, parts)
+        for li in list(step.ps_parts):  # a tied head whose embedding's call got no δ: its own contribution
+            self._reduce(step, {}, {li: step.ps_parts.pop(li)})
         sq = step.ps_sq.get(step.ps_batch)
         if sq is None or step.ps_bad:
             return torch.full((2,), NAN, dtype=F64, device=dev)
@@ -94,15 +132,16 @@ class PerSample:
         return (f"hw.watch(per_sample=True): per-sample norms leave out {names}: the leading dimension of its "
                 "input is not the batch's (the leading dimension of the first watched layer's input)")
 
-    def _reduce(self, step, calls: dict) -> None:
+    def _reduce(self, step, calls: dict, parts: dict | None = None) -> None:
         """The squared per-sample norms of the layers in `calls` (layer -> its calls this step: one layer, or
-        layers that share a parameter, taken out of step.ps_calls), added to the step's; their a and δ let go."""
+        layers that share a parameter, taken out of step.ps_calls) and `parts` (a tied head reduced before,
+        _head_part), added to the step's; their a and δ let go."""
         every = [c for cs in calls.values() for c in cs]
         if any(version(c.a) != c.version for c in every):
             step.ps_bad = True  # an input changed in place after the layer read it: not known this step
         else:
             with torch.no_grad():
-                sq = self._norm_sq(calls)
+                sq = self._norm_sq(calls, parts or {})
             if sq is None or sq.shape[0] != step.ps_batch:
                 self.odd.update(calls)  # its rows are not the batch's samples (a position embedding: tokens)
             if sq is not None:
@@ -111,22 +150,28 @@ class PerSample:
         for c in every:
             c.a = c.delta = None
 
-    def _norm_sq(self, calls: dict) -> torch.Tensor | None:
+    def _norm_sq(self, calls: dict, parts: dict) -> torch.Tensor | None:
         """(rows,) squared norms; None where layers sharing a parameter saw different leading dimensions (rows that
         are not the same samples: their shared gradient has no per-row split)."""
+        from hookwidget.layers import shared
+
         fx = self.fx
-        if len(calls) == 1:
+        if len(calls) == 1 and not parts:
             (li, cs), = calls.items()
             m = self.layers[li]
             return fx.layer_norm_sq(m, fx.factors(m, cs))
         by_param: dict = {}  # id(parameter) -> its factors, from every layer that holds it
+        rest = []  # a reduced head's other parameters' squared norms
+        for li, (part, own) in parts.items():
+            by_param.setdefault(id(self.layers[li].weight), []).append(part)
+            rest += [own] if own is not None else []
         for li, cs in calls.items():
             m = self.layers[li]
             for f in fx.factors(m, cs):
                 by_param.setdefault(id(getattr(m, f.param)), []).append(f)
-        if len({f.D.shape[0] for fs in by_param.values() for f in fs}) > 1:
+        if len({shared.batch_of(f) for fs in by_param.values() for f in fs}) > 1:
             return None
-        return sum(fx.shared_norm_sq(fs) for fs in by_param.values())
+        return sum(fx.shared_norm_sq(fs) for fs in by_param.values()) + sum(rest)
 
 
 def _tied_groups(owners: dict) -> dict:

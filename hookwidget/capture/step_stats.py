@@ -69,6 +69,7 @@ class Step:
         self.scale = self.next_scale = None  # a GradScaler's scale at this backward and at the next
         self.roots = None  # the roots of a backward no eager hook saw (the watch judges why, then lets them go)
         self.ps_batch, self.ps_calls, self.ps_sq, self.ps_bad = None, {}, {}, False  # per_sample=True (PerSample)
+        self.ps_parts: dict = {}  # per_sample=True: tied heads reduced before their embedding's δ (PerSample)
         self.ps = None  # [largest per-sample gradient norm, its sample], when backward ends
 
 

@@ -139,7 +139,9 @@ def shared_norm_sq(fs: list[Factor], method: str | None = None) -> torch.Tensor:
     """(B,) squared per-sample norms of one parameter from several contributions (tied weights, a layer called
     twice in separate passes over the same samples): their ghost norms and cross terms, or their summed
     per-sample gradient, whichever layers/cost.py finds cheaper (see layers/shared.py)."""
-    return per_sample_norm_sq(fs[0], method=method) if len(fs) == 1 else shared.shared_norm_sq(fs, method)
+    if len(fs) == 1 and not isinstance(fs[0], shared.HeadPart):
+        return per_sample_norm_sq(fs[0], method=method)
+    return shared.shared_norm_sq(fs, method)
 
 
 def per_sample_norm_sq_with_bias(w: Factor, b: Factor, x_gram: Callable | None = None) -> torch.Tensor | None:

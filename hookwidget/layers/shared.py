@@ -45,8 +45,11 @@ def batch_of(f) -> int:
 def shared_norm_sq(fs: list, method: str | None = None) -> torch.Tensor:
     """(B,) squared per-sample norms of the sum of the contributions `fs` (factors of one parameter, same
     samples). method: 'ghost' or 'grad' to force one (tests), else the cheaper by cost.shared_method. A HeadPart
-    pairs with the one embedding factor whose ids it was reduced at (else ValueError: the head's δ is gone)."""
+    pairs with the one embedding factor whose ids it was reduced at (else ValueError: the head's δ is gone), or
+    stands alone where the embedding got no δ."""
     head = next((f for f in fs if isinstance(f, HeadPart)), None)
+    if head is not None and len(fs) == 1:  # the embedding added nothing (no δ reached it)
+        return head.sq
     if head is not None:
         e = next((f for f in fs if f is not head), None)
         if len(fs) != 2 or e.kind != "onehot" or not torch.equal(e.X, head.idx):
