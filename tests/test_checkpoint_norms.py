@@ -1,10 +1,11 @@
-"""capture="norms" under activation checkpointing (torch.utils.checkpoint): exact per-sample norms with reentrant and
-non-reentrant checkpointing, a layer called twice in a block and in two blocks; and the memory checkpointing frees
-stays free: the first forward's inputs of checkpointed layers are not held (the rerun's are taken), nor is the
-graph a non-reentrant rerun builds."""
+"""capture="norms" and hw.watch(per_sample=True) under activation checkpointing (torch.utils.checkpoint): exact
+per-sample norms with reentrant and non-reentrant checkpointing, a layer called twice in a block and in two blocks;
+and the memory checkpointing frees stays free: the first forward's inputs of checkpointed layers are not held (the
+rerun's are taken), nor is the graph a non-reentrant rerun builds."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 
@@ -168,3 +169,56 @@ def test_backward_under_non_reentrant_checkpointing_holds_what_plain_does():
     base = backward_peak(plain)
     traced = backward_peak(lambda: hw.trace(plain, capture="norms"))
     assert traced <= 1.1 * base, (traced, base)
+
+
+@pytest.mark.parametrize("reentrant, shared", [(False, True), (True, False)])
+def test_the_watchs_per_sample_maximum_under_checkpointing(reentrant, shared):
+    """hw.watch(per_sample=True) over three SGD steps: each step's largest per-sample norm and its sample are the
+    autograd loop's (a layer called twice in a block and in two blocks, non-reentrant; each layer once a block,
+    reentrant); under non-reentrant checkpointing no (B, T, H) activation is held as backward starts."""
+    from hookwidget.watch import watch
+
+    torch.manual_seed(0)
+    model = Blocks(reentrant, shared=shared)
+    ref = copy.deepcopy(model)  # the per-sample loop runs on a copy stepped alike
+    x, y = data()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), 0.1), torch.optim.SGD(ref.parameters(), 0.1)
+    want, alive = [], []
+
+    def probe():
+        gc.collect()
+        alive.append(sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.shape == (B, T, H)))
+
+    for _ in range(3):  # the reference first: every backward pass inside the watch is a step of it
+        want.append(loop_norms(ref, x, y))
+        ref_opt.zero_grad()
+        loss_of(ref, x, y).backward()
+        ref_opt.step()
+    model.probe = probe
+    with watch(model, per_sample=True, flight_recorder=False) as w:
+        for _ in range(3):
+            opt.zero_grad()
+            loss_of(model, x, y).backward()
+            opt.step()
+    ps = w.per_sample
+    for k in range(3):
+        assert ps[k, 0].item() == pytest.approx(want[k].max().item(), rel=1e-5)
+        assert int(ps[k, 1]) == int(want[k].argmax())
+    assert not any("per_sample" in n for n in w.notes)
+    if not reentrant:
+        assert alive == [0, 0, 0]
+
+
+def test_the_watch_names_a_layer_reentrant_checkpointing_reruns_in_two_blocks():
+    """Reentrant checkpointing reruns each block when backward reaches it: a layer called in two blocks has its
+    norms taken after the first block's δ, before the second block's rerun. The step's per-sample maximum is then
+    not known (NaN), and w.notes names the layer and the fix, rather than a partial norm."""
+    from hookwidget.watch import watch
+
+    torch.manual_seed(0)
+    model = Blocks(True)
+    x, y = data()
+    with watch(model, per_sample=True, flight_recorder=False) as w:
+        loss_of(model, x, y).backward()
+    assert torch.isnan(w.per_sample).all()
+    assert any("reran shared in another block" in n and "use_reentrant=False" in n for n in w.notes)

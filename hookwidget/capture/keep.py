@@ -116,6 +116,11 @@ class Keep:
     def on_recompute(self, module, inputs, out):
         return None
 
+    rerun_inputs = False  # whether on_rerun_input is wanted (a pre-hook per target)
+
+    def on_rerun_input(self, module, inputs) -> None:
+        pass
+
     def begin_pass(self, kind: str, roots: list) -> None:
         pass
 

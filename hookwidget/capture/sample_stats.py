@@ -3,9 +3,12 @@ sample, from each layer's (a, δ) shortcut as its δ arrives (the keep strategy 
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 from torch import nn
 
+from hookwidget._torch.autograd import checkpoint_frame
 from hookwidget._torch.tensors import version
 from hookwidget.capture.stat_rows import F64, NAN
 
@@ -15,8 +18,13 @@ class _Call:
 
     __slots__ = ("a", "delta", "state", "version")
 
-    def __init__(self, a: torch.Tensor, state):
-        self.a, self.delta, self.state, self.version = a.detach(), None, state, version(a)
+    def __init__(self, a: torch.Tensor | None, state):
+        self.a, self.delta, self.state = None, None, state
+        if a is not None:
+            self.take(a)
+
+    def take(self, a: torch.Tensor) -> None:
+        self.a, self.version = a.detach(), version(a)
 
 
 class PerSample:
@@ -26,7 +34,8 @@ class PerSample:
     last call of the step arrives, and its a and δ let go at once. Layers that share a parameter (a tied
     embedding and LM head) are reduced together once the last of them has its δ, the shared parameter's
     norm with its cross terms (layers/shared.py): the first one's a and δ wait until then, but for a tied LM
-    head's, reduced as it arrives to what the cross term needs (_head_part)."""
+    head's, reduced as it arrives to what the cross term needs (_head_part). A call in a forward that
+    non-reentrant checkpointing reruns holds no input: it takes the rerun's (rerun), as capture/norms.py does."""
 
     def __init__(self, layers: list, layer_names: list, pairs: list):
         from hookwidget.layers import factors as fx
@@ -53,29 +62,53 @@ class PerSample:
                     self.eligible.discard(li)
                     left.append(f"{layer_names[li]} (a parameter shared with a layer left out)")
         self.layers, self.layer_names, self.odd = layers, layer_names, set()
+        self.partial_reruns: set = set()  # layers reentrant checkpointing reran after their norms were taken
         self.note = (f"hw.watch(per_sample=True): per-sample norms leave out {', '.join(left[:6])}"
                      f"{' ...' if len(left) > 6 else ''}") if left else None
 
-    def forward(self, step, li: int, module, a: torch.Tensor):
-        """A call of layer li read a: its _Call (None where the layer is left out)."""
+    def forward(self, step, li: int, module, a: torch.Tensor, rerun: bool = False):
+        """A call of layer li read a: its _Call (None where the layer is left out). rerun: a call reentrant
+        checkpointing reruns in backward (its first forward, without grad, went unseen)."""
         if step.ps_batch is None and a is not None and a.dim() > 0:
             step.ps_batch = a.shape[0]  # the first watched call reads the model's input: its batch
         if li not in self.eligible or a is None or a.dim() == 0:
             return None
-        call = _Call(a, self.fx.forward_state(module))
+        if rerun and li in step.ps_done:  # its norms were taken without this call: the step's are not known
+            step.ps_bad = True
+            self.partial_reruns.add(li)
+            return None
+        where = checkpoint_frame()  # non-reentrant checkpointing reruns this forward: its input comes again then
+        awaits = where is not None and where[0] == "forward"
+        call = _Call(None if awaits else a, self.fx.forward_state(module))
         step.ps_calls.setdefault(li, []).append(call)
+        if awaits:
+            step.ps_awaiting.setdefault((li, id(where[1])), deque()).append(call)
         return call
 
+    def rerun(self, step, li: int, a: torch.Tensor) -> None:
+        """Backward reruns a checkpointed forward (use_reentrant=False): `a` is the input of layer li's next call
+        in it, whose δ arrives (or arrived) at the first forward's call (under the watch's lock)."""
+        where = checkpoint_frame()
+        calls = step.ps_awaiting.get((li, id(where[1]))) if where is not None else None
+        if calls:  # the reruns come in the order of the calls
+            call = calls.popleft()
+            call.take(a)
+            if call.delta is not None:  # the last layer of a checkpointed block: its δ came before the rerun
+                self._ready(step, li)
+
     def delta(self, step, li: int, call, grad: torch.Tensor) -> None:
-        """δ of that call arrived (under the watch's lock): reduce the layer once all its calls have theirs (and
-        those of the layers it shares a parameter with; a tied LM head is reduced as far as it can be at once,
-        _head_part)."""
+        """δ of that call arrived (under the watch's lock)."""
         call.delta = grad.detach()
+        self._ready(step, li)
+
+    def _ready(self, step, li: int) -> None:
+        """Reduce layer li once all its calls have their a and δ (and those of the layers it shares a parameter
+        with; a tied LM head is reduced as far as it can be at once, _head_part)."""
         members = [m for m in self.group.get(li, (li,)) if m in step.ps_calls]
-        if all(c.delta is not None for m in members for c in step.ps_calls[m]):
+        if all(c.delta is not None and c.a is not None for m in members for c in step.ps_calls[m]):
             parts = {m: step.ps_parts.pop(m) for m in self.group.get(li, ()) if m in step.ps_parts}
             self._reduce(step, {m: step.ps_calls.pop(m) for m in members}, parts)
-        elif li in self.group and all(c.delta is not None for c in step.ps_calls[li]):
+        elif li in self.group and all(c.delta is not None and c.a is not None for c in step.ps_calls.get(li, ())):
             self._head_part(step, li)
 
     def _head_part(self, step, li: int) -> None:
@@ -90,7 +123,8 @@ class PerSample:
         lookup = self.layers[e] if e is not None else None
         pending = step.ps_calls.get(e, ())
         if (not isinstance(lookup, nn.Embedding) or lookup.weight is not getattr(head, "weight", None)
-                or len(pending) != 1 or pending[0].delta is not None or pending[0].a.is_floating_point()
+                or len(pending) != 1 or pending[0].delta is not None or pending[0].a is None
+                or pending[0].a.is_floating_point()
                 or any(version(c.a) != c.version for c in calls)):
             return
         idx = pending[0].a.reshape(pending[0].a.shape[0], -1)
@@ -114,6 +148,9 @@ class PerSample:
             calls = {m: step.ps_calls.pop(m) for m in self.group.get(li, (li,)) if m in step.ps_calls}
             got = {m: [c for c in cs if c.delta is not None] for m, cs in calls.items()}
             got = {m: cs for m, cs in got.items() if cs}
+            if any(c.a is None for cs in got.values() for c in cs):  # checkpointing's rerun never gave its input
+                step.ps_bad = True
+                continue
             parts = {m: step.ps_parts.pop(m) for m in self.group.get(li, ()) if m in step.ps_parts}
             if got or parts:
                 self._reduce(step, got, parts)
@@ -125,18 +162,26 @@ class PerSample:
         m, i = torch.max(sq.to(dev, F64), 0)
         return torch.stack([m.sqrt(), i.to(F64)])
 
-    def odd_note(self) -> str | None:
-        if not self.odd:
-            return None
-        names = ", ".join(self.layer_names[li] for li in sorted(self.odd))
-        return (f"hw.watch(per_sample=True): per-sample norms leave out {names}: the leading dimension of its "
-                "input is not the batch's (the leading dimension of the first watched layer's input)")
+    def notes(self) -> list:
+        """What the per-sample norms left out so far, and why (the watch adds each new one to w.notes)."""
+        out = []
+        if self.odd:
+            names = ", ".join(self.layer_names[li] for li in sorted(self.odd))
+            out.append(f"hw.watch(per_sample=True): per-sample norms leave out {names}: the leading dimension of its "
+                       "input is not the batch's (the leading dimension of the first watched layer's input)")
+        if self.partial_reruns:
+            names = ", ".join(self.layer_names[li] for li in sorted(self.partial_reruns))
+            out.append(f"hw.watch(per_sample=True): per-sample norms are NaN (not known) in steps where reentrant "
+                       f"checkpointing reran {names} in another block after its gradient had arrived from one: its "
+                       "per-sample gradient sums its calls; checkpoint(..., use_reentrant=False) reruns them in order")
+        return out
 
     def _reduce(self, step, calls: dict, parts: dict | None = None) -> None:
         """The squared per-sample norms of the layers in `calls` (layer -> its calls this step: one layer, or
         layers that share a parameter, taken out of step.ps_calls) and `parts` (a tied head reduced before,
         _head_part), added to the step's; their a and δ let go."""
         every = [c for cs in calls.values() for c in cs]
+        step.ps_done.update(calls)
         if any(version(c.a) != c.version for c in every):
             step.ps_bad = True  # an input changed in place after the layer read it: not known this step
         else:

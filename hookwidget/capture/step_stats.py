@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from hookwidget._torch.autograd import checkpoint_frame
 from hookwidget._torch.norms import foreach_copy_, foreach_sub_
 from hookwidget.capture import compiled_stats
 from hookwidget.capture.keep import Keep, register
@@ -70,6 +71,8 @@ class Step:
         self.roots = None  # the roots of a backward no eager hook saw (the watch judges why, then lets them go)
         self.ps_batch, self.ps_calls, self.ps_sq, self.ps_bad = None, {}, {}, False  # per_sample=True (PerSample)
         self.ps_parts: dict = {}  # per_sample=True: tied heads reduced before their embedding's δ (PerSample)
+        self.ps_awaiting: dict = {}  # per_sample=True: checkpointed calls awaiting their rerun's input (PerSample)
+        self.ps_done: set = set()  # per_sample=True: layers whose norms this step were taken (PerSample)
         self.ps = None  # [largest per-sample gradient norm, its sample], when backward ends
 
 
@@ -116,17 +119,32 @@ class StatsKeep(Keep):
         """A forward that backward reruns (gradient checkpointing): reduced as a call, without counting as one of
         the step's forward calls (its forward began long before). Its δ arrives under reentrant checkpointing, whose
         first forward ran without grad and went unseen; under non-reentrant checkpointing it never does, and the
-        first forward's call is the one counted. Per-sample norms take it only where the step holds no call of the
-        layer yet (the reentrant case): the non-reentrant recomputation's input would be a second copy held."""
+        first forward's call is the one counted. Per-sample norms take its input for that call, which held none
+        (on_rerun_input, from the pre-hook); under reentrant checkpointing they take the rerun as a call."""
         cur = self.cur
         if not cur.recorded or self.kind != "backward":
             return None
         a = first_tensor(inputs)
         li = self.layer_of[module]
         with self.lock:  # autograd may run the recomputation on one of its device threads
-            fresh = self.ps is not None and li not in cur.ps_calls
-            call = self.ps.forward(cur, li, module, a) if fresh else None
+            # reentrant: the rerun is the call (its first forward, without grad, went unseen); non-reentrant: the
+            # first forward's call is, and on_rerun_input gave it this input
+            reentrant = self.ps is not None and checkpoint_frame() is None
+            call = self.ps.forward(cur, li, module, a, rerun=True) if reentrant else None
         return li, reduce_input(a) if a is not None else None, cur.calls, call
+
+    @property
+    def rerun_inputs(self) -> bool:
+        return self.ps is not None
+
+    def on_rerun_input(self, module, inputs) -> None:
+        """A call of a forward that backward reruns is about to run: per-sample norms take its input for the first
+        forward's call (PerSample.rerun), which held none."""
+        cur = self.cur
+        a = first_tensor(inputs)
+        if cur.recorded and self.kind == "backward" and a is not None:
+            with self.lock:  # autograd may run the recomputation on one of its device threads
+                self.ps.rerun(cur, self.layer_of[module], a)
 
     def on_delta(self, module, token, grad, modules) -> bool:
         if self.kind != "backward":

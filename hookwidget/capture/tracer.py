@@ -161,6 +161,8 @@ class Tracer:
         elif not self.run.keep.records:  # a streaming strategy: the targets themselves, one forward hook each
             for m in self.targets:
                 s.enter_context(Removing(m.register_forward_hook(self._stream_hook)))
+                if self.run.keep.rerun_inputs:  # and a pre-hook, for the input of a rerun (_stream_pre_hook)
+                    s.enter_context(Removing(m.register_forward_pre_hook(self._stream_pre_hook)))
         else:
             for m in every_module(self.targets):
                 s.enter_context(Removing(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True)))
@@ -219,6 +221,14 @@ class Tracer:
         token = keep.on_recompute(module, inputs, out) if recomputed else keep.on_call(module, inputs, out)
         if token is not None:
             hook_output(self.run.hooks.tensor, out, self._delta_hook(module, token, streaming=True))
+        return None
+
+    def _stream_pre_hook(self, module, inputs):
+        """A call's input before it runs, for a forward that backward reruns (checkpointing): its rerun stops as soon
+        as every tensor backward needs is saved again, which may be before the call's forward hook."""
+        if _current_node() is None or _is_compiling() or not self.run.hooks.active:
+            return None
+        self.run.keep.on_rerun_input(module, inputs)
         return None
 
     # -- forward -------------------------------------------------------------------------------

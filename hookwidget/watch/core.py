@@ -186,9 +186,9 @@ class Watch:
             self._unseen(step)
         if not self._called_checked and step.recorded and step.order and not step.compiled:
             self._not_called(step)
-        odd = self._ps.odd_note() if self._ps is not None else None
-        if odd is not None and odd not in self.notes:
-            self.notes.append(odd)
+        for note in self._ps.notes() if self._ps is not None else ():
+            if note not in self.notes:
+                self.notes.append(note)
         if self._flight is not None:
             if self._flight.latest is not None:  # no forward ran since the step before (compiled code): judged now
                 self._judge(upto=step.index - 1)
