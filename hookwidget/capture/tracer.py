@@ -226,7 +226,7 @@ class Tracer:
     def _stream_pre_hook(self, module, inputs):
         """A call's input before it runs, for a forward that backward reruns (checkpointing): its rerun stops as soon
         as every tensor backward needs is saved again, which may be before the call's forward hook."""
-        if _current_node() is None or _is_compiling() or not self.run.hooks.active:
+        if _is_compiling() or _current_node() is None or not self.run.hooks.active:
             return None
         self.run.keep.on_rerun_input(module, inputs)
         return None
