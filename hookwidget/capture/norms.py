@@ -93,8 +93,7 @@ class StreamingNorms:
         reentrant checkpointing, whose rerun in backward (on_input) takes its place. Until then it is waited for
         as that rerun: the module's norms are of all its calls. (Not rerun, it is counted out as the step ends; a
         forward-only trace keeps its input.)"""
-        if any(c is call for c in self._open.get(module, ())):
-            self._no_grad.add(id(call))
+        self._no_grad.add(id(call))
 
     def begin_step(self) -> None:
         """Backward begins: the inputs of calls whose output needed no gradient are let go (their reruns bring
