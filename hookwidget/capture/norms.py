@@ -174,7 +174,7 @@ class StreamingNorms:
         """`f` reduced to a shared.HeadPart where it is the first of two contributions to `p`: an LM head's, the
         other a token embedding's whose one call this step still waits for its δ (its ids known since its forward);
         else None (the factor is kept whole until the step ends)."""
-        if f.kind != "outer" or f.conv is not None or f.D.dim() != 3 or self._owners[id(p)] != 2 or p in self._shared:
+        if self._owners[id(p)] != 2 or p in self._shared:
             return None
         for m in self._open:
             if m is module or not isinstance(m, nn.Embedding) or m.weight is not p:
@@ -183,12 +183,7 @@ class StreamingNorms:
             if (len(pending) != 1 or pending[0].a is None or pending[0].delta is not None
                     or pending[0].folded_from is not None):
                 return None
-            a = pending[0].a
-            idx = a.reshape(a.shape[0], -1) if a.dim() else a
-            if (a.is_floating_point() or idx.dim() != 2 or idx.shape[0] != f.D.shape[0]
-                    or f.D.shape[-1] != m.num_embeddings or not shared.HeadPart.worth(f, idx, m.num_embeddings)):
-                return None
-            return shared.HeadPart(f, idx)
+            return shared.head_part(f, m, pending[0].a)
         return None
 
     def _shared_gram(self, module, calls, modules):

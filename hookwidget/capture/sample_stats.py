@@ -39,8 +39,9 @@ class PerSample:
 
     def __init__(self, layers: list, layer_names: list, pairs: list):
         from hookwidget.layers import factors as fx
+        from hookwidget.layers import shared
 
-        self.fx = fx
+        self.fx, self.shared = fx, shared
         owners: dict = {}
         for li, pi in pairs:
             owners.setdefault(pi, set()).add(li)
@@ -115,8 +116,6 @@ class PerSample:
         """Layer li has all its δ and shares its weight with a token embedding whose one call still waits for its
         δ (a tied LM head): its contribution is reduced now (layers/shared.HeadPart, its other parameters' norms
         with it) and its a and δ let go, instead of holding the vocabulary-wide δ until backward ends."""
-        from hookwidget.layers import shared
-
         others = [m for m in self.group[li] if m != li]
         head, calls = self.layers[li], step.ps_calls[li]
         e = others[0] if len(others) == 1 else None
@@ -124,19 +123,16 @@ class PerSample:
         pending = step.ps_calls.get(e, ())
         if (not isinstance(lookup, nn.Embedding) or lookup.weight is not getattr(head, "weight", None)
                 or len(pending) != 1 or pending[0].delta is not None or pending[0].a is None
-                or pending[0].a.is_floating_point()
                 or any(version(c.a) != c.version for c in calls)):
             return
-        idx = pending[0].a.reshape(pending[0].a.shape[0], -1)
         with torch.no_grad():
             fs = self.fx.factors(head, calls)
             w = next((f for f in fs if f.param == "weight"), None)
-            if (w is None or w.kind != "outer" or w.conv is not None or w.D.dim() != 3 or w.D.shape[0] != idx.shape[0]
-                    or w.D.shape[-1] != lookup.num_embeddings
-                    or not shared.HeadPart.worth(w, idx, lookup.num_embeddings)):
+            part = self.shared.head_part(w, lookup, pending[0].a) if w is not None else None
+            if part is None:
                 return
             rest = [self.fx.per_sample_norm_sq(f) for f in fs if f is not w]
-            step.ps_parts[li] = (shared.HeadPart(w, idx), sum(rest) if rest else None)
+            step.ps_parts[li] = (part, sum(rest) if rest else None)
         del step.ps_calls[li]
         for c in calls:
             c.a = c.delta = None
@@ -198,8 +194,6 @@ class PerSample:
     def _norm_sq(self, calls: dict, parts: dict) -> torch.Tensor | None:
         """(rows,) squared norms; None where layers sharing a parameter saw different leading dimensions (rows that
         are not the same samples: their shared gradient has no per-row split)."""
-        from hookwidget.layers import shared
-
         fx = self.fx
         if len(calls) == 1 and not parts:
             (li, cs), = calls.items()
@@ -214,7 +208,7 @@ class PerSample:
             m = self.layers[li]
             for f in fx.factors(m, cs):
                 by_param.setdefault(id(getattr(m, f.param)), []).append(f)
-        if len({shared.batch_of(f) for fs in by_param.values() for f in fs}) > 1:
+        if len({self.shared.batch_of(f) for fs in by_param.values() for f in fs}) > 1:
             return None
         return sum(fx.shared_norm_sq(fs) for fs in by_param.values()) + sum(rest)
 

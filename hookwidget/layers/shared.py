@@ -26,7 +26,7 @@ class HeadPart:
         self.param, self.shape, self.idx, self.X = f.param, f.shape, idx, f.X
         self.batch = f.D.shape[0]
         self.sq = KINDS["outer"].norm_sq(f)
-        self.at_idx = torch.gather(f.D, 2, idx.long().unsqueeze(1).expand(-1, f.D.shape[1], -1))  # ε_s[idx_t]
+        self.at_idx = _at_ids(f.D, idx)
 
     @staticmethod
     def worth(f, idx: torch.Tensor, rows: int) -> bool:
@@ -35,6 +35,19 @@ class HeadPart:
         lookup = Factor(f.param, "onehot", torch.empty((idx.shape[0], idx.shape[1], d), device="meta"), idx,
                         f.shape, rows=rows)
         return cost.ghost_form([f]) and cost.shared_method([f, lookup]) == "ghost"
+
+
+def head_part(f, lookup, ids: torch.Tensor) -> HeadPart | None:
+    """`f` reduced to a HeadPart where it is an LM head's contribution (kind outer, δ over the vocabulary) to the
+    weight it shares with the token embedding `lookup`, whose one call this step read `ids` and has no δ yet, and
+    the ghost form is the cheaper; else None (the callers find that call: capture/norms.py, sample_stats.py)."""
+    if ids.is_floating_point() or ids.dim() == 0 or f.kind != "outer" or f.conv is not None or f.D.dim() != 3:
+        return None
+    idx = ids.reshape(ids.shape[0], -1)
+    rows = lookup.num_embeddings
+    if idx.shape[0] != f.D.shape[0] or f.D.shape[-1] != rows or not HeadPart.worth(f, idx, rows):
+        return None
+    return HeadPart(f, idx)
 
 
 def batch_of(f) -> int:
@@ -54,8 +67,7 @@ def shared_norm_sq(fs: list, method: str | None = None) -> torch.Tensor:
         e = next((f for f in fs if f is not head), None)
         if len(fs) != 2 or e.kind != "onehot" or not torch.equal(e.X, head.idx):
             raise ValueError("the tied head's δ was reduced at other token ids than its embedding's")
-        return head.sq + KINDS["onehot"].norm_sq(e) + 2 * batch_dot(torch.bmm(e.D, head.X.transpose(1, 2)),
-                                                                   head.at_idx.transpose(1, 2))
+        return head.sq + KINDS["onehot"].norm_sq(e) + 2 * _lookup_cross(e, head.X, head.at_idx)
     if (method or cost.shared_method(fs)) == "grad" or not cost.ghost_form(fs):
         return sq_norms(sum(KINDS[f.kind].per_sample(f).flatten(1) for f in fs))
     sq = sum(KINDS[f.kind].norm_sq(f) for f in fs)
@@ -74,6 +86,16 @@ def cross(f, g) -> torch.Tensor:
         return batch_dot(same, torch.bmm(f.D, g.D.transpose(1, 2)))
     e, h = (f, g) if f.kind == "onehot" else (g, f)
     # h's weight is (rows, width): its δ indexes rows, its input the width the embedding's δ has
-    dots = torch.bmm(e.D, h.X.transpose(1, 2))  # (B, T_e, T_h): δ_t · c_s
-    at_idx = torch.gather(h.D, 2, e.X.long().unsqueeze(1).expand(-1, h.D.shape[1], -1))  # (B, T_h, T_e): ε_s[idx_t]
+    return _lookup_cross(e, h.X, _at_ids(h.D, e.X))
+
+
+def _at_ids(D: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """(B, T_h, T_e): a head's δ ε_s (B, T_h, rows) at the embedding's ids idx_t (B, T_e), ε_s[idx_t]."""
+    return torch.gather(D, 2, idx.long().unsqueeze(1).expand(-1, D.shape[1], -1))
+
+
+def _lookup_cross(e, X: torch.Tensor, at_idx: torch.Tensor) -> torch.Tensor:
+    """(B,) ⟨G_e, G_h⟩ of an embedding's factor e and a head with input X and δ at e's ids at_idx (_at_ids):
+    Σ_{t,s} ε_s[idx_t] (δ_t · c_s)."""
+    dots = torch.bmm(e.D, X.transpose(1, 2))  # (B, T_e, T_h): δ_t · c_s
     return batch_dot(dots, at_idx.transpose(1, 2))
