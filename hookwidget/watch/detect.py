@@ -30,12 +30,6 @@ class Anomaly(NamedTuple):
 NONFINITE, ASKED, WARNING = 2, 1, 0
 
 
-def _rank(where: str, reason: str) -> int:
-    if where == "keep":
-        return ASKED
-    return WARNING if where == "scaler" or reason.startswith("spike") else NONFINITE
-
-
 class Detector:
     def __init__(self, layer_names: list, spike: float, window: int, keep):
         self.layer_names, self.spike, self.window, self.keep = layer_names, float(spike), window, keep
@@ -69,9 +63,9 @@ class Detector:
         """Whether the step's scalars were judged ahead of its row (judge), not yet listed by check."""
         return step in self._early
 
-    def _add(self, step: int, where: str, reason: str) -> None:
+    def _add(self, step: int, where: str, reason: str, rank: int = NONFINITE) -> None:
         self.anomalies.append(Anomaly(step, where, reason))
-        self._ranks[step] = max(self._ranks.get(step, WARNING), _rank(where, reason))
+        self._ranks[step] = max(self._ranks.get(step, WARNING), rank)
 
     def judge(self, step: int, loss: float | None, gnorm: float) -> bool:
         """The verdicts on a step's scalars (loss None: backward started from no scalar), made once per step and
@@ -98,7 +92,7 @@ class Detector:
         values are then said to be the scaler's found-inf, not left to read as the model's fault)."""
         first = len(self.anomalies)
         if skipped is not None:
-            self._add(step, "scaler", skipped)
+            self._add(step, "scaler", skipped, WARNING)
         loss, gnorm = step_row.tolist()
         if step not in self._early:
             self.judge(step, loss if has_loss else None, gnorm)
@@ -114,7 +108,7 @@ class Detector:
             self._first_bad(step, row, order, ("grad_nan", "grad_inf"), ".grad non-finite (first such layer in "
                             "backward order)")
         for where, reason in spikes:
-            self._add(step, where, reason)
+            self._add(step, where, reason, WARNING)
         if skipped is not None:
             for i in range(first + 1, len(self.anomalies)):
                 a = self.anomalies[i]
@@ -125,7 +119,7 @@ class Detector:
             stats = {n: row[:, i] for i, n in enumerate(STAT_NAMES)}
             stats.update(loss=loss if has_loss else math.nan, global_grad_norm=gnorm)
             if self.keep(step, stats):
-                self._add(step, "keep", "user predicate keep(step, stats) returned True")
+                self._add(step, "keep", "user predicate keep(step, stats) returned True", ASKED)
 
     def _first_bad(self, step: int, row: torch.Tensor, order: dict, cols: tuple, reason: str) -> None:
         bad = sum(row[:, S[c]].nan_to_num(0.0) for c in cols) > 0
