@@ -114,6 +114,23 @@ def test_fast_rule_equals_an_autograd_loop(case, capture):
     assert used_fast(t, "mha")
 
 
+def test_self_attention_keeps_one_copy_of_the_tensor_it_passes_three_times(monkeypatch):
+    """Query, key and value passed as one tensor are kept as one copy, passed three times: the fast rule sees the
+    call as forward did, without comparing three copies element by element (torch.equal)."""
+    torch.manual_seed(0)
+    model = Wrap(nn.MultiheadAttention(8, 2, batch_first=True), 8)
+    x = torch.randn(B, 5, 8)
+    compared = []
+    equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(a.shape) or equal(a, b))
+    t = traced(model, lambda: model(x)[0].pow(2).sum())
+    args = t.layers["mha"].calls[0].inputs[0]
+    assert args[0] is args[1] is args[2]
+    close(t.per_sample_grad_norms(), torch.cat([g.flatten(1) for g in loop_reference(
+        model, lambda i=None: model(x if i is None else x[i:i + 1])[0].pow(2).sum()).values()], 1).norm(dim=1))
+    assert used_fast(t, "mha") and not compared
+
+
 def test_the_fast_factors_equal_each_sample_alone_and_take_the_gram_form():
     """in_proj as one outer factor over the packed q|k|v δ; out_proj over the attention output."""
     torch.manual_seed(0)

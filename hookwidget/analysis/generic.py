@@ -174,17 +174,28 @@ def _adds_up(g, want: torch.Tensor) -> bool:
     """Whether per-sample rows (a tensor, or a fast rule's Factor) add up to `want`. An outer factor's sum
     Σ_bt δ_bt x_btᵀ is compared along two random directions per side (Freivalds: uᵀ(ΣδxᵀV) against uᵀ want v,
     O(BT(o + i)) instead of the O(BT·o·i) of the sum itself), with a tolerance scaled to the magnitudes that
-    enter it; the fast rule's rows are besides compared element by element on one sample (_fast_rows)."""
+    enter it; the fast rule's rows are besides compared element by element on one sample (_fast_rows).
+    δ and x are projected in their own dtype (a float32 product's rounding, ~1e-6 of the scale, is far inside the
+    3e-5 tolerance; a float64 copy of δ cost more than the check) and everything after in float64."""
     if not (isinstance(g, fx.Factor) and g.kind == "outer" and g._X is not None and g.D.dim() == 3
             and want.dim() == 2 and not want.is_sparse and tuple(want.shape) == (g.D.shape[-1], g.X.shape[-1])
             and want.dtype in (torch.float32, torch.float64) and g.D.dtype == g.X.dtype == want.dtype):
         return facts.allclose_grad(_summed(g), want)
     gen = torch.Generator(device=want.device).manual_seed(0)
-    D, X, W = g.D.double(), g.X.double(), want.double()
+    W = want.double()
     U = torch.randn(W.shape[0], 2, generator=gen, device=W.device, dtype=W.dtype)
     V = torch.randn(W.shape[1], 2, generator=gen, device=W.device, dtype=W.dtype)
-    du, xv = D @ U, X @ V  # (B, T, 2)
+    du, xv = _projected(g.D, U), _projected(g.X, V)  # (B, T, 2)
     got = (du * xv).sum((0, 1))
     ref = ((U.T @ W) * V.T).sum(1)
     scale = (du.abs() * xv.abs()).sum((0, 1)) + ((U.abs().T @ W.abs()) * V.abs().T).sum(1)
     return bool(((got - ref).abs() <= 3e-5 * scale + 1e-30).all())
+
+
+def _projected(A: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
+    """(B, T, k) float64 A @ U, A's rows taken in the order memory holds them: a (T, B) layout (nn.MultiheadAttention's
+    δ of its input projection) is multiplied as it lies, where A @ U would first copy it into (B, T) order."""
+    U = U.to(A.dtype)
+    if A.stride(0) < A.stride(1):
+        return (A.transpose(0, 1) @ U).transpose(0, 1).double()
+    return (A @ U).double()

@@ -65,12 +65,15 @@ class GenericCapture:
         self._snapshots = {}
 
     def _kept_tree(self, tree):
-        """tree with every tensor replaced by a copy-on-write copy, or None where the budget has no room."""
+        """tree with every tensor replaced by a copy-on-write copy, or None where the budget has no room. One tensor
+        passed several times (self-attention's query, key and value) gets one copy, passed as many times: the rule's
+        rerun then sees the call as the forward saw it, and no copy is compared with another."""
         leaves, spec = tree_flatten(tree)
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        tensors = list({id(x): x for x in leaves if isinstance(x, torch.Tensor)}.values())
         if tensors and not self.budget.fits_bytes(sum(t.numel() * t.element_size() for t in tensors)):
             return None
-        return tree_unflatten([_copy(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+        copies = {id(t): _copy(t) for t in tensors}
+        return tree_unflatten([copies[id(x)] if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
     def _snapshot(self, module) -> dict | None:
         """The module's parameters and buffers by name as they are now; calls that see the same versions share one

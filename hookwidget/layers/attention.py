@@ -201,13 +201,15 @@ def _additive(m: torch.Tensor, dtype):
 
 
 def _same_inputs(prep) -> list:
-    """The call's argument leaves, with query/key/value that hold the same values (self-attention, kept as three
-    copies of one tensor) made one object again, so torch's forward takes the same packed path it took."""
+    """The call's argument leaves, with query/key/value that hold the same values made one object, so torch's forward
+    takes the same packed path it took (capture keeps one copy of a tensor passed three times; a call given three
+    tensors of equal values, or its keywords kept apart, is made one here)."""
     leaves = list(prep.leaves)
     first = [i for i in range(min(3, len(leaves))) if isinstance(leaves[i], torch.Tensor)]
     for i in first[1:]:
         a, b = leaves[first[0]], leaves[i]
-        if a.shape == b.shape and (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() or torch.equal(a, b)):
+        if a is b or a.shape == b.shape and (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+                                           or torch.equal(a, b)):
             leaves[i] = a
     return leaves
 
