@@ -185,17 +185,8 @@ def _adds_up(g, want: torch.Tensor) -> bool:
     W = want.double()
     U = torch.randn(W.shape[0], 2, generator=gen, device=W.device, dtype=W.dtype)
     V = torch.randn(W.shape[1], 2, generator=gen, device=W.device, dtype=W.dtype)
-    du, xv = _projected(g.D, U), _projected(g.X, V)  # (B, T, 2)
+    du, xv = (g.D @ U.to(g.D.dtype)).double(), (g.X @ V.to(g.X.dtype)).double()  # (B, T, 2)
     got = (du * xv).sum((0, 1))
     ref = ((U.T @ W) * V.T).sum(1)
     scale = (du.abs() * xv.abs()).sum((0, 1)) + ((U.abs().T @ W.abs()) * V.abs().T).sum(1)
     return bool(((got - ref).abs() <= 3e-5 * scale + 1e-30).all())
-
-
-def _projected(A: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
-    """(B, T, k) float64 A @ U, A's rows taken in the order memory holds them: a (T, B) layout (nn.MultiheadAttention's
-    δ of its input projection) is multiplied as it lies, where A @ U would first copy it into (B, T) order."""
-    U = U.to(A.dtype)
-    if A.stride(0) < A.stride(1):
-        return (A.transpose(0, 1) @ U).transpose(0, 1).double()
-    return (A @ U).double()
