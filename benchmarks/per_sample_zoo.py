@@ -4,6 +4,7 @@
     python -m benchmarks.per_sample_zoo --part torch   # or transformers, real: one part, merged into the results
     python -m benchmarks.per_sample_zoo --models gpt2,vit --repeats 3
     python -m benchmarks.per_sample_zoo --device cuda          # on a GPU: per_sample_zoo_cuda.json and .md
+    python -m benchmarks.per_sample_zoo --batch 32 --models gpt2,vit   # another batch: per_sample_zoo_b32.json and .md
 
 Each zoo case (a tiny model, a batch of B=3, a sum-reduced loss) becomes one module of the sample indices
 (`Sampled`: forward(idx) = the case's loss on those samples), so benchmarks/variants.py's steps run it unchanged:
@@ -319,7 +320,8 @@ def markdown(res: dict) -> str:
     (never, judged), (within, _) = _count(models, False, 1.0), _count(models, False, 1.1)
     (fair_never, fair_judged) = _count(models, True, 1.0)
     out = [f"# Per-sample gradient norms across the zoo (issue 24)\n\n{res['device']}, torch {res['torch']}, "
-           f"{res['threads']} threads, B = 3 per model, {res['repeats']} interleaved repeats after a warm-up; "
+           f"{res['threads']} threads, B = {res.get('batch', 3)} per model, {res['repeats']} interleaved repeats "
+           "after a warm-up; "
            f"load average {res['load_average']} → {res.get('load_average_end')}.\n",
            f"**hookwidget is never slower than every peer (as fast as the fastest or faster) on {never} of {judged} "
            f"models** where at least one peer runs ({within} within 1.1×); counting only peers that cover every "
@@ -362,6 +364,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--batch", type=int, default=zoo.B, help="samples per case (the zoo's cases are written for 3)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -370,12 +373,16 @@ def main(argv=None) -> None:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.set_num_threads(args.threads)
     chosen = [k for k in args.models.split(",") if k] or keys(args.part)
-    stem = "per_sample_zoo" + ("" if args.device == "cpu" else "_cuda")
+    if args.batch != zoo.B:  # every case builds its batch from the zoo's B when built
+        import zoo_real
+
+        zoo.B = zoo_real.B = args.batch
+    stem = "per_sample_zoo" + ("" if args.device == "cpu" else "_cuda") + ("" if args.batch == 3 else f"_b{args.batch}")
     path = Path(args.out) / f"{stem}.json"
     res = json.loads(path.read_text()) if path.exists() else {"models": {}}  # a part is merged into the last run
     where = (f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)" if args.device == "cpu"
              else torch.cuda.get_device_name())
-    res.update({"device": where,
+    res.update({"device": where, "batch": args.batch,
                 "torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": args.repeats,
                 "load_average": [round(v, 2) for v in os.getloadavg()]})
     order = keys("all")

@@ -93,3 +93,28 @@ def test_per_sample_zoo_writes_the_table_and_norms_are_exact(tmp_path):
     md = (tmp_path / "per_sample_zoo.md").read_text()
     assert "| hookwidget vs fastest peer |" in md
     assert "is never slower than every peer" in md
+
+
+@pytest.mark.slow
+def test_per_sample_zoo_runs_the_cases_at_another_batch(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "benchmarks.per_sample_zoo", "--batch", "5", "--models", "llama_like",
+                        "--repeats", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "per_sample_zoo_b5.json").read_text())
+    case = res["models"]["llama_like"]
+    assert res["batch"] == case["B"] == 5
+    assert case["max_rel_diff"]["hookwidget"] <= 1e-5  # against the autograd loop over the 5 samples
+    assert "B = 5 per model" in (tmp_path / "per_sample_zoo_b5.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["gpt tied", "token MLP"])
+def test_the_hand_written_floor_computes_the_same_norms_as_torch_func(name):
+    """benchmarks/ghost_floor.py is the floor the speed table compares with: it must compute the same norms."""
+    from benchmarks.ghost_floor import make_ghost_floor
+    from benchmarks.per_sample_norms import build
+    from benchmarks.variants import make_torch_func
+
+    model, x, y, loss = build(name)
+    floor, ref = make_ghost_floor(model, x, y, loss)(), make_torch_func(model, x, y, loss)()
+    assert float(((floor - ref).abs() / ref).max()) < 1e-5
