@@ -27,7 +27,7 @@ def make_ghost_floor(model, x, y, loss):
     owners = {}
     for m in layers:
         owners.setdefault(id(m.weight), []).append(m)
-    tied = {m: ms for ms in owners.values() if len(ms) == 2 for m in ms}  # head and token embedding
+    tied = {m for ms in owners.values() if len(ms) == 2 for m in ms}  # the head and the token embedding
     if any(len(ms) > 2 for ms in owners.values()):
         raise ValueError("the floor knows one tied pair (an LM head and its token embedding)")
 

@@ -373,11 +373,13 @@ def main(argv=None) -> None:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.set_num_threads(args.threads)
     chosen = [k for k in args.models.split(",") if k] or keys(args.part)
-    if args.batch != zoo.B:  # every case builds its batch from the zoo's B when built
+    written_for = zoo.B
+    if args.batch != written_for:  # every case builds its batch from the zoo's B when built
         import zoo_real
 
         zoo.B = zoo_real.B = args.batch
-    stem = "per_sample_zoo" + ("" if args.device == "cpu" else "_cuda") + ("" if args.batch == 3 else f"_b{args.batch}")
+    stem = ("per_sample_zoo" + ("" if args.device == "cpu" else "_cuda")
+            + ("" if args.batch == written_for else f"_b{args.batch}"))
     path = Path(args.out) / f"{stem}.json"
     res = json.loads(path.read_text()) if path.exists() else {"models": {}}  # a part is merged into the last run
     where = (f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)" if args.device == "cpu"
