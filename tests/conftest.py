@@ -4,6 +4,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
+@pytest.fixture(autouse=True)
+def close_open_watches():
+    """Every watch a test opened is closed when the test ends, passed or failed: an open one keeps its hooks and
+    the GradScaler stand-in installed, and the tests after it would fail for that alone."""
+    yield
+    from hookwidget.watch import amp, core
+
+    left = {id(w): w for w in (*core._OPEN.values(), *amp._PATCH.listeners)}
+    for w in left.values():
+        w.close()
+
+
 class SeedMLP(nn.Module):
     """Seed 003's two-layer MLP (no bias, ReLU between)."""
 

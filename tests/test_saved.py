@@ -375,3 +375,26 @@ def test_a_file_of_several_traces_dispatches_on_its_kind(tmp_path, monkeypatch):
     u1, u2 = hw.load(tmp_path / "pair.pt")
     assert u1.layers["Linear"].module is u2.layers["Linear"].module
     assert torch.allclose(u2.per_sample_grads("Linear"), t2.per_sample_grads("Linear"))
+
+
+def test_a_loaded_trace_shows_the_norms_the_live_one_showed_for_views(tmp_path):
+    """Issue 39: a layer fed a permuted view (time-major attention's output) or a strided slice (a chunk) showed
+    a norm one float32 ulp off once loaded: the saver stored a contiguous copy, whose reduction sums in another
+    order. Permuted layouts are stored as they are and a gapped view's norm is taken of the values stored."""
+
+    class Views(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(8, 4)
+
+        def forward(self, x):
+            h = self.a(x.transpose(0, 1))  # (T, B, d) as (B, T, d): a permuted view
+            return self.b(h.chunk(2, -1)[0])  # a slice with gaps
+
+    torch.manual_seed(0)
+    model, x = Views(), torch.randn(128, 8, 16)
+    t = hw.trace(lambda: model(x).square().sum().backward())
+    assert not t.layers["a"].a.is_contiguous() and not t.layers["b"].a.is_contiguous()
+    t.save(tmp_path / "v.pt")
+    u = hw.load(tmp_path / "v.pt")
+    assert payload.summary(u)["modules"] == payload.summary(t)["modules"]

@@ -691,7 +691,11 @@ def test_bad_arguments():
 
 
 def test_statistics_move_to_host_in_batches(monkeypatch):
-    """Without the flight recorder the statistics stay on device and come over `batch` steps at a time."""
+    """Without the flight recorder the statistics stay on device and come over `batch` steps at a time (the live
+    view's timed moves, every FLUSH_SECONDS, set aside: on a loaded machine slow steps would add some)."""
+    from hookwidget.watch import host
+
+    monkeypatch.setattr(host, "FLUSH_SECONDS", float("inf"))
     torch.manual_seed(0)
     model = Net(bn=False, p=0.0)
     opt = torch.optim.SGD(model.parameters(), 0.01)

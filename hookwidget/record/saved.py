@@ -206,7 +206,7 @@ class _Encoder:
             self._keep.append(t)
             d = t.detach()
             if d.layout == torch.strided and (not d.is_contiguous() or d.untyped_storage().nbytes() > d.nbytes):
-                d = d.contiguous().clone()  # a view: store its own values, not the whole storage it shares
+                d = d.clone()  # a view: its own values, not the storage it shares; a dense layout kept (dense_layout)
             self.tensors[key] = d.cpu()
         return key
 
@@ -390,3 +390,17 @@ def _function(name: str):
 
 def _needs_code(*args, **kwargs):
     raise RuntimeError("this module was loaded from a saved hookwidget record: it cannot run (the code is not saved)")
+
+
+def dense_layout(t: torch.Tensor) -> torch.Tensor:
+    """t laid out as a saved record stores it: as it is where its elements fill their memory without gaps
+    (contiguous or permuted: a clone keeps those strides), else a contiguous copy. A figure reduced from this
+    (a norm, whose summation order follows the layout) is then the same, to the bit, live and loaded."""
+    if t.layout != torch.strided:
+        return t
+    step = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != step:
+            return t.contiguous()
+        step *= size
+    return t

@@ -9,6 +9,7 @@ import weakref
 
 import torch
 
+from hookwidget.record.saved import dense_layout
 from hookwidget.stats import l2_norm_map
 from hookwidget.views.payload.numbers import _norm, _num, _shape
 
@@ -64,8 +65,9 @@ def module_tree(trace, flags: dict | None = None) -> list[dict]:
     flags = health(trace).get("layers", {}) if flags is None else flags
     grad_norm = l2_norm_map(trace.param_grads)
     firsts = [layer.calls[0] for layer in layers.values() if layer.calls]
-    norms = l2_norm_map({id(t): t for c in firsts for t, s in ((c.a, c.a_summary), (c.delta, c.delta_summary))
-                       if t is not None and s is None})  # kept without a summary: reduced here, all at once
+    kept = ((t, s) for c in firsts for t, s in ((c.a, c.a_summary), (c.delta, c.delta_summary)))
+    # kept without a summary: reduced here, all at once, as a saved record holds them (the same figure loaded)
+    norms = l2_norm_map({id(t): dense_layout(t) for t, s in kept if t is not None and s is None})
     qualified = _param_names(trace)
     rows = []
     for name, layer in layers.items():
@@ -163,7 +165,7 @@ def _tensor_info(t, s, norms: dict | None = None) -> dict | None:
                 "nonfinite": int(s.nan + s.inf)}
     if t is not None:
         norm = norms.get(id(t)) if norms is not None else None
-        norm = norm if norm is not None else (_norm(t) if t.numel() else 0.0)
+        norm = norm if norm is not None else (_norm(dense_layout(t)) if t.numel() else 0.0)
         # A finite norm means finite entries; count NaN/Inf only when it is not (or it overflowed).
         bad = 0 if math.isfinite(norm) or not t.is_floating_point() else int((~torch.isfinite(t.detach())).sum())
         return {"shape": _shape(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "kept": True,
