@@ -564,11 +564,9 @@ NB02 = [
     seed 003's numbers δ = [1, 2] and a = [3, 4, 5]:
     """),
     code("""
-    from hookwidget.layers.factors import outer_as_kron
-
     d_small, a_small = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])
     print("δ aᵀ =", torch.outer(d_small, a_small).tolist())
-    print("vec(δ aᵀ) =", outer_as_kron(d_small, a_small).tolist())
+    print("vec(δ aᵀ) =", torch.outer(d_small, a_small).T.reshape(-1).tolist())  # column by column
     print("a ⊗ δ     =", torch.kron(a_small, d_small).tolist())
     """),
     md("""

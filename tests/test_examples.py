@@ -3,6 +3,7 @@ and the committed notebooks are exactly what examples/_build.py writes: no outpu
 
 import importlib.util
 import pathlib
+import re
 import sys
 
 import nbformat
@@ -48,6 +49,15 @@ def test_the_python3_kernel_is_this_environments_python(monkeypatch):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import sys, os; print(sys.prefix)")])
     out = _execute(nb, monkeypatch).cells[0].outputs[0]["text"].strip()
     assert out == sys.prefix
+
+
+def test_the_notebooks_use_public_names_only():
+    """A notebook teaches what a user may call: hookwidget's top level and its integrations, nothing internal."""
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+        internal = re.findall(r"(?:from|import) hookwidget\.(?!integrations\b)[\w.]+", code)
+        assert not internal, (path.name, internal)
 
 
 @pytest.mark.slow

@@ -1,22 +1,17 @@
-"""The README's runnable example prints what the README says it prints; its install section comes first and names
-every extra; its images resolve."""
+"""The README is a front door: its install section comes first and names every extra, its quick starts run as
+pasted (in one IPython shell each, magics included) and print what it says they print, its images resolve, and
+the package description that pyproject.toml ships to a package index links nothing relative."""
 
 import contextlib
 import io
 import pathlib
 import re
 
-README = pathlib.Path(__file__).parent.parent / "README.md"
+import pytest
+from IPython.testing import globalipapp
 
-
-def test_intervention_example_prints_the_documented_diff():
-    text = README.read_text()
-    section = text.split("## Change a gradient, rerun, read the diff", 1)[1]
-    code, printed = re.findall(r"```(?:python)?\n(.*?)```", section, flags=re.S)[:2]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), {})
-    assert out.getvalue().strip() == printed.strip()
+ROOT = pathlib.Path(__file__).parent.parent
+README = ROOT / "README.md"
 
 
 def sections(text: str) -> list[tuple[str, str]]:
@@ -25,25 +20,96 @@ def sections(text: str) -> list[tuple[str, str]]:
     return list(zip(parts[1::2], parts[2::2]))
 
 
-def test_the_user_install_comes_first_then_the_developer_set_up():
-    (first, install), (second, setup) = sections(README.read_text())[:2]
-    assert first == "Install"
-    assert "```bash\npip install hookwidget\n```" in install
-    assert "Install your torch first" in install  # hookwidget never picks the torch build
-    pyproject = (README.parent / "pyproject.toml").read_text()
+def extras() -> list[str]:
+    pyproject = (ROOT / "pyproject.toml").read_text()
     table = pyproject.split("[project.optional-dependencies]\n", 1)[1].split("\n[", 1)[0]
-    extras = re.findall(r"^([\w-]+) = ", table, flags=re.M)
-    assert "tensorboard" in extras
-    for extra in extras:
+    return re.findall(r"^([\w-]+) = ", table, flags=re.M)
+
+
+def test_the_readme_is_a_front_door():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200
+    headings = [h for h, _ in sections(text)]
+    assert headings[0] == "Install" and headings[-1].startswith("Developer set-up")
+    assert [h for h in headings if h.startswith("Quick start")] == [
+        "Quick start 1: trace a cell, open the explorer", "Quick start 2: change a gradient, rerun, read the diff",
+        "Quick start 3: watch a training run"]
+    for history in ("this round", "issue 1", "issue 2", " was ", "→"):  # the history lives in CHANGELOG.md
+        assert history not in text, history
+
+
+def test_the_user_install_works_from_a_clone_and_names_every_extra():
+    install = dict(sections(README.read_text()))["Install"]
+    assert "```bash\npip install .\n```" in install  # from a clone: the package is not published yet
+    assert "not on the package index yet" in install
+    assert "install your torch" in install  # hookwidget never picks the torch build
+    for extra in extras():
         assert f"[{extra}]" in install, f"the extra [{extra}] is not in the README's install section"
     assert "JupyterLab 4, Notebook 7 and marimo" in install  # the front-ends the browser tests drive
-    assert second.startswith("Developer set-up")
+
+
+def test_the_developer_set_up_keeps_its_two_commands():
+    setup = dict(sections(README.read_text()))["Developer set-up (fresh Debian machine)"]
     assert re.findall(r"```bash\n(.*?)\n```", setup, flags=re.S) == ["bash scripts/install.sh", "bash scripts/test.sh"]
     assert "The main example: `.venv/bin/jupyter lab examples/01_hooks_explained.ipynb`" in setup
 
 
-def test_every_readme_image_is_a_file_in_the_repository_or_an_absolute_url():
+def quick_starts() -> list[tuple[str, str]]:
+    return [(h, b) for h, b in sections(README.read_text()) if h.startswith("Quick start")]
+
+
+@pytest.fixture
+def shell():
+    """IPython's test shell with a namespace of its own: each quick start starts from nothing."""
+    globalipapp.start_ipython()
+    ip = globalipapp.get_ipython()
+    saved = dict(ip.user_ns)
+    ip.user_ns.clear()
+    ip.user_ns.update({k: v for k, v in saved.items() if k.startswith("_") or k in ("In", "Out", "exit", "quit",
+                                                                                      "get_ipython")})
+    yield ip
+    ip.user_ns.clear()
+    ip.user_ns.update(saved)
+
+
+@pytest.mark.parametrize("heading", [h for h, _ in quick_starts()])
+def test_each_quick_start_runs_as_pasted_and_prints_what_it_says(heading, shell):
+    body = dict(quick_starts())[heading]
+    blocks = list(re.finditer(r"```(\w*)\n(.*?)```", body, flags=re.S))
+    assert blocks
+    for k, m in enumerate(blocks):
+        lang, code = m.group(1), m.group(2)
+        if lang != "python":
+            continue
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            result = shell.run_cell(code, store_history=False)
+        assert result.success, (heading, code, result.error_in_exec or result.error_before_exec)
+        following = body[m.end():blocks[k + 1].start()] if k + 1 < len(blocks) else ""
+        if following.strip() == "prints":  # the next block is this one's output, character for character
+            assert out.getvalue().strip() == blocks[k + 1].group(2).strip(), heading
+
+
+def test_every_readme_image_is_a_file_in_the_repository():
     images = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", README.read_text())
     assert images
     for src in images:
-        assert src.startswith("https://") or (README.parent / src).is_file(), src
+        assert (README.parent / src).is_file(), src
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    for page in [README, ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "examples/README.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("https://", "http://", "#")):
+                continue
+            assert (page.parent / target.split("#")[0]).exists(), (page.relative_to(ROOT), target)
+
+
+def test_the_package_description_has_nothing_relative():
+    """A package index shows pyproject's readme without the repository around it: a relative image or link there
+    breaks, and there is no public URL to point at instead."""
+    name = re.search(r'^readme = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), flags=re.M).group(1)
+    text = (ROOT / name).read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r'(?:src|href)="([^"]+)"', text)
+    assert not links, links
+    assert "pip install ." in text and "not on the package index yet" in text

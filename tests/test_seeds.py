@@ -5,7 +5,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import hookwidget as hw
-from hookwidget.layers.factors import outer_as_kron
 
 
 # -- seed 003: what the hooks see, (a, δ) rebuild W.grad, node roles, Kronecker, storage -----
@@ -61,8 +60,9 @@ def test_seed003_node_roles_of_the_diagram(seed_mlp):
 
 def test_seed003_kronecker_example():
     delta, a = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])
-    assert torch.equal(outer_as_kron(delta, a), torch.kron(a, delta))
-    assert outer_as_kron(delta, a).tolist() == [3, 6, 4, 8, 5, 10]
+    vec = torch.outer(delta, a).T.reshape(-1)  # vec(δ aᵀ), column by column
+    assert torch.equal(vec, torch.kron(a, delta))
+    assert vec.tolist() == [3, 6, 4, 8, 5, 10]
 
 
 def test_seed003_storage_4096():

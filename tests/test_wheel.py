@@ -106,16 +106,55 @@ def test_the_wheel_carries_the_license_and_every_file_of_the_package(wheel):
             "hookwidget/static/watch_standalone.js", "hookwidget/views/payload_schema.json"} <= set(package_files())
 
 
-def test_the_installed_wheel_traces_and_watches_outside_the_source_tree(wheel, venv, tmp_path):
+@pytest.fixture(scope="module")
+def installed(wheel, venv) -> pathlib.Path:
+    """The venv's python, with the wheel and its [examples] extra as a user installs them: torch pinned in the same
+    pip command, so pip keeps the CPU build."""
     python = venv / "bin" / "python"
-    # as scripts/install.sh installs: torch pinned in the same pip command, so pip keeps the CPU build
-    subprocess.run([str(python), *PIP, "install", str(wheel), TORCH], check=True, timeout=300)
+    subprocess.run([str(python), *PIP, "install", f"{wheel}[examples]", TORCH], check=True, timeout=900)
+    return python
+
+
+def user_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
+def test_the_installed_wheel_traces_and_watches_outside_the_source_tree(installed, tmp_path):
+    python = installed
     work = tmp_path / "notebooks"
     work.mkdir()
     assert not work.resolve().is_relative_to(ROOT)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    run = subprocess.run([str(python), "-I", "-c", USER_CODE], cwd=work, env=env, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run([str(python), "-I", "-c", USER_CODE], cwd=work, env=user_env(), capture_output=True,
+                         text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.split()[:2] == ["ok", hookwidget.__version__], run.stdout
+
+
+# Run by the fresh venv's python: every example notebook, in that venv's own kernel, copied outside the tree.
+RUN_NOTEBOOKS = r"""
+import pathlib, sys
+import nbformat
+from nbclient import NotebookClient
+for path in sorted(pathlib.Path(".").glob("[0-9][0-9]_*.ipynb")):
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, kernel_name="python3", timeout=300, startup_timeout=120).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, (path.name, errors[0].get("ename"), errors[0].get("evalue"))
+    print("ran", path.name)
+"""
+
+
+def test_every_example_notebook_runs_with_only_the_wheel_and_its_examples_extra(installed, tmp_path):
+    """Issue 41: a user with the wheel and `[examples]` (no test or dev packages) runs every notebook."""
+    work = tmp_path / "examples"
+    shutil.copytree(ROOT / "examples", work, ignore=shutil.ignore_patterns("_build.py", "*.py", "README.md"))
+    env = user_env()
+    env.update(HOOKWIDGET_SMOKE="1", MPLBACKEND="agg", PYDEVD_DISABLE_FILE_VALIDATION="1",
+               PATH=f"{installed.parent}:{env.get('PATH', '')}", JUPYTER_PLATFORM_DIRS="1")
+    run = subprocess.run([str(installed), "-c", RUN_NOTEBOOKS], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=1500)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
+    notebooks = sorted(p.name for p in (ROOT / "examples").glob("[0-9][0-9]_*.ipynb"))
+    assert run.stdout.split() == [w for n in notebooks for w in ("ran", n)], run.stdout

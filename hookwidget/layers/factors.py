@@ -172,8 +172,3 @@ def storage(module: nn.Module, tokens: int) -> dict:
         "factor_floats": (d_in + d_out) * tokens,
         "per_token_grad_floats": w.numel() * tokens,
     }
-
-
-def outer_as_kron(delta: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """vec(δ aᵀ), flattened column by column, is the Kronecker product a ⊗ δ (seed 003)."""
-    return torch.outer(delta, a).T.reshape(-1)
