@@ -171,22 +171,36 @@ def _summed(g) -> torch.Tensor:
 
 
 def _adds_up(g, want: torch.Tensor) -> bool:
-    """Whether per-sample rows (a tensor, or a fast rule's Factor) add up to `want`. An outer factor's sum
-    Σ_bt δ_bt x_btᵀ is compared along two random directions per side (Freivalds: uᵀ(ΣδxᵀV) against uᵀ want v,
-    O(BT(o + i)) instead of the O(BT·o·i) of the sum itself), with a tolerance scaled to the magnitudes that
-    enter it; the fast rule's rows are besides compared element by element on one sample (_fast_rows).
-    δ and x are projected in their own dtype (a float32 product's rounding, ~1e-6 of the scale, is far inside the
-    3e-5 tolerance; a float64 copy of δ cost more than the check) and everything after in float64."""
-    if not (isinstance(g, fx.Factor) and g.kind == "outer" and g._X is not None and g.D.dim() == 3
-            and want.dim() == 2 and not want.is_sparse and tuple(want.shape) == (g.D.shape[-1], g.X.shape[-1])
-            and want.dtype in (torch.float32, torch.float64) and g.D.dtype == g.X.dtype == want.dtype):
-        return facts.allclose_grad(_summed(g), want)
+    """Whether per-sample rows (a tensor, or a fast rule's Factor) add up to `want` (factors_add_up)."""
+    if isinstance(g, fx.Factor):
+        return factors_add_up([g], want)
+    return facts.allclose_grad(_summed(g), want)
+
+
+def factors_add_up(fs: list, want: torch.Tensor) -> bool:
+    """Whether the factors' summed gradients add up to `want`. Outer factors' sums Σ_bt δ_bt x_btᵀ are compared
+    along two random directions per side (Freivalds: uᵀ(ΣδxᵀV) against uᵀ want v, O(BT(o + i)) instead of the
+    O(BT·o·i) of the sum itself and no full-size comparison: GPT-2's tied head is 38M floats), with a tolerance
+    scaled to the magnitudes that enter it; other factors are summed and compared whole. δ and x are projected
+    in their own dtype (a float32 product's rounding, ~1e-6 of the scale, is far inside the 3e-5 tolerance; a
+    float64 copy of δ cost more than the check) and everything after in float64."""
+    if not all(_projectable(f, want) for f in fs):
+        return facts.allclose_grad(sum(_summed(f) for f in fs), want)
     gen = torch.Generator(device=want.device).manual_seed(0)
     W = want.double()
     U = torch.randn(W.shape[0], 2, generator=gen, device=W.device, dtype=W.dtype)
     V = torch.randn(W.shape[1], 2, generator=gen, device=W.device, dtype=W.dtype)
-    du, xv = (g.D @ U.to(g.D.dtype)).double(), (g.X @ V.to(g.X.dtype)).double()  # (B, T, 2)
-    got = (du * xv).sum((0, 1))
+    got = scale = 0
+    for f in fs:
+        du, xv = (f.D @ U.to(f.D.dtype)).double(), (f.X @ V.to(f.X.dtype)).double()  # (B, T, 2)
+        got = got + (du * xv).sum((0, 1))
+        scale = scale + (du.abs() * xv.abs()).sum((0, 1))
     ref = ((U.T @ W) * V.T).sum(1)
-    scale = (du.abs() * xv.abs()).sum((0, 1)) + ((U.abs().T @ W.abs()) * V.abs().T).sum(1)
+    scale = scale + ((U.abs().T @ W.abs()) * V.abs().T).sum(1)
     return bool(((got - ref).abs() <= 3e-5 * scale + 1e-30).all())
+
+
+def _projectable(f, want: torch.Tensor) -> bool:
+    return (isinstance(f, fx.Factor) and f.kind == "outer" and f._X is not None and f.D.dim() == 3
+            and want.dim() == 2 and not want.is_sparse and tuple(want.shape) == (f.D.shape[-1], f.X.shape[-1])
+            and want.dtype in (torch.float32, torch.float64) and f.D.dtype == f.X.dtype == want.dtype)

@@ -20,14 +20,13 @@ import torch
 from hookwidget.analysis.batches import _fold, batched_call, check_batched, unbatched, unbatched_by_step
 from hookwidget.analysis.facts import (
     Refusal,
-    allclose_grad,
     answering_holders,
     owned_params,
     param_holders,
     step_grad,
     step_indices,
 )
-from hookwidget.analysis.generic import generic_rows
+from hookwidget.analysis.generic import factors_add_up, generic_rows
 from hookwidget.layers import factors as fx
 from hookwidget.layers import generic
 from hookwidget.record.notes import refusal
@@ -191,11 +190,14 @@ def coverage_gap(trace, p, k: int, reasons: dict, factors_of) -> str | None:
         return "; ".join(bad) or "no layer holds it"
     if not bad and not any(fx.is_generic(trace.layers[h].module) for h in ok):
         return None
-    try:
-        fs = factors_of(ok)
-    except ValueError:  # a covered holder's a or δ was not kept in that step
-        fs = []
-    if fs and _complete(trace, p, fs, k):
+    key = ("factors complete", id(p), k, tuple(ok))  # the record does not change: decided once per trace
+    if key not in trace.facts:
+        try:
+            fs = factors_of(ok)
+        except ValueError:  # a covered holder's a or δ was not kept in that step
+            fs = []
+        trace.facts[key] = bool(fs) and _complete(trace, p, fs, k)
+    if trace.facts[key]:
         return None
     return "; ".join(bad) or (f"its .grad in step {k} is more than what {', '.join(ok)} give (it is used outside "
                               "their calls too)")
@@ -209,8 +211,7 @@ def _complete(trace, p, fs: list, k: int) -> bool:
         return False
     if len(fs) == 1 and trace.facts.get(("complete", id(p), k, (id(fs[0].D),))):
         return True  # the generic rule's check (generic_rows) found the same rows add up to this .grad
-    rebuilt = sum(fx.summed_grad(f) for f in fs)
-    return allclose_grad(rebuilt, made)
+    return factors_add_up(fs, made)
 
 
 # -- who answers for which parameter -----------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Numbers for the front-end: JSON-safe values (NaN and ±Inf as strings), shapes, and the statistics of a
-whole tensor (min, max, mean, std, 2-norm, NaN/Inf counts) taken a piece at a time so a large one costs no
-full-size float64 copy."""
+whole tensor (min, max, mean, std, 2-norm, NaN/Inf counts) without a full-size float64 copy of a large one."""
 
 from __future__ import annotations
 
@@ -35,7 +34,10 @@ def stats(t: torch.Tensor) -> dict:
     if f.numel() <= CHUNK or f.device.type != "cpu":  # small, or on an accelerator: float64 in one go
         std, mean = torch.std_mean(f.double(), unbiased=False)
         mean, std = float(mean), float(std)
-    else:  # two passes a piece at a time in float64: no full-size copy, and no cancellation in the variance
+    elif f.dtype in (torch.float32, torch.float64):  # torch's CPU kernel accumulates these in float64 (Welford):
+        std, mean = torch.std_mean(f, unbiased=False)  # no copy; only the result is rounded to f's dtype
+        mean, std = float(mean), float(std)
+    else:  # half types accumulate in float32 on the CPU: two passes a piece at a time in float64 instead
         f = f.reshape(-1)
         mean = sum(float(p.sum()) for _, p in _pieces(f)) / f.numel()
         std = math.sqrt(sum(float(torch.linalg.vector_norm(p.sub_(mean))) ** 2 for _, p in _pieces(f)) / f.numel())
@@ -45,12 +47,16 @@ def stats(t: torch.Tensor) -> dict:
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a − b| in float64; on the CPU a piece at a time (GPT-2's head gradient is 38M floats: no float64 copy)."""
-    if a.device.type != "cpu":  # an accelerator does the float64 copies at memory speed
-        return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
-    b = b.detach().reshape(-1)
-    peaks = [float(p.sub_(b[i:i + len(p)]).abs_().max()) for i, p in _pieces(a.detach().reshape(-1))]
-    return math.nan if any(v != v for v in peaks) else max(peaks, default=0.0)  # NaN wins, as torch's max
+    """max |a − b|, for display: in the tensors' own dtype (a float32 difference is within half an ulp of the
+    true one), a piece at a time on the CPU (GPT-2's head gradient is 38M floats: no full-size temporary)."""
+    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+    if not a.numel():
+        return 0.0
+    if a.device.type != "cpu":
+        return float((a - b).abs().max())
+    step = 4 * CHUNK
+    peaks = [float((a[i:i + step] - b[i:i + step]).abs_().max()) for i in range(0, a.numel(), step)]
+    return math.nan if any(v != v for v in peaks) else max(peaks)  # NaN wins, as torch's max
 
 
 
