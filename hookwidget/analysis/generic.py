@@ -43,7 +43,10 @@ def _generic_rows(trace, name: str, k: int) -> dict | Refusal:
     owned = facts.owned_params(trace, name)
     canonical = {id(p): n for n, p in module.named_parameters()}
     names = {pn: canonical[id(p)] for pn, p in owned.items()}
-    B = batches.step_batch_size(trace, k) or generic.batch_size_hint(module, calls[0].inputs)
+    B = _stated(trace, module, calls, k)
+    if isinstance(B, Refusal):
+        return B
+    B = B or batches.step_batch_size(trace, k) or generic.batch_size_hint(module, calls[0].inputs)
     if not B:
         return Refusal("its inputs have no batch dimension")
     size = B * sum(p.numel() * p.element_size() for p in owned.values())
@@ -65,6 +68,21 @@ def _generic_rows(trace, name: str, k: int) -> dict | Refusal:
         return Refusal(f"the generic rule could not rerun it: {generic.first_line(e)}")
     why = _check_rows(trace, name, module, calls, names, owned, B, k, rows)
     return rows if why is None else Refusal(why)
+
+
+def _stated(trace, module, calls: list, k: int) -> int | Refusal | None:
+    """The number of samples the calls' arguments state themselves (bags given by offsets, a PackedSequence:
+    generic.SPLITS), where they do; a Refusal where calls disagree, or disagree with the batch the step's other
+    layers have (their rows would not be the same samples)."""
+    stated = {s.n for s in map(lambda c: generic.samples_of(module, c), calls) if s is not None}
+    if not stated:
+        return None
+    step_batch = batches.step_batch_size(trace, k)
+    if len(stated) > 1 or step_batch is not None and stated != {step_batch}:
+        return Refusal(f"its call(s) hold {' and '.join(map(str, sorted(stated)))} samples (bags given by offsets, or "
+                       f"sequences of a PackedSequence), the step's other layers {step_batch}: its rows are not the "
+                       "same samples as theirs")
+    return stated.pop()
 
 
 def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | None:

@@ -52,6 +52,33 @@ LAST_RULES: list = []  # as FAST_RULES, tried after all of them: rules that appl
 # back where anything is missing.
 FAST_CAPTURES: list = []
 
+# (applies(module) -> bool, split(module, call) -> Samples | None): calls whose arguments state their samples
+# themselves (nn.EmbeddingBag's bags given by offsets, a recurrent layer's PackedSequence): rows of no tensor are the
+# samples, so no batch dimension can be read from them; the split says how many samples there are and gives each one's
+# own call.
+SPLITS: list = []
+
+
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """The samples a call's arguments state: n of them, and one(b) -> (args, kwargs, deltas): sample b's call alone,
+    deltas aligned with flat_outputs of its output (None where no gradient is pulled back)."""
+
+    n: int
+    one: object
+
+
+def samples_of(module, call) -> Samples | None:
+    """The samples the call's arguments state (SPLITS), or None where its tensors carry a batch dimension as usual."""
+    if call.inputs is None:
+        return None
+    for applies, split in SPLITS:
+        if applies(module):
+            found = split(module, call)
+            if found is not None:
+                return found
+    return None
+
 
 def call_nodes(root, seq_start: int, limit: int | None = None) -> list | None:
     """The backward nodes a module call made (sequence numbers from seq_start on: the call's own ops), found from its
@@ -253,7 +280,11 @@ def _forward(module, prep: _Prepared, train: dict, batched: list, squeeze: bool)
 
 def per_sample(module, call, names: list, B: int) -> dict:
     """name -> (B, *shape): each sample's gradient of one call, by vmap of the vjp, or a loop of vjps where
-    vmap cannot run. Raises Refused with the reason where neither gives an answer."""
+    vmap cannot run (or where the call's arguments state its samples: a loop over them, see SPLITS). Raises Refused
+    with the reason where neither gives an answer."""
+    split = samples_of(module, call)
+    if split is not None:
+        return _split_loop(module, call, names, split)
     prep = _prepare(module, call, names, B)
     train = {n: call.params[n] for n in names}
     xs = [prep.leaves[i] for i in prep.batched]
@@ -302,6 +333,10 @@ def _looped(module, prep: _Prepared, train: dict, xs: list, B: int) -> dict:
 
 def one_sample(module, call, names: list, B: int, b: int) -> dict:
     """name -> the gradient of sample b alone: the forward rerun on that sample only, its δ pulled back."""
+    split = samples_of(module, call)
+    if split is not None:
+        with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)):
+            return _call_vjp(module, call, names, *split.one(b))
     prep = _prepare(module, call, names, B)
     train = {n: call.params[n] for n in names}
     xs = [prep.leaves[i].narrow(d, b, 1) for i, d in zip(prep.batched, prep.in_dims)]
@@ -450,12 +485,50 @@ FAST_RULES.append((has_vector_params, vector_params))
 
 def full_batch(module, call, names: list, B: int) -> dict:
     """name -> the gradient of the whole call (every sample at once): what the per-sample rows must add up to."""
+    if samples_of(module, call) is not None:
+        with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)):
+            return _call_vjp(module, call, names, *call.inputs, call.deltas)
     prep = _prepare(module, call, names, B)
     train = {n: call.params[n] for n in names}
     xs = [prep.leaves[i] for i in prep.batched]
     with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)):
         _, vjp_fn = torch.func.vjp(lambda tr: _forward(module, prep, tr, xs, False), train)
         return vjp_fn(tuple(prep.cots))[0]
+
+
+def _call_vjp(module, call, names: list, args, kwargs, deltas) -> dict:
+    """name -> the gradient of the module's forward on (args, kwargs), the parameters as at the call, `deltas`
+    (aligned with flat_outputs, None where none) pulled back."""
+    buffers = {n for n, _ in module.named_buffers()}
+    frozen = {n: t.clone() if n in buffers else t for n, t in call.params.items() if n not in names}
+    train = {n: call.params[n] for n in names}
+    picked = [i for i, d in enumerate(deltas) if d is not None]
+
+    def run(tr):
+        with parameters_swapped(module, {**frozen, **tr}):
+            out = flat_outputs(module.forward(*args, **kwargs))
+        if len(out) != len(deltas):
+            raise Refused("its forward returns other outputs than at the call")
+        return tuple(out[i] for i in picked)
+
+    _, vjp_fn = torch.func.vjp(run, train)
+    return vjp_fn(tuple(deltas[i] for i in picked))[0]
+
+
+def _split_loop(module, call, names: list, split: Samples) -> dict:
+    """name -> (n, *shape): a loop over the samples the call's arguments state, each one's forward rerun alone and
+    its δ pulled back (vmap needs samples of one shape; bags and sequences differ in length)."""
+    rows = []
+    with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)):
+        for b in range(split.n):
+            state = torch.get_rng_state()
+            rows.append(_call_vjp(module, call, names, *split.one(b)))
+            if not torch.equal(state, torch.get_rng_state()):
+                raise Refused(f"{type(module).__name__} draws random numbers in its forward (dropout in train mode): "
+                              "per-sample gradients need the same random numbers; put it in eval mode")
+    if not rows:
+        raise Refused("its call holds no sample")
+    return {n: torch.stack([r[n] for r in rows]) for n in names}
 
 
 def missing(call) -> str | None:

@@ -1,0 +1,156 @@
+"""Issue 39: per-sample gradients of the calls whose arguments state their samples themselves: nn.EmbeddingBag with
+bags given by offsets (a 1-d input), and nn.RNN / nn.GRU / nn.LSTM on a PackedSequence.
+
+References are float64 autograd loops written here: each sample (a bag, a sequence) run alone through a float64 copy
+of the model, .grad of its own loss; never hookwidget's numbers. Traces run in float32 and float64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers_rows import close
+from torch import nn
+
+import hookwidget as hw
+from hookwidget.analysis import per_sample
+from hookwidget.layers import embedding
+from hookwidget.layers import generic as generic_layers
+
+TOL = {torch.float32: 1e-4, torch.float64: 1e-9}
+
+
+def own_loop(model, loss_of, n: int) -> dict:
+    """name -> (n, *shape) float64: sample i's own gradient, by autograd on a float64 copy of the model."""
+    ref = copy.deepcopy(model).double()
+    named = [(k, p) for k, p in ref.named_parameters() if p.requires_grad]
+    rows = {k: [] for k, _ in named}
+    for i in range(n):
+        gs = torch.autograd.grad(loss_of(ref, i), [p for _, p in named], allow_unused=True)
+        for (k, p), g in zip(named, gs):
+            rows[k].append(torch.zeros_like(p) if g is None else g)
+    return {k: torch.stack(v) for k, v in rows.items()}
+
+
+def norms_of(ref: dict) -> torch.Tensor:
+    return torch.cat([g.reshape(len(g), -1) for g in ref.values()], 1).norm(dim=1)
+
+
+def traced(model, loss_full, **options):
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss_full().backward()
+
+    return hw.trace(step, model, **options)
+
+
+def served_by(monkeypatch, module, name: str) -> list:
+    """The keys of the calls the fast rule `module.name` answered (a rule that steps aside answers none)."""
+    served, real = [], getattr(module, name)
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        served.append(out[1])
+        return out
+
+    monkeypatch.setattr(module, name, counting)
+    monkeypatch.setattr(generic_layers, "FAST_RULES", [(a, counting if r is real else r)
+                                                      for a, r in generic_layers.FAST_RULES])
+    return served
+
+
+def rebuilt(t, layer: str, k: str) -> torch.Tensor:
+    """The parameter's .grad rebuilt from the layer's factors (t.weight_grad, t.bias_grad; a recurrent layer's
+    weight_ih_l0 and the like by the query they share)."""
+    if k in ("weight", "bias"):
+        return t.weight_grad(layer) if k == "weight" else t.bias_grad(layer)
+    return per_sample.summed_grad(t, layer, k, None)
+
+
+def check(t, model, ref, dtype, capture="full"):
+    """Every parameter's per-sample gradients equal the reference's, add up to .grad, and W.grad rebuilt from the
+    factors is .grad; the norms over the model are the reference's."""
+    tol = TOL[dtype]
+    assert not t.per_sample_left_out, t.per_sample_left_out
+    close(t.per_sample_grad_norms().double(), norms_of(ref), tol)
+    if capture != "full":
+        return
+    for layer, module in model.named_children():
+        for k, p in module.named_parameters():
+            got = t.per_sample_grads(layer, k)
+            assert got.dtype == dtype
+            close(got.double(), ref[f"{layer}.{k}"], tol)
+            close(got.sum(0), p.grad, tol)
+            close(rebuilt(t, layer, k), p.grad, tol)
+
+
+# -- nn.EmbeddingBag with offsets ------------------------------------------------------------------------------------
+class TextClassifier(nn.Module):
+    """torchtext's text classification: an EmbeddingBag over the batch's concatenated tokens, bags given by offsets."""
+
+    def __init__(self, bag: nn.EmbeddingBag, dtype):
+        super().__init__()
+        self.bag, self.head = bag, nn.Linear(bag.embedding_dim, 3)
+        self.to(dtype)
+
+    def forward(self, ids, offsets, weights=None):
+        return self.head(torch.tanh(self.bag(ids, offsets, per_sample_weights=weights)))
+
+
+def bags_of(last: bool):
+    """Four bags, the third empty, repeated ids in the first and padding (id 0) in the last; 1-d ids and offsets."""
+    bags = [[3, 5, 3, 7], [1, 9], [], [0, 4, 0, 11, 2]]
+    ids = torch.tensor([i for b in bags for i in b])
+    starts = torch.tensor([0, 4, 6, 6])
+    offsets = torch.cat([starts, torch.tensor([ids.numel()])]) if last else starts
+    return bags, ids, offsets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode, weighted, last, padding", [
+    ("sum", False, False, None), ("sum", True, True, 0), ("mean", False, True, None), ("mean", False, False, 0),
+    ("max", False, False, None), ("max", False, True, 0)])
+def test_embedding_bag_with_offsets(monkeypatch, dtype, mode, weighted, last, padding):
+    torch.manual_seed(0)
+    model = TextClassifier(nn.EmbeddingBag(12, 5, mode=mode, include_last_offset=last, padding_idx=padding), dtype)
+    bags, ids, offsets = bags_of(last)
+    w = torch.rand(ids.numel(), dtype=dtype) if weighted else None
+    y = torch.randn(len(bags), 3, dtype=dtype)
+
+    def alone(m, i):
+        one = torch.tensor(bags[i], dtype=ids.dtype)
+        off = torch.tensor([0, len(one)] if last else [0])
+        wi = None if w is None else w[offsets[i]:offsets[i] + len(one)].double()
+        return (m(one, off, wi) - y[i].double()).pow(2).sum()
+
+    served = served_by(monkeypatch, embedding, "bag_factors")
+    t = traced(model, lambda: (model(ids, offsets, w) - y).pow(2).sum())
+    check(t, model, own_loop(model, alone, len(bags)), dtype)
+    assert served  # the factor rule answered, not the loop over bags
+    tn = traced(model, lambda: (model(ids, offsets, w) - y).pow(2).sum(), capture="norms")
+    check(tn, model, own_loop(model, alone, len(bags)), dtype, capture="norms")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_embedding_bag_max_of_a_2d_input(monkeypatch, dtype):
+    """Mode max on (B, L) bags: the rows each bag's maximum took get its δ (the vmap rule answered it before)."""
+    torch.manual_seed(0)
+    model = TextClassifier(nn.EmbeddingBag(12, 5, mode="max"), dtype)
+    ids = torch.randint(0, 6, (3, 5))
+    served = served_by(monkeypatch, embedding, "bag_factors")
+    t = traced(model, lambda: model(ids, None).pow(2).sum())
+    check(t, model, own_loop(model, lambda m, i: m(ids[i:i + 1], None).pow(2).sum(), 3), dtype)
+    assert served
+
+
+def test_a_bag_call_the_rule_does_not_cover_gets_the_loop_over_bags():
+    """max_norm (the forward renormalises the rows it looks up): the fast rule steps aside, the loop over the bags
+    answers, exactly."""
+    torch.manual_seed(0)
+    model = TextClassifier(nn.EmbeddingBag(12, 5, mode="sum", max_norm=10.0), torch.float64)
+    bags, ids, offsets = bags_of(False)
+    t = traced(model, lambda: model(ids, offsets).pow(2).sum())
+    ref = own_loop(model, lambda m, i: m(torch.tensor(bags[i], dtype=ids.dtype), torch.tensor([0])).pow(2).sum(),
+                   len(bags))
+    check(t, model, ref, torch.float64)
