@@ -12,10 +12,10 @@ import pytest
 import torch
 from helpers_rows import close
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import hookwidget as hw
 from hookwidget.analysis import per_sample
-from hookwidget.layers import embedding
 from hookwidget.layers import generic as generic_layers
 
 TOL = {torch.float32: 1e-4, torch.float64: 1e-9}
@@ -45,19 +45,14 @@ def traced(model, loss_full, **options):
     return hw.trace(step, model, **options)
 
 
-def served_by(monkeypatch, module, name: str) -> list:
-    """The keys of the calls the fast rule `module.name` answered (a rule that steps aside answers none)."""
-    served, real = [], getattr(module, name)
+def fallback_off(monkeypatch) -> None:
+    """The loop over the samples (and vmap) refuse: rows come from the fast rule or not at all, so a wrong fast rule
+    (its check fails) leaves the layer out instead of being rescued."""
 
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        served.append(out[1])
-        return out
+    def refuse(*args, **kwargs):
+        raise generic_layers.Refused("the fallback is off in this test")
 
-    monkeypatch.setattr(module, name, counting)
-    monkeypatch.setattr(generic_layers, "FAST_RULES", [(a, counting if r is real else r)
-                                                      for a, r in generic_layers.FAST_RULES])
-    return served
+    monkeypatch.setattr(generic_layers, "per_sample", refuse)
 
 
 def rebuilt(t, layer: str, k: str) -> torch.Tensor:
@@ -124,10 +119,9 @@ def test_embedding_bag_with_offsets(monkeypatch, dtype, mode, weighted, last, pa
         wi = None if w is None else w[offsets[i]:offsets[i] + len(one)].double()
         return (m(one, off, wi) - y[i].double()).pow(2).sum()
 
-    served = served_by(monkeypatch, embedding, "bag_factors")
+    fallback_off(monkeypatch)  # the factor rule answers, not the loop over bags
     t = traced(model, lambda: (model(ids, offsets, w) - y).pow(2).sum())
     check(t, model, own_loop(model, alone, len(bags)), dtype)
-    assert served  # the factor rule answered, not the loop over bags
     tn = traced(model, lambda: (model(ids, offsets, w) - y).pow(2).sum(), capture="norms")
     check(tn, model, own_loop(model, alone, len(bags)), dtype, capture="norms")
 
@@ -138,10 +132,9 @@ def test_embedding_bag_max_of_a_2d_input(monkeypatch, dtype):
     torch.manual_seed(0)
     model = TextClassifier(nn.EmbeddingBag(12, 5, mode="max"), dtype)
     ids = torch.randint(0, 6, (3, 5))
-    served = served_by(monkeypatch, embedding, "bag_factors")
+    fallback_off(monkeypatch)
     t = traced(model, lambda: model(ids, None).pow(2).sum())
     check(t, model, own_loop(model, lambda m, i: m(ids[i:i + 1], None).pow(2).sum(), 3), dtype)
-    assert served
 
 
 def test_a_bag_call_the_rule_does_not_cover_gets_the_loop_over_bags():
@@ -154,3 +147,92 @@ def test_a_bag_call_the_rule_does_not_cover_gets_the_loop_over_bags():
     ref = own_loop(model, lambda m, i: m(torch.tensor(bags[i], dtype=ids.dtype), torch.tensor([0])).pow(2).sum(),
                    len(bags))
     check(t, model, ref, torch.float64)
+
+
+# -- nn.RNN / nn.GRU / nn.LSTM on a PackedSequence -------------------------------------------------------------------
+class Classifier(nn.Module):
+    """A recurrent layer over a PackedSequence, a head on the last layer's final state."""
+
+    def __init__(self, rnn: nn.RNNBase, dtype):
+        super().__init__()
+        dirs = 2 if rnn.bidirectional else 1
+        self.rnn, self.head = rnn, nn.Linear(dirs * (getattr(rnn, "proj_size", 0) or rnn.hidden_size), 2)
+        self.to(dtype)
+
+    def forward(self, packed, hx=None):
+        out, h = self.rnn(packed, hx)
+        h = h[0] if isinstance(h, tuple) else h
+        dirs = 2 if self.rnn.bidirectional else 1
+        return out, h, self.head(h[-dirs:].transpose(0, 1).flatten(1))
+
+
+RECURRENT = {
+    "lstm-bi-2": (lambda: nn.LSTM(3, 4, num_layers=2, bidirectional=True), True, False),
+    "gru-bi-2": (lambda: nn.GRU(3, 4, num_layers=2, bidirectional=True), False, False),
+    "rnn-relu-2-sorted": (lambda: nn.RNN(3, 4, num_layers=2, nonlinearity="relu"), True, True),
+    "lstm-1-sorted": (lambda: nn.LSTM(3, 4), False, True),
+    "rnn-bi": (lambda: nn.RNN(3, 4, bidirectional=True), True, False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", list(RECURRENT))
+def test_packed_recurrent_layers(monkeypatch, dtype, case):
+    """Sequences of lengths 5, 2, 4, 1 (enforce_sorted=False: the user's order is not the kernel's), h_0 (and c_0)
+    given or not; the loss reads the output's time steps, h_n (and c_n) through a product with fixed numbers, and a
+    head on the final state. Rows come in the user's sample order."""
+    make, h0_given, enforce_sorted = RECURRENT[case]
+    torch.manual_seed(0)
+    model = Classifier(make(), dtype)
+    rnn, lstm = model.rnn, isinstance(model.rnn, nn.LSTM)
+    lengths = torch.tensor([5, 4, 2, 1]) if enforce_sorted else torch.tensor([5, 2, 4, 1])
+    B, T, slots = len(lengths), int(lengths.max()), rnn.num_layers * (2 if rnn.bidirectional else 1)
+    x = torch.randn(B, T, 3, dtype=dtype)
+    h0 = torch.randn(slots, B, 4, dtype=dtype) if h0_given else None
+    c0 = torch.randn(slots, B, 4, dtype=dtype) if h0_given and lstm else None
+    hx = (h0, c0) if c0 is not None else h0
+    R_out = torch.randn(B, T, rnn.hidden_size * (2 if rnn.bidirectional else 1), dtype=dtype)
+    R_h = torch.randn(slots, B, 4, dtype=dtype)
+
+    def loss(out, h, y, r_out, r_h):
+        return (out * r_out).sum() + (h * r_h).sum() + y.pow(2).sum()
+
+    def whole():
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=enforce_sorted)
+        out, h, y = model(packed, hx)
+        padded = pad_packed_sequence(out, batch_first=True)[0]  # zeros past each sequence's end
+        return loss(padded, h, y, R_out, R_h)
+
+    def alone(m, i):
+        n = int(lengths[i])
+        hi = None if h0 is None else h0[:, i:i + 1].double()
+        hxi = (hi, c0[:, i:i + 1].double()) if c0 is not None else hi
+        seq = pack_padded_sequence(x[i:i + 1, :n].double(), lengths[i:i + 1], batch_first=True)
+        out, h, y = m(seq, hxi)
+        return loss(pad_packed_sequence(out, batch_first=True)[0], h, y, R_out[i:i + 1, :n].double(),
+                    R_h[:, i:i + 1].double())
+
+    ref = own_loop(model, alone, B)
+    fallback_off(monkeypatch)  # the rerun of the recurrence answers, not the loop over sequences
+    check(traced(model, whole), model, ref, dtype)
+    check(traced(model, whole, capture="norms"), model, ref, dtype, capture="norms")
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+def test_a_packed_call_the_rule_does_not_cover_gets_the_loop_over_sequences():
+    """An LSTM with proj_size: the rerun of the recurrence steps aside, the loop over the sequences (each one packed
+    alone) answers, exactly, in the user's order."""
+    torch.manual_seed(0)
+    model = Classifier(nn.LSTM(3, 4, proj_size=2), torch.float64)
+    lengths = torch.tensor([2, 5, 3])
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+
+    def whole():
+        out, h, y = model(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
+        return pad_packed_sequence(out, batch_first=True)[0].pow(2).sum() + y.pow(2).sum()
+
+    def alone(m, i):
+        out, h, y = m(pack_padded_sequence(x[i:i + 1, :lengths[i]], lengths[i:i + 1], batch_first=True))
+        return out.data.pow(2).sum() + y.pow(2).sum()
+
+    check(traced(model, whole), model, own_loop(model, alone, 3), torch.float64)

@@ -503,16 +503,18 @@ def _call_vjp(module, call, names: list, args, kwargs, deltas) -> dict:
     frozen = {n: t.clone() if n in buffers else t for n, t in call.params.items() if n not in names}
     train = {n: call.params[n] for n in names}
     picked = [i for i, d in enumerate(deltas) if d is not None]
-
-    def run(tr):
-        with parameters_swapped(module, {**frozen, **tr}):
-            out = flat_outputs(module.forward(*args, **kwargs))
-        if len(out) != len(deltas):
-            raise Refused("its forward returns other outputs than at the call")
-        return tuple(out[i] for i in picked)
-
-    _, vjp_fn = torch.func.vjp(run, train)
-    return vjp_fn(tuple(deltas[i] for i in picked))[0]
+    if not picked:
+        raise Refused("no gradient reached its outputs")
+    # autograd, not torch.func.vjp: a recurrent layer's kernel on a PackedSequence reads its weights' memory, which
+    # torch.func's wrapped tensors have none of
+    train = {n: t.detach().requires_grad_() for n, t in train.items()}
+    with torch.enable_grad(), parameters_swapped(module, {**frozen, **train}):
+        out = flat_outputs(module.forward(*args, **kwargs))
+    if len(out) != len(deltas):
+        raise Refused("its forward returns other outputs than at the call")
+    grads = torch.autograd.grad([out[i] for i in picked], list(train.values()), [deltas[i] for i in picked],
+                                allow_unused=True)
+    return {n: torch.zeros_like(t) if g is None else g for (n, t), g in zip(train.items(), grads)}
 
 
 def _split_loop(module, call, names: list, split: Samples) -> dict:
