@@ -236,3 +236,56 @@ def test_a_packed_call_the_rule_does_not_cover_gets_the_loop_over_sequences():
         return out.data.pow(2).sum() + y.pow(2).sum()
 
     check(traced(model, whole), model, own_loop(model, alone, 3), torch.float64)
+
+
+class OwnForwardLSTM(nn.LSTM):
+    """A forward of its own: what it computes is not nn.LSTM's, so no split into its sequences is assumed."""
+
+    def forward(self, x, hx=None):
+        return super().forward(x, hx)
+
+
+class SubclassedLSTM(nn.LSTM):
+    """nn.LSTM's own forward (the rerun of the recurrence steps aside for a subclass; the loop over sequences not)."""
+
+
+def test_what_a_packed_call_that_is_refused_says():
+    """A packed call no split covers is left out, and the note names the layer, that it got a PackedSequence and the
+    fix (before: "its output 0 of shape (11, 4) has no batch dimension of size 11"); a subclass that keeps nn.LSTM's
+    forward is covered, by the loop over its sequences."""
+    torch.manual_seed(0)
+    lengths = torch.tensor([2, 5, 4])
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+    for cls, covered in ((OwnForwardLSTM, False), (SubclassedLSTM, True)):
+        model = Classifier(cls(3, 4), torch.float64)
+
+        def whole(m=model):
+            return m(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))[2].pow(2).sum()
+
+        t = traced(model, whole)
+        if covered:
+            ref = own_loop(model, lambda m, i: m(pack_padded_sequence(x[i:i + 1, :lengths[i]], lengths[i:i + 1],
+                                                                      batch_first=True))[2].pow(2).sum(), 3)
+            check(t, model, ref, torch.float64)
+            continue
+        assert set(t.per_sample_left_out) == {f"rnn.{k}" for k, _ in model.rnn.named_parameters()}
+        why = t.per_sample_left_out["rnn.weight_ih_l0"]
+        assert why.startswith("rnn: OwnForwardLSTM") and "PackedSequence (3 sequences" in why
+        assert "pad_packed_sequence" in why and "no batch dimension" not in why
+        (note,) = [n for n in t.note_records if n.id == "params_left_out"]
+        assert note.layers == ("rnn",)
+
+
+class DoubledBag(nn.EmbeddingBag):
+    def forward(self, ids, offsets=None, per_sample_weights=None):
+        return super().forward(ids, offsets, per_sample_weights) * 2
+
+
+def test_what_a_bag_call_that_is_refused_says():
+    torch.manual_seed(0)
+    model = TextClassifier(DoubledBag(12, 5), torch.float64)
+    _, ids, offsets = bags_of(False)
+    t = traced(model, lambda: model(ids, offsets).pow(2).sum())
+    why = t.per_sample_left_out["bag.weight"]
+    assert why.startswith("bag: DoubledBag") and "bags given by offsets" in why
+    assert "2-d input" in why and set(t.per_sample_left_out) == {"bag.weight"}

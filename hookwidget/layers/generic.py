@@ -20,6 +20,7 @@ import warnings
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.nn.utils.rnn import PackedSequence
 
 from hookwidget._torch.autograd import sequence_nr
 from hookwidget._torch.modules import children, own_parameters, parameters_swapped
@@ -219,6 +220,9 @@ class _Prepared:
 
 
 def _prepare(module, call, names: list, B: int) -> _Prepared:
+    why = _unsplit(module, call)
+    if why is not None:
+        raise Refused(why)
     args, kwargs = call.inputs
     parts, leaves, dims = [], [], []
     for key, value in [*enumerate(args), *kwargs.items()]:
@@ -247,6 +251,24 @@ def _prepare(module, call, names: list, B: int) -> _Prepared:
     frozen = {n: t for n, t in call.params.items() if n not in names}
     buffers = {n for n, _ in module.named_buffers()}
     return _Prepared(parts, leaves, batched, [dims[i] for i in batched], outs, out_dims, cots, frozen, buffers)
+
+
+def _unsplit(module, call) -> str | None:
+    """Why the call cannot be split per sample along a batch dimension, where its arguments say which rows are whose
+    (a PackedSequence, bags given by offsets) and no split (SPLITS) served it; in words the user can act on."""
+    args, kwargs = call.inputs
+    packed = next((x for x in (*args, *kwargs.values()) if isinstance(x, PackedSequence)), None)
+    name = type(module).__name__
+    if packed is not None:
+        return (f"it was called on a PackedSequence ({int(packed.batch_sizes[0])} sequences, data "
+                f"{tuple(packed.data.shape)}): its rows are time steps of several sequences, and only a layer with "
+                f"nn.RNN's, nn.GRU's or nn.LSTM's own forward is split into its sequences, not {name}; give it the "
+                "padded batch (nn.utils.rnn.pad_packed_sequence) so that each sequence is a row")
+    offsets = kwargs.get("offsets", args[1] if len(args) > 1 else None)
+    if isinstance(module, nn.EmbeddingBag) and isinstance(offsets, torch.Tensor):
+        return (f"it was called on bags given by offsets, and only nn.EmbeddingBag's own forward is split into its "
+                f"bags, not {name}'s; give it a 2-d input (one bag per row, padded with padding_idx)")
+    return None
 
 
 def rebuild(prep: _Prepared, leaves: list) -> tuple:

@@ -201,4 +201,12 @@ def recurrent_factors(module, call, names: list, B: int) -> tuple:
 
 
 generic.FAST_RULES.append((_plain_recurrent, recurrent_factors))
-generic.SPLITS.append((_plain_recurrent, _packed_split))
+
+
+def _torch_forward(module) -> bool:
+    """A recurrent layer whose forward is torch's own (a subclass may change its cell, not what a call returns): the
+    loop over its sequences reruns that forward, so it needs no more."""
+    return isinstance(module, nn.RNNBase) and type(module).forward in (nn.LSTM.forward, nn.GRU.forward, nn.RNN.forward)
+
+
+generic.SPLITS.append((_torch_forward, _packed_split))
