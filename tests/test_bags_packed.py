@@ -289,3 +289,17 @@ def test_what_a_bag_call_that_is_refused_says():
     why = t.per_sample_left_out["bag.weight"]
     assert why.startswith("bag: DoubledBag") and "bags given by offsets" in why
     assert "2-d input" in why and set(t.per_sample_left_out) == {"bag.weight"}
+
+
+def test_bags_that_are_not_the_samples_are_refused():
+    """Two bags per sample (offsets give 6 bags, the head sees 3 samples): the bags' rows are not the samples the
+    step's other layers have, so the bag is left out, saying so, rather than given rows of another batch."""
+    torch.manual_seed(0)
+    bag, head = nn.EmbeddingBag(12, 5), nn.Linear(10, 2)
+    model = nn.ModuleDict({"bag": bag, "head": head}).double()
+    ids, offsets = torch.randint(0, 12, (14,)), torch.tensor([0, 2, 5, 7, 8, 11])
+    t = traced(model, lambda: head(bag(ids, offsets).reshape(3, 10)).pow(2).sum())
+    assert set(t.per_sample_left_out) == {"bag.weight"}
+    assert "6 samples" in t.per_sample_left_out["bag.weight"] and "batch of 3" in t.per_sample_left_out["bag.weight"]
+    ref = own_loop(model, lambda m, i: m["head"](m["bag"](ids, offsets).reshape(3, 10)[i:i + 1]).pow(2).sum(), 3)
+    close(t.per_sample_grads("head").double(), ref["head.weight"], 1e-9)

@@ -77,11 +77,14 @@ def _stated(trace, module, calls: list, k: int) -> int | Refusal | None:
     stated = {s.n for s in map(lambda c: generic.samples_of(module, c), calls) if s is not None}
     if not stated:
         return None
+    if len(stated) > 1:
+        return Refusal(f"its calls hold {' and '.join(map(str, sorted(stated)))} samples (bags given by offsets, or "
+                       "sequences of a PackedSequence): not one batch")
     step_batch = batches.step_batch_size(trace, k)
-    if len(stated) > 1 or step_batch is not None and stated != {step_batch}:
-        return Refusal(f"its call(s) hold {' and '.join(map(str, sorted(stated)))} samples (bags given by offsets, or "
-                       f"sequences of a PackedSequence), the step's other layers {step_batch}: its rows are not the "
-                       "same samples as theirs")
+    if step_batch is not None and stated != {step_batch}:
+        return Refusal(f"its call holds {stated.pop()} samples (bags given by offsets, or sequences of a "
+                       f"PackedSequence) where the step's other layers see a batch of {step_batch} (several bags or "
+                       "sequences per sample?): its rows are not their samples")
     return stated.pop()
 
 

@@ -21,6 +21,8 @@ sequences that answers where the rule does not (vmap needs samples of one length
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -119,7 +121,7 @@ def _packed_split(module, call):
     sizes = x.batch_sizes.tolist()
     n = sizes[0]
     order = list(range(n)) if x.unsorted_indices is None else x.unsorted_indices.tolist()
-    starts = [sum(sizes[:t]) for t in range(len(sizes))]
+    starts = [0, *itertools.accumulate(sizes[:-1])]  # where each time step's rows begin in the packed data
     deltas, k = call.deltas, 2 if isinstance(module, nn.LSTM) else 1
 
     def one(b: int):
