@@ -303,3 +303,45 @@ def test_bags_that_are_not_the_samples_are_refused():
     assert "6 samples" in t.per_sample_left_out["bag.weight"] and "batch of 3" in t.per_sample_left_out["bag.weight"]
     ref = own_loop(model, lambda m, i: m["head"](m["bag"](ids, offsets).reshape(3, 10)[i:i + 1]).pow(2).sum(), 3)
     close(t.per_sample_grads("head").double(), ref["head.weight"], 1e-9)
+
+
+def test_capture_and_queries_leave_loss_grads_and_rng_as_they_were():
+    """Bitwise: a traced step of a packed GRU and a bag gives the plain step's loss and .grad, and asking for the rows
+    (the reruns, the loop over the sequences) changes neither .grad nor the random number generator."""
+    torch.manual_seed(0)
+    gru, bag = nn.GRU(3, 4, num_layers=2, bidirectional=True), nn.EmbeddingBag(12, 4, mode="max")
+    model = nn.ModuleDict({"gru": gru, "bag": bag})
+    lengths, x = torch.tensor([2, 4, 3]), torch.randn(4, 3, 3)
+    _, ids, offsets = bags_of(False)
+
+    losses = []
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        _, h = gru(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        losses.append((h[-1] * bag(ids, offsets[:3])).sum())
+        losses[-1].backward()
+
+    step()
+    want = {k: p.grad.clone() for k, p in model.named_parameters()}
+    t = hw.trace(step, model)
+    assert torch.equal(losses[0], losses[1])
+    assert all(torch.equal(p.grad, want[k]) for k, p in model.named_parameters())
+    rng = torch.get_rng_state()
+    t.per_sample_grads("gru", "weight_hh_l1_reverse")
+    t.per_sample_grad_norms()
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(torch.equal(p.grad, want[k]) for k, p in model.named_parameters())
+
+
+def test_layers_stating_different_sample_counts_are_refused():
+    """No exact-rule layer says the batch, and a bag (4 bags) and a packed GRU (3 sequences) disagree: which rows are
+    the samples is not known, so both are left out, saying so (their norms could not be added)."""
+    torch.manual_seed(0)
+    gru, bag = nn.GRU(3, 4), nn.EmbeddingBag(12, 4)
+    model = nn.ModuleDict({"gru": gru, "bag": bag})
+    _, ids, offsets = bags_of(False)
+    x = pack_padded_sequence(torch.randn(4, 3, 3), torch.tensor([2, 4, 3]), enforce_sorted=False)
+    t = traced(model, lambda: gru(x)[1].sum() * bag(ids, offsets).sum())
+    assert set(t.per_sample_left_out) == {f"gru.{k}" for k, _ in gru.named_parameters()} | {"bag.weight"}
+    assert "which rows are the samples is not known" in t.per_sample_left_out["bag.weight"]

@@ -1,7 +1,7 @@
 """nn.Embedding: row idx_t of W.grad gets δ_t (padding_idx rows get nothing); a scaled word embedding (the lookup
 times a number: BART's, Gemma's and 22 more of transformers' classes, recognised by their forward's code) the same
-with δ_t times that number; nn.EmbeddingBag, and any other Embedding subclass with a forward of its own, through the
-generic rule's fast path (below).
+with δ_t times that number; nn.EmbeddingBag (one bag per row of a 2-d input, or bags given by offsets: one sample per
+bag), and any other Embedding subclass with a forward of its own, through the generic rule's fast path (below).
 
 With scale_grad_by_freq, backward divides δ_t by how often idx_t occurs in the whole call's input, so samples
 share a statistic (as BatchNorm on batch statistics does): a row is the sample's *contribution* to .grad

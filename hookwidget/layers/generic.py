@@ -5,7 +5,8 @@ a subclass that overrides forward, a weight-normed conv), capture keeps every te
 and keyword), every output's δ, the module's train/eval flags and its parameters and buffers as they were
 (copy-on-write). Per sample b the rule reruns the module's forward on that sample alone and pulls its δ back:
 vmap over the batch of the vjp of the forward (Opacus' and torch.func's way), or, where vmap cannot run
-(`.item()`, data-dependent control flow), a loop of vjps. Its result is used only after the check in
+(`.item()`, data-dependent control flow), a loop of vjps; where the call's arguments state its samples (bags given
+by offsets, a PackedSequence: SPLITS), a loop over those. Its result is used only after the check in
 analysis/per_sample.py: the per-sample gradients must add up to the gradient the step made; a module that mixes
 samples (BatchNorm in train mode) fails it and is named in a note, never used.
 """
