@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import warnings
+from typing import Callable
 
 import torch
 from torch import nn
@@ -67,7 +68,7 @@ class Samples:
     deltas aligned with flat_outputs of its output (None where no gradient is pulled back)."""
 
     n: int
-    one: object
+    one: Callable
 
 
 def samples_of(module, call) -> Samples | None:
