@@ -355,6 +355,24 @@ def test_norm_and_attention_fields():
         assert not layers.packed_qkv(nn.MultiheadAttention(4, 2, kdim=3, vdim=3))
 
 
+def test_bag_max_rows():
+    """The rows EmbeddingBag(mode="max")'s backward sends each bag's gradient to, per feature: the bag's argmax."""
+    w = torch.randn(6, 3)
+    w[4] = w[2]  # a tie between two rows: the kernel's choice, whatever it is, is what backward uses
+    ids, offsets = torch.tensor([1, 2, 4, 3, 0, 0, 5]), torch.tensor([0, 3, 3, 4])
+    with internal("torch.embedding_bag's fourth output (max_indices)"):
+        rows = layers.bag_max_rows(w, ids, offsets, False, 0)
+        assert rows.shape == (4, 3)
+        bag = nn.EmbeddingBag(6, 3, mode="max", padding_idx=0, _weight=w.clone())
+        g = torch.randn(4, 3)
+        bag(ids, offsets).backward(g)
+        want = torch.zeros(6, 3)
+        for b in (0, 2, 3):  # bag 1 is empty and bag 3 all padding but one entry: rows only where a bag has entries
+            want[rows[b], torch.arange(3)] += g[b]
+        assert torch.equal(bag.weight.grad, want)
+        assert set(rows[0].tolist()) <= {1, 2, 4}
+
+
 def test_grad_scaler_scale():
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
     with internal("GradScaler._scale"):

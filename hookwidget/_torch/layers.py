@@ -9,10 +9,13 @@ Checked on torch 2.13. Why private names:
 - InstanceNorm's `_get_no_batch_dim()` is the rank of an unbatched input; MultiheadAttention's
   `_qkv_same_embed_dim` says whether q, k and v share one packed in_proj_weight.
 - `parametrizations._WeightNorm` is what `nn.utils.parametrizations.weight_norm` registers: w = g · v / ‖v‖.
+- `torch.embedding_bag` (undocumented; F.embedding_bag returns only its first output) gives, in mode "max", the row
+  each bag's maximum took per feature: the rows its backward sends the bag's gradient to.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.modules import conv as _conv
 from torch.nn.utils import parametrizations as _parametrizations
@@ -56,3 +59,12 @@ def weight_norm_dim(module: nn.Module) -> int | None:
     if len(chain) != 1 or type(chain[0]) is not _parametrizations._WeightNorm:
         return None
     return chain[0].dim
+
+
+def bag_max_rows(weight, indices, offsets, include_last_offset: bool, padding_idx) -> torch.Tensor:
+    """(bags, d): for EmbeddingBag(mode="max") called on 1-d `indices` with `offsets`, the row of `weight` whose value
+    each bag's maximum took per feature (ties resolved as torch resolves them), which its backward adds the bag's
+    gradient to; an empty bag's entries match no row's index. Computed by the kernel F.embedding_bag calls."""
+    with torch.no_grad():
+        return torch.embedding_bag(weight, indices, offsets, False, 2, False, None, include_last_offset,
+                                   padding_idx)[3]

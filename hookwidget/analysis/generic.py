@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections import Counter
 
 import torch
 
@@ -43,7 +44,10 @@ def _generic_rows(trace, name: str, k: int) -> dict | Refusal:
     owned = facts.owned_params(trace, name)
     canonical = {id(p): n for n, p in module.named_parameters()}
     names = {pn: canonical[id(p)] for pn, p in owned.items()}
-    B = batches.step_batch_size(trace, k) or generic.batch_size_hint(module, calls[0].inputs)
+    B = _stated(trace, module, calls, k)
+    if isinstance(B, Refusal):
+        return B
+    B = B or batches.step_batch_size(trace, k) or generic.batch_size_hint(module, calls[0].inputs)
     if not B:
         return Refusal("its inputs have no batch dimension")
     size = B * sum(p.numel() * p.element_size() for p in owned.values())
@@ -65,6 +69,47 @@ def _generic_rows(trace, name: str, k: int) -> dict | Refusal:
         return Refusal(f"the generic rule could not rerun it: {generic.first_line(e)}")
     why = _check_rows(trace, name, module, calls, names, owned, B, k, rows)
     return rows if why is None else Refusal(why)
+
+
+def _stated(trace, module, calls: list, k: int) -> int | Refusal | None:
+    """The number of samples the calls' arguments state themselves (bags given by offsets, a PackedSequence:
+    generic.SPLITS), where they do; a Refusal where calls disagree, or disagree with the step's batch: the one its
+    exact-rule layers have, else the one most layers that state theirs agree on (rows of different counts are not
+    the same samples, and their norms could not be added)."""
+    stated = {s.n for s in (generic.samples_of(module, c) for c in calls) if s is not None}
+    if not stated:
+        return None
+    what = "bags given by offsets, or sequences of a PackedSequence"
+    if len(stated) > 1:
+        return Refusal(f"its calls hold {' and '.join(map(str, sorted(stated)))} samples ({what}): not one batch")
+    n, batch = stated.pop(), batches.step_batch_size(trace, k)
+    if batch is None:
+        counts = _stated_counts(trace, k).most_common(2)
+        if len(counts) > 1 and counts[0][1] == counts[1][1]:
+            return Refusal(f"its call holds {n} samples ({what}) and as many layers of the step state another "
+                           f"number ({' and '.join(str(c) for c, _ in counts)}): which rows are the samples is "
+                           "not known")
+        batch = counts[0][0]
+    if n != batch:
+        return Refusal(f"its call holds {n} samples ({what}) where the step's other layers see a batch of {batch} "
+                       "(several bags or sequences per sample?): its rows are not their samples")
+    return n
+
+
+def _stated_counts(trace, k: int) -> Counter:
+    """How many generic-rule layers of step k state each number of samples (cached per trace and step)."""
+    key = ("stated", k)
+    if key not in trace.facts:
+        counts = Counter()
+        for layer in trace.layers.values():
+            if fx.is_generic(layer.module):
+                for c in layer.calls:
+                    if c.step == k and generic.missing(c) is None:
+                        found = generic.samples_of(layer.module, c)
+                        if found is not None:
+                            counts[found.n] += 1
+        trace.facts[key] = counts
+    return trace.facts[key]
 
 
 def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | None:

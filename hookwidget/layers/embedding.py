@@ -1,7 +1,7 @@
 """nn.Embedding: row idx_t of W.grad gets δ_t (padding_idx rows get nothing); a scaled word embedding (the lookup
 times a number: BART's, Gemma's and 22 more of transformers' classes, recognised by their forward's code) the same
-with δ_t times that number; nn.EmbeddingBag, and any other Embedding subclass with a forward of its own, through the
-generic rule's fast path (below).
+with δ_t times that number; nn.EmbeddingBag (one bag per row of a 2-d input, or bags given by offsets: one sample per
+bag), and any other Embedding subclass with a forward of its own, through the generic rule's fast path (below).
 
 With scale_grad_by_freq, backward divides δ_t by how often idx_t occurs in the whole call's input, so samples
 share a statistic (as BatchNorm on batch statistics does): a row is the sample's *contribution* to .grad
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from hookwidget._torch.layers import bag_max_rows
 from hookwidget.layers import generic
 from hookwidget.layers.base import Factor
 from hookwidget.layers.registry import register
@@ -93,43 +94,118 @@ def cast_scaled_lookup(m, idx, delta, state=None):
 # No exact rule is registered for it: a bag's offsets and per_sample_weights are arguments that the factor rules do
 # not see. The generic rule sees every argument, and checks what this fast rule gives (the rows add up to the step's
 # gradient; one sample's rows equal its own vjp on the first call of each code path), so a call it does not cover
-# falls back to the vmap rule.
+# falls back to the vmap rule (or, for bags given by offsets, a loop over the bags: _bag_split).
 def _plain_bag(module) -> bool:
     return isinstance(module, nn.EmbeddingBag) and type(module).forward is nn.EmbeddingBag.forward
 
 
+def _bag_given(call) -> dict:
+    args, kwargs = call.inputs
+    return {**dict(zip(("input", "offsets", "per_sample_weights"), args)), **kwargs}
+
+
+def _bounds(module, idx: torch.Tensor, offsets: torch.Tensor) -> tuple:
+    """(starts, ends) of the bags of a 1-d input: bag b is idx[starts[b]:ends[b]] (empty where they are equal)."""
+    if module.include_last_offset:
+        return offsets[:-1], offsets[1:]
+    return offsets, torch.cat([offsets[1:], offsets.new_tensor([idx.numel()])])
+
+
+def _offset_bags(module, call):
+    """(indices, offsets, per_sample_weights) of a call with bags given by offsets (a 1-d input), else None."""
+    given = _bag_given(call)
+    idx, offsets = given.get("input"), given.get("offsets")
+    if isinstance(idx, torch.Tensor) and idx.dim() == 1 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1:
+        return idx, offsets, given.get("per_sample_weights")
+    return None
+
+
+def _bag_split(module, call):
+    """A call with bags given by offsets holds one sample per bag: len(offsets) of them (one fewer with
+    include_last_offset); sample b's call is its bag alone (offsets [0]), its per_sample_weights, its output row."""
+    found = _offset_bags(module, call)
+    if found is None:
+        return None
+    idx, offsets, psw = found
+    starts, ends = (t.tolist() for t in _bounds(module, idx, offsets))
+    delta = call.deltas[0] if call.deltas else None
+
+    def one(b: int):
+        s, e = starts[b], ends[b]
+        kwargs = {"offsets": offsets.new_tensor([0, e - s] if module.include_last_offset else [0])}
+        if psw is not None:
+            kwargs["per_sample_weights"] = psw[s:e]
+        return (idx[s:e],), kwargs, [None if delta is None else delta[b:b + 1]]
+
+    return generic.Samples(len(starts), one)
+
+
+def _padded_bags(module, call, B: int) -> tuple:
+    """(bags (B, L) of indices, which entries are in a bag (B, L), per_sample_weights (B, L) or None, and the call's
+    indices, offsets and include_last_offset as F.embedding_bag passes them to its kernel (1-d; a 2-d input's
+    include_last_offset is ignored)): a 2-d input's rows, or bags given by offsets padded to the longest (an empty bag
+    has no entry). Raises generic.NotApplicable for another call."""
+    given = _bag_given(call)
+    idx, psw = given.get("input"), given.get("per_sample_weights")
+    if isinstance(idx, torch.Tensor) and idx.dim() == 2 and given.get("offsets") is None:
+        L = idx.shape[1]
+        offsets = torch.arange(0, idx.numel(), L, dtype=idx.dtype, device=idx.device)
+        return idx, torch.ones(idx.shape, dtype=torch.bool, device=idx.device), psw, (idx.reshape(-1), offsets, False)
+    found = _offset_bags(module, call)
+    if found is None:
+        raise generic.NotApplicable("not a 2-d input nor bags given by offsets")
+    idx, offsets, psw = found
+    starts, ends = _bounds(module, idx, offsets)
+    lengths = ends - starts
+    L = max(int(lengths.max()), 1) if len(lengths) else 1
+    pos = torch.arange(L, device=idx.device)
+    inside = pos < lengths.unsqueeze(1)
+    at = (starts.unsqueeze(1) + pos).clamp(max=max(idx.numel() - 1, 0))
+    bags = torch.where(inside, idx[at], 0) if idx.numel() else torch.zeros(inside.shape, dtype=idx.dtype)
+    if psw is not None:
+        psw = torch.where(inside, psw[at], 0) if idx.numel() else torch.zeros(inside.shape, dtype=psw.dtype)
+    return bags, inside, psw, (idx, offsets, module.include_last_offset)
+
+
 def bag_factors(module: nn.EmbeddingBag, call, names: list, B: int) -> tuple:
-    """(name -> Factor, the code path's key) of one call with one bag per sample (a 2-D input, no offsets), mode
-    "sum" (per_sample_weights too) or "mean": row idx_i of W.grad gets c_i δ_b for each index i of bag b, with c_i
-    the index's weight (1, or its per_sample_weight), 0 at padding_idx, over the bag's non-padding count in mean
-    mode. Raises generic.NotApplicable for any other call (offsets, mode "max", scale_grad_by_freq, max_norm)."""
-    if module.mode not in ("sum", "mean") or module.scale_grad_by_freq or module.max_norm is not None:
-        raise generic.NotApplicable("mode max, scale_grad_by_freq or max_norm")
+    """(name -> Factor, the code path's key) of one call with one bag per sample (a 2-D input's rows, or bags given
+    by offsets, include_last_offset and empty bags too), one token per entry of a bag. Modes "sum"
+    (per_sample_weights too) and "mean": row idx_i of W.grad gets c_i δ_b for each entry i of bag b, with c_i the
+    entry's weight (1, or its per_sample_weight), 0 at padding_idx, over the bag's non-padding count in mean mode.
+    Mode "max": per feature f, the row the bag's maximum took (the kernel's own choice, ties included:
+    _torch.layers.bag_max_rows) gets δ_bf, at the first entry of the bag that holds that row. Raises
+    generic.NotApplicable for any other call (scale_grad_by_freq, max_norm, other parameters)."""
+    if module.scale_grad_by_freq or module.max_norm is not None:
+        raise generic.NotApplicable("scale_grad_by_freq or max_norm")
     if list(names) != ["weight"]:
         raise generic.NotApplicable("other parameters")
-    args, kwargs = call.inputs
-    given = {**dict(zip(("input", "offsets", "per_sample_weights"), args)), **kwargs}
-    idx, psw = given.get("input"), given.get("per_sample_weights")
+    bags, kept, psw, flat = _padded_bags(module, call, B)
     delta = call.deltas[0] if call.deltas else None
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or given.get("offsets") is not None or idx.shape[0] != B:
-        raise generic.NotApplicable("bags given by offsets, or not one bag per sample")
-    if delta is None or tuple(delta.shape) != (B, module.embedding_dim):
-        raise generic.NotApplicable("output gradient shape")
-    c = torch.ones(idx.shape, dtype=delta.dtype, device=delta.device) if psw is None else psw.to(delta.dtype)
-    counted = idx.shape[1]
+    if bags.shape[0] != B or delta is None or tuple(delta.shape) != (B, module.embedding_dim):
+        raise generic.NotApplicable("not one bag per sample, or another output gradient")
     if module.padding_idx is not None:
-        kept = idx != module.padding_idx
-        c = c * kept
-        counted = kept.sum(1, keepdim=True).clamp_min(1)
-    if module.mode == "mean":
-        c = c / counted
-    D = c.unsqueeze(-1) * delta.unsqueeze(1)
-    f = Factor("weight", "onehot", D, idx, tuple(module.weight.shape), rows=module.num_embeddings)
-    key = ("bag", module.mode, psw is not None, module.padding_idx is not None, tuple(idx.shape))
+        kept = kept & (bags != module.padding_idx)
+    if module.mode == "max":
+        rows = bag_max_rows(call.params["weight"], *flat, module.padding_idx)
+        L = bags.shape[1]
+        earlier = torch.ones(L, L, dtype=torch.bool, device=bags.device).tril(-1)  # t' < t
+        repeat = ((bags.unsqueeze(2) == bags.unsqueeze(1)) & earlier & kept.unsqueeze(1)).any(2)
+        first = kept & ~repeat  # the first entry of each row in its bag: a row the max took gets δ once
+        took = (bags.unsqueeze(2) == rows.unsqueeze(1)) & first.unsqueeze(2)  # (B, L, d)
+        D = took.to(delta.dtype) * delta.unsqueeze(1)
+    else:
+        c = kept.to(delta.dtype) if psw is None else psw.to(delta.dtype) * kept
+        if module.mode == "mean":
+            c = c / kept.sum(1, keepdim=True).clamp_min(1)
+        D = c.unsqueeze(-1) * delta.unsqueeze(1)
+    f = Factor("weight", "onehot", D, bags, tuple(module.weight.shape), rows=module.num_embeddings)
+    key = ("bag", module.mode, psw is not None, module.padding_idx is not None, flat[2],
+           _bag_given(call)["input"].dim(), tuple(bags.shape))
     return {"weight": f}, key
 
 
 generic.FAST_RULES.append((_plain_bag, bag_factors))
+generic.SPLITS.append((_plain_bag, _bag_split))
 
 
 # -- any other nn.Embedding subclass with a forward of its own (T5Gemma2's word embedding, BART's positions) -------

@@ -5,7 +5,8 @@ a subclass that overrides forward, a weight-normed conv), capture keeps every te
 and keyword), every output's δ, the module's train/eval flags and its parameters and buffers as they were
 (copy-on-write). Per sample b the rule reruns the module's forward on that sample alone and pulls its δ back:
 vmap over the batch of the vjp of the forward (Opacus' and torch.func's way), or, where vmap cannot run
-(`.item()`, data-dependent control flow), a loop of vjps. Its result is used only after the check in
+(`.item()`, data-dependent control flow), a loop of vjps; where the call's arguments state its samples (bags given
+by offsets, a PackedSequence: SPLITS), a loop over those. Its result is used only after the check in
 analysis/per_sample.py: the per-sample gradients must add up to the gradient the step made; a module that mixes
 samples (BatchNorm in train mode) fails it and is named in a note, never used.
 """
@@ -16,10 +17,12 @@ import contextlib
 import dataclasses
 import functools
 import warnings
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.nn.utils.rnn import PackedSequence
 
 from hookwidget._torch.autograd import sequence_nr
 from hookwidget._torch.modules import children, own_parameters, parameters_swapped
@@ -51,6 +54,33 @@ LAST_RULES: list = []  # as FAST_RULES, tried after all of them: rules that appl
 # gradient arriving at that node as call.rule_parts[name] (capture/generic.py). The rule checks what it finds and falls
 # back where anything is missing.
 FAST_CAPTURES: list = []
+
+# (applies(module) -> bool, split(module, call) -> Samples | None): calls whose arguments state their samples
+# themselves (nn.EmbeddingBag's bags given by offsets, a recurrent layer's PackedSequence): rows of no tensor are the
+# samples, so no batch dimension can be read from them; the split says how many samples there are and gives each one's
+# own call.
+SPLITS: list = []
+
+
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """The samples a call's arguments state: n of them, and one(b) -> (args, kwargs, deltas): sample b's call alone,
+    deltas aligned with flat_outputs of its output (None where no gradient is pulled back)."""
+
+    n: int
+    one: Callable
+
+
+def samples_of(module, call) -> Samples | None:
+    """The samples the call's arguments state (SPLITS), or None where its tensors carry a batch dimension as usual."""
+    if call.inputs is None:
+        return None
+    for applies, split in SPLITS:
+        if applies(module):
+            found = split(module, call)
+            if found is not None:
+                return found
+    return None
 
 
 def call_nodes(root, seq_start: int, limit: int | None = None) -> list | None:
@@ -192,6 +222,9 @@ class _Prepared:
 
 
 def _prepare(module, call, names: list, B: int) -> _Prepared:
+    why = _unsplit(module, call)
+    if why is not None:
+        raise Refused(why)
     args, kwargs = call.inputs
     parts, leaves, dims = [], [], []
     for key, value in [*enumerate(args), *kwargs.items()]:
@@ -220,6 +253,24 @@ def _prepare(module, call, names: list, B: int) -> _Prepared:
     frozen = {n: t for n, t in call.params.items() if n not in names}
     buffers = {n for n, _ in module.named_buffers()}
     return _Prepared(parts, leaves, batched, [dims[i] for i in batched], outs, out_dims, cots, frozen, buffers)
+
+
+def _unsplit(module, call) -> str | None:
+    """Why the call cannot be split per sample along a batch dimension, where its arguments say which rows are whose
+    (a PackedSequence, bags given by offsets) and no split (SPLITS) served it; in words the user can act on."""
+    args, kwargs = call.inputs
+    packed = next((x for x in (*args, *kwargs.values()) if isinstance(x, PackedSequence)), None)
+    name = type(module).__name__
+    if packed is not None:
+        return (f"it was called on a PackedSequence ({int(packed.batch_sizes[0])} sequences, data "
+                f"{tuple(packed.data.shape)}): its rows are time steps of several sequences, and only a layer with "
+                f"nn.RNN's, nn.GRU's or nn.LSTM's own forward is split into its sequences, not {name}; give it the "
+                "padded batch (nn.utils.rnn.pad_packed_sequence) so that each sequence is a row")
+    offsets = kwargs.get("offsets", args[1] if len(args) > 1 else None)
+    if isinstance(module, nn.EmbeddingBag) and isinstance(offsets, torch.Tensor):
+        return (f"it was called on bags given by offsets, and only nn.EmbeddingBag's own forward is split into its "
+                f"bags, not {name}'s; give it a 2-d input (one bag per row, padded with padding_idx)")
+    return None
 
 
 def rebuild(prep: _Prepared, leaves: list) -> tuple:
@@ -253,7 +304,11 @@ def _forward(module, prep: _Prepared, train: dict, batched: list, squeeze: bool)
 
 def per_sample(module, call, names: list, B: int) -> dict:
     """name -> (B, *shape): each sample's gradient of one call, by vmap of the vjp, or a loop of vjps where
-    vmap cannot run. Raises Refused with the reason where neither gives an answer."""
+    vmap cannot run (or where the call's arguments state its samples: a loop over them, see SPLITS). Raises Refused
+    with the reason where neither gives an answer."""
+    split = samples_of(module, call)
+    if split is not None:
+        return _split_loop(module, call, names, split)
     prep = _prepare(module, call, names, B)
     train = {n: call.params[n] for n in names}
     xs = [prep.leaves[i] for i in prep.batched]
@@ -302,6 +357,10 @@ def _looped(module, prep: _Prepared, train: dict, xs: list, B: int) -> dict:
 
 def one_sample(module, call, names: list, B: int, b: int) -> dict:
     """name -> the gradient of sample b alone: the forward rerun on that sample only, its δ pulled back."""
+    split = samples_of(module, call)
+    if split is not None:
+        with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)):
+            return _call_vjp(module, call, names, *split.one(b))
     prep = _prepare(module, call, names, B)
     train = {n: call.params[n] for n in names}
     xs = [prep.leaves[i].narrow(d, b, 1) for i, d in zip(prep.batched, prep.in_dims)]
@@ -450,12 +509,52 @@ FAST_RULES.append((has_vector_params, vector_params))
 
 def full_batch(module, call, names: list, B: int) -> dict:
     """name -> the gradient of the whole call (every sample at once): what the per-sample rows must add up to."""
+    if samples_of(module, call) is not None:
+        with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)):
+            return _call_vjp(module, call, names, *call.inputs, call.deltas)
     prep = _prepare(module, call, names, B)
     train = {n: call.params[n] for n in names}
     xs = [prep.leaves[i] for i in prep.batched]
     with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)):
         _, vjp_fn = torch.func.vjp(lambda tr: _forward(module, prep, tr, xs, False), train)
         return vjp_fn(tuple(prep.cots))[0]
+
+
+def _call_vjp(module, call, names: list, args, kwargs, deltas) -> dict:
+    """name -> the gradient of the module's forward on (args, kwargs), the parameters as at the call, `deltas`
+    (aligned with flat_outputs, None where none) pulled back."""
+    buffers = {n for n, _ in module.named_buffers()}
+    frozen = {n: t.clone() if n in buffers else t for n, t in call.params.items() if n not in names}
+    train = {n: call.params[n] for n in names}
+    picked = [i for i, d in enumerate(deltas) if d is not None]
+    if not picked:
+        raise Refused("no gradient reached its outputs")
+    # autograd, not torch.func.vjp: a recurrent layer's kernel on a PackedSequence reads its weights' memory, which
+    # torch.func's wrapped tensors have none of
+    train = {n: t.detach().requires_grad_() for n, t in train.items()}
+    with torch.enable_grad(), parameters_swapped(module, {**frozen, **train}):
+        out = flat_outputs(module.forward(*args, **kwargs))
+    if len(out) != len(deltas):
+        raise Refused("its forward returns other outputs than at the call")
+    grads = torch.autograd.grad([out[i] for i in picked], list(train.values()), [deltas[i] for i in picked],
+                                allow_unused=True)
+    return {n: torch.zeros_like(t) if g is None else g for (n, t), g in zip(train.items(), grads)}
+
+
+def _split_loop(module, call, names: list, split: Samples) -> dict:
+    """name -> (n, *shape): a loop over the samples the call's arguments state, each one's forward rerun alone and
+    its δ pulled back (vmap needs samples of one shape; bags and sequences differ in length)."""
+    rows = []
+    with _modes(module, call.training), torch.random.fork_rng(devices=_cuda_devices(call)):
+        for b in range(split.n):
+            state = torch.get_rng_state()
+            rows.append(_call_vjp(module, call, names, *split.one(b)))
+            if not torch.equal(state, torch.get_rng_state()):
+                raise Refused(f"{type(module).__name__} draws random numbers in its forward (dropout in train mode): "
+                              "per-sample gradients need the same random numbers; put it in eval mode")
+    if not rows:
+        raise Refused("its call holds no sample")
+    return {n: torch.stack([r[n] for r in rows]) for n in names}
 
 
 def missing(call) -> str | None:

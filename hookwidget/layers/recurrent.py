@@ -9,15 +9,24 @@ sum factors with the time steps as tokens, whose per-sample norms the Gram form 
 of the weights. The rule reruns the recurrence (torch's documented equations, as tensors with the batch intact),
 pulls the call's output gradients back to every gi_t (and a GRU's gh_t) in one backward, and is checked as every
 fast rule is (analysis/generic.py: the rows add up to the step's gradient, one sample's rows equal its own vjp); a
-call it does not cover (packed sequences, an unbatched input, LSTM's proj_size, dropout between layers in
-training) goes to the vmap rule.
+call it does not cover (an unbatched input, LSTM's proj_size, dropout between layers in training) goes to the vmap
+rule.
+
+A PackedSequence (variable lengths) states its samples itself: batch_sizes[0] sequences, sorted by length for the
+kernel, unsorted_indices giving the user's order. The rule pads it (pad_packed_sequence: the user's order, as h_0 and
+h_n are) and reruns the recurrence with each sequence's state held once it ended (reversed: until it begins), so its
+padded steps get no gradient; _packed_split gives each sequence's own call, for the check and for the loop over the
+sequences that answers where the rule does not (vmap needs samples of one length).
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequence
 
 from hookwidget.layers import generic
 from hookwidget.layers.base import Factor
@@ -57,14 +66,24 @@ def _tracked(t: torch.Tensor) -> torch.Tensor:
     return t if t.requires_grad else t.requires_grad_()
 
 
-def _arguments(module, call, B: int):
-    """(input (B, T, I), initial states per layer and direction: tuples of (B, H)) of a call, or NotApplicable."""
+def _given(call) -> tuple:
     args, kwargs = call.inputs
     given = {**dict(zip(("input", "hx"), args)), **kwargs}
-    x, hx = given.get("input"), given.get("hx")
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        raise generic.NotApplicable("a packed sequence or an unbatched input")
-    x = x if module.batch_first else x.transpose(0, 1)
+    return given.get("input"), given.get("hx")
+
+
+def _arguments(module, call, B: int):
+    """(input (B, T, I), initial states per layer and direction: tuples of (B, H), each sequence's length or None)
+    of a call, or NotApplicable. A PackedSequence is padded, its sequences in the user's order (as h_0 and h_n are)."""
+    x, hx = _given(call)
+    lengths = None
+    if isinstance(x, PackedSequence):
+        x, lengths = pad_packed_sequence(x, batch_first=True)
+        lengths = lengths.to(x.device)
+    elif not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise generic.NotApplicable("an unbatched input")
+    else:
+        x = x if module.batch_first else x.transpose(0, 1)
     if x.shape[0] != B:
         raise generic.NotApplicable("the input's batch is not the step's")
     slots = module.num_layers * (2 if module.bidirectional else 1)
@@ -74,7 +93,46 @@ def _arguments(module, call, B: int):
     states = hx if isinstance(hx, (tuple, list)) else (hx,)
     if any(not isinstance(s, torch.Tensor) or s.dim() != 3 or s.shape[1] != B for s in states):
         raise generic.NotApplicable("an initial state without the batch")
-    return x, [tuple(s[k] for s in states) for k in range(slots)]
+    return x, [tuple(s[k] for s in states) for k in range(slots)], lengths
+
+
+def _packed_targets(module, call) -> tuple:
+    """(indices into [output, h_n, c_n], their δ) of a call on a PackedSequence: the output's δ (packed rows, the
+    batch sorted by length) padded to (B, T, ·) in the user's order, as the rule's output is."""
+    x, _ = _given(call)
+    deltas, k = call.deltas, 2 if isinstance(module, nn.LSTM) else 1
+    found = []
+    if deltas[0] is not None:
+        rows = PackedSequence(deltas[0], x.batch_sizes, x.sorted_indices, x.unsorted_indices)
+        found.append((0, pad_packed_sequence(rows, batch_first=True, total_length=len(x.batch_sizes))[0]))
+    found += [(1 + i, d) for i, d in enumerate(deltas[-k:]) if d is not None]
+    if not found:
+        raise generic.NotApplicable("no gradient reached its outputs")
+    return [i for i, _ in found], [d for _, d in found]
+
+
+def _packed_split(module, call):
+    """A call on a PackedSequence holds one sample per sequence (batch_sizes[0] of them, in the order of
+    unsorted_indices: the user's); sample b's call is its sequence packed alone with its h_0 (and c_0), its δ the
+    rows of the output's that are its time steps and its h_n's (and c_n's)."""
+    x, hx = _given(call)
+    if not isinstance(x, PackedSequence) or call.deltas is None:
+        return None
+    sizes = x.batch_sizes.tolist()
+    n = sizes[0]
+    order = list(range(n)) if x.unsorted_indices is None else x.unsorted_indices.tolist()
+    starts = [0, *itertools.accumulate(sizes[:-1])]  # where each time step's rows begin in the packed data
+    deltas, k = call.deltas, 2 if isinstance(module, nn.LSTM) else 1
+
+    def one(b: int):
+        s = order[b]  # its place in the batch sorted by length
+        rows = torch.tensor([at + s for at, size in zip(starts, sizes) if size > s], device=x.data.device)
+        h = hx if hx is None else tuple(t[:, b:b + 1] for t in hx) if isinstance(hx, (tuple, list)) else hx[:, b:b + 1]
+        out = None if deltas[0] is None else deltas[0][rows]
+        return (pack_sequence([x.data[rows]]), h), {}, [out, None, *(None if d is None else d[:, b:b + 1]
+                                                                      for d in deltas[-k:])]
+
+    return generic.Samples(n, one)
 
 
 def recurrent_factors(module, call, names: list, B: int) -> tuple:
@@ -84,8 +142,13 @@ def recurrent_factors(module, call, names: list, B: int) -> tuple:
         raise generic.NotApplicable("an LSTM with proj_size")
     if module.training and module.dropout and module.num_layers > 1:
         raise generic.NotApplicable("dropout between layers in training")
-    x, initial = _arguments(module, call, B)
-    prep = generic._prepare(module, call, list(names), B)
+    x, initial, lengths = _arguments(module, call, B)
+    if lengths is None:
+        prep = generic._prepare(module, call, list(names), B)
+        picked, cots = prep.outs, prep.cots
+    else:
+        picked, cots = _packed_targets(module, call)
+        active = [(t < lengths).unsqueeze(-1) for t in range(x.shape[1])]  # (B, 1) per time step
     p = call.params
     dirs = 2 if module.bidirectional else 1
     T, gru = x.shape[1], isinstance(module, nn.GRU)
@@ -105,20 +168,24 @@ def recurrent_factors(module, call, names: list, B: int) -> tuple:
                     ghs[t] = F.linear(state[0], p["weight_hh" + sfx], p.get("bias_hh" + sfx))
                     if gru:  # else gh_t only adds to gi_t: the same gradient reaches both
                         ghs[t] = _tracked(ghs[t])
-                    hs[t], state = _cell(module, gi[:, t], ghs[t], state)
+                    h, new = _cell(module, gi[:, t], ghs[t], state)
+                    if lengths is not None:  # a sequence that ended (or, reversed, has not begun) keeps its state
+                        new = tuple(torch.where(active[t], a, b) for a, b in zip(new, state))
+                        h = torch.where(active[t], h, 0)
+                    hs[t], state = h, new
                 parts[sfx] = (gi, ghs, layer_in, prev)
                 finals.append(state)
                 seqs.append(torch.stack(hs, 1))
             layer_in = torch.cat(seqs, -1) if dirs == 2 else seqs[0]
-        output = layer_in if module.batch_first else layer_in.transpose(0, 1)
+        output = layer_in if module.batch_first or lengths is not None else layer_in.transpose(0, 1)
         flat = [output, torch.stack([s[0] for s in finals])]
         if isinstance(module, nn.LSTM):
             flat.append(torch.stack([s[1] for s in finals]))
-        outs = [flat[i] for i in prep.outs]
-        if any(o.shape != c.shape for o, c in zip(outs, prep.cots)):
+        outs = [flat[i] for i in picked]
+        if any(o.shape != c.shape for o, c in zip(outs, cots)):
             raise generic.NotApplicable("other outputs than at the call")
         leaves = [t for gi, ghs, *_ in parts.values() for t in ((gi, *ghs) if gru else (gi,))]
-        grads = iter(torch.autograd.grad(outs, leaves, prep.cots, allow_unused=True))
+        grads = iter(torch.autograd.grad(outs, leaves, cots, allow_unused=True))
     found = {}
     for sfx, (gi, ghs, layer_in, prev) in parts.items():
         dgi = _or_zeros(next(grads), gi)
@@ -130,8 +197,18 @@ def recurrent_factors(module, call, names: list, B: int) -> tuple:
                 found[b] = Factor(b, "sum", D, None, tuple(p[b].shape))
     if not set(names) <= set(found):
         raise generic.NotApplicable("parameters other than the recurrence's")
-    key = ("recurrent", type(module).__name__, tuple(x.shape), tuple(prep.outs))
+    packed = None if lengths is None else _given(call)[0].sorted_indices is not None
+    key = ("recurrent", type(module).__name__, tuple(x.shape), tuple(picked), packed)
     return {n: found[n] for n in names}, key
 
 
 generic.FAST_RULES.append((_plain_recurrent, recurrent_factors))
+
+
+def _torch_forward(module) -> bool:
+    """A recurrent layer whose forward is torch's own (a subclass may change its cell, not what a call returns): the
+    loop over its sequences reruns that forward, so it needs no more."""
+    return isinstance(module, nn.RNNBase) and type(module).forward in (nn.LSTM.forward, nn.GRU.forward, nn.RNN.forward)
+
+
+generic.SPLITS.append((_torch_forward, _packed_split))
