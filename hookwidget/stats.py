@@ -185,6 +185,14 @@ def to_summaries(pending: list[tuple[tuple, torch.dtype, torch.Tensor | tuple]])
     return out
 
 
+def summaries(ts: list) -> list[TensorSummary]:
+    """The TensorSummary of each tensor, their statistics reduced in batches and moved to the host at once."""
+    batch = StatsBatch()
+    pending = [(tuple(t.shape), t.dtype, batch.stats(t)) for t in ts]
+    batch.flush()
+    return to_summaries(pending)
+
+
 # -- the 2-norm: on device, batched, overflow-safe --------------------------------------------------------
 _LOW = (torch.float16, torch.bfloat16)  # accumulated in float32: a bfloat16 sum keeps 3 digits
 

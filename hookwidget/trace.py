@@ -291,13 +291,23 @@ class Trace:
         return "\n".join(lines)
 
     # -- keeping it (record/saved.py) ------------------------------------------------------------
-    def save(self, path) -> None:
+    def save(self, path, activations: bool = True) -> None:
         """Write this trace to `path` as data (tensors, the graph, notes, layers, steps; no code), for
-        `hw.load(path)`: a read-only Trace that answers the same queries, without rerun or hooks."""
+        `hw.load(path)`: a read-only Trace that answers the same queries, without rerun or hooks.
+
+        `activations=False` keeps each layer's a and δ as their statistics, not their values: for a large model
+        (GPT-2 124M at batch 4 × 128, a and δ are about a sixth of the file; its parameters and .grad the rest).
+        The loaded trace shows the graph, every layer's statistics, the steps, .grad, health and the whole model's
+        per-sample gradient norms (taken now); the other factor queries say in one line that it was saved without."""
         from hookwidget.record import saved
 
         check_path(path, "t.save(path)", "t.save('step.pt')")
-        saved.write(path, "trace", self.to_data())
+        if not isinstance(activations, bool):
+            raise TypeError(f"t.save(path, activations=...) takes True or False, got {shown(activations, 40)}")
+        tree = self.to_data()
+        if not activations:
+            tree = saved.without_activations(tree, [_norms_sq(self, k) for k in range(len(self.steps))])
+        saved.write(path, "trace", tree)
 
     def to_data(self) -> dict:
         """What `save` writes: the record as plain data and tensors (record/saved.py), with the answers that would
@@ -345,6 +355,16 @@ class Trace:
                              f"base layer): no per-sample gradients; {suggest(name, some, 'layers with some')}")
 
 # -- helpers -----------------------------------------------------------------------------------
+def _norms_sq(t: Trace, k: int) -> torch.Tensor | None:
+    """Step k's squared per-sample gradient norms over the whole model, or None where it has none."""
+    if t.record.no_factors or t.steps[k].kind != "backward":
+        return None
+    try:
+        return t.per_sample_grad_norms(step=k).square()
+    except ValueError:
+        return None
+
+
 def _kept(t: Trace) -> dict:
     """What a saved trace keeps of analysis's answers that would need the code again: coverage (its notes, what
     per-sample norms leave out) and the generic rule's checked rows per layer and step (it reruns the module)."""

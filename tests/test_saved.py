@@ -398,3 +398,41 @@ def test_a_loaded_trace_shows_the_norms_the_live_one_showed_for_views(tmp_path):
     t.save(tmp_path / "v.pt")
     u = hw.load(tmp_path / "v.pt")
     assert payload.summary(u)["modules"] == payload.summary(t)["modules"]
+
+
+def test_saved_without_activations_keeps_their_statistics_and_the_norms(tmp_path):
+    """Issue 41: t.save(path, activations=False) for a large model: a and δ as statistics, not values. The loaded
+    trace shows what the live one showed of them, answers the whole model's per-sample norms (checked against an
+    autograd loop), and refuses a factor query in one line that names the fix."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 50))
+    idx = torch.randint(0, 50, (4, 12))
+
+    def loss_of(i):
+        return nn.functional.cross_entropy(model(i).flatten(0, 1), i.flatten(), reduction="sum")
+
+    t = hw.trace(lambda: loss_of(idx).backward())
+    t.save(tmp_path / "full.pt")
+    t.save(tmp_path / "light.pt", activations=False)
+    u = hw.load(tmp_path / "light.pt")
+    assert (tmp_path / "light.pt").stat().st_size < (tmp_path / "full.pt").stat().st_size
+    assert all(c.a is None and c.delta is None for layer in u.layers.values() for c in layer.calls)
+    rows = {r["name"]: r for r in payload.summary(t)["modules"]}
+    for r in payload.summary(u)["modules"]:
+        for side in ("a", "delta"):
+            live, loaded = rows[r["name"]][side], r[side]
+            assert (live is None) == (loaded is None), r["name"]
+            if live is not None:
+                assert loaded["shape"] == live["shape"] and loaded["kept"] is False
+                assert loaded["norm"] == pytest.approx(live["norm"], rel=1e-6), (r["name"], side)
+    ref = []
+    for b in range(4):
+        model.zero_grad()
+        loss_of(idx[b:b + 1]).backward()
+        ref.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+    assert torch.allclose(u.per_sample_grad_norms(), torch.stack(ref), rtol=1e-5)
+    assert torch.equal(u.param_grads["1.weight"], t.param_grads["1.weight"])
+    with pytest.raises(ValueError, match="activations=False"):
+        u.weight_grad("1")
+    with pytest.raises(TypeError, match="True or False"):
+        t.save(tmp_path / "x.pt", activations="no")

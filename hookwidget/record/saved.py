@@ -35,7 +35,7 @@ from hookwidget.options import Options
 from hookwidget.record.calls import Call
 from hookwidget.record.notes import Note
 from hookwidget.record.run import Layer, LazyGraph, RunRecord, Step
-from hookwidget.stats import TensorSummary
+from hookwidget.stats import TensorSummary, summaries
 
 FORMAT, VERSION = "hookwidget", 1
 
@@ -136,6 +136,31 @@ def trace_tree(record: RunRecord, graph, options: dict, applied, kept: dict, bas
             v, "__qualname__", type(v).__name__)} for k, v in iv.params.items()}) for iv in applied],
         "kept": kept, "baseline": baseline,
     }
+
+
+NO_ACTIVATIONS = ("saved without a and δ (t.save(path, activations=False)): their statistics are kept, their values "
+                  "are not; save the trace with activations=True for factor queries")
+_CALL_TENSORS = ("grad_input", "inputs", "params", "deltas", "bdelta", "rule_parts", "join_rows", "state")
+
+
+def without_activations(tree: dict, norms_sq: list) -> dict:
+    """A trace tree whose calls keep each a and δ as its statistics (a TensorSummary), not its values, nor what the
+    generic rule kept to rerun a module: the bulk of a large model's file besides its parameters and .grad.
+    `norms_sq`: per step, the squared per-sample norms of the whole model taken before (None where there were
+    none), kept as capture="norms" keeps its streamed ones, so the loaded trace still answers them."""
+    calls = [c for _, _, cs in tree["layers"] for c in cs]
+    todo = [(c, attr) for c in calls for attr in ("a", "delta")
+            if getattr(c, attr) is not None and getattr(c, attr + "_summary") is None]
+    made = dict(zip(((id(c), attr) for c, attr in todo), summaries([getattr(c, attr) for c, attr in todo])))
+    for c in calls:
+        c.a_summary = c.a_summary or made.get((id(c), "a"))
+        c.delta_summary = c.delta_summary or made.get((id(c), "delta"))
+        c.a = c.delta = None
+        for attr in _CALL_TENSORS:
+            setattr(c, attr, None)
+    norms = tree["norms"] if tree["norms"] is not None else [(sq, ()) for sq in norms_sq]
+    kept = {**tree["kept"], "rows": []}
+    return {**tree, "no_factors": tree["no_factors"] or NO_ACTIVATIONS, "norms": norms, "kept": kept}
 
 
 def trace_record(tree: dict) -> RunRecord:
