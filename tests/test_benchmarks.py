@@ -119,3 +119,14 @@ def test_the_hand_written_floor_computes_the_same_norms_as_torch_func(name):
     model, x, y, loss = build(name)
     floor, ref = make_ghost_floor(model, x, y, loss)(), make_torch_func(model, x, y, loss)()
     assert float(((floor - ref).abs() / ref).max()) < 1e-5
+
+
+@pytest.mark.slow
+def test_the_gpt2_notebook_benchmark_runs_and_writes_its_table(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpt2_notebook", "--tiny", "--rounds", "1", "--seq", "16",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=HANG)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((tmp_path / "gpt2_notebook.json").read_text())
+    assert set(data["clicks"]) >= {"lm_head", "transformer.wte"} and data["median"]["save_light_mib"] > 0
+    assert data["median"]["save_light_mib"] < data["median"]["save_mib"]
+    assert "| the same step under hw.trace |" in (tmp_path / "gpt2_notebook.md").read_text()
