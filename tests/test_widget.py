@@ -230,6 +230,21 @@ def test_python_changes_reach_the_widget_without_a_message(widget):
     assert python() == _pairs(w.summary["hooks"]) == []
 
 
+def test_displaying_the_trace_after_a_python_rerun_shows_the_rerun_and_its_diff(seed_mlp):
+    """Issue 41: t.add_hook, t.rerun(), then `t` displayed: the explorer shows the rerun (its loss, the hook),
+    the diff against the hook-free run and the changed layer, not the first run."""
+    t = hw.trace(seed_mlp[3])
+    t.add_hook("fc2", "out_scale", factor=0.5)
+    t2 = t.rerun()
+    w = HookWidget(t)
+    assert w.trace is t2 and w.summary["loss"] == t2.loss != t.loss
+    assert w.summary["hooks"] == [{"target": "fc2", "kind": "out_scale", "params": {"factor": 0.5}}]
+    assert w.diff["against"] == "baseline" and w.diff["loss_before"] == t.loss and w.diff["loss_after"] == t2.loss
+    assert "fc2" in w.diff["changed_modules"]
+    fresh = HookWidget(hw.trace(seed_mlp[3]))  # a trace with no rerun shows itself, no diff
+    assert fresh.diff is None
+
+
 def test_a_failing_display_never_fails_the_users_rerun(widget, monkeypatch, caplog):
     _, _, _, w = widget
     t = w.test_keep

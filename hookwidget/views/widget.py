@@ -73,7 +73,11 @@ class HookWidget(anywidget.AnyWidget):
         self._session_ref = weakref.ref(session) if session is not None else None
         self._trace_ref = weakref.ref(trace)
         self._busy = False  # handling a front-end command: it updates the screen itself
-        self.summary = payload.summary(trace)
+        latest = getattr(session, "latest", None)
+        if latest is not None and latest is not trace:
+            self.sync()  # `t` shown after t.rerun(): the session's latest run and its diff, as an open explorer shows
+        else:
+            self.summary = payload.summary(trace)
         self.on_msg(self._on_msg)
         if session is not None and hasattr(session, "on_change"):
             session.on_change(self._on_session_change)  # held weakly by the session

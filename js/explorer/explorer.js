@@ -66,7 +66,16 @@ export function render({ model, el, nonce }) {
   requestAnimationFrame?.(() => { panes.measure(); graph.defaultView(); if (marked()) setDisconnected(true); });
   globalThis.performance?.mark?.("hookwidget:render-end");
 
-  function idleText() { return `loss ${fmt(summary.loss)} · ${fmt(summary.modules.length)} modules`; }
+  /** The resting status line: the trace on screen, and what its last rerun changed (from the explorer or Python). */
+  function idleText() {
+    const modules = `${fmt(summary.modules.length)} modules`;
+    if (!lastDiff) return `loss ${fmt(summary.loss)} · ${modules}`;
+    const changed = (lastDiff.changed_modules || []).length;
+    return `rerun: loss ${fmt(lastDiff.loss_before)} → ${fmt(lastDiff.loss_after)} · ${changed} module${changed === 1 ? "" : "s"} changed · ${modules}`;
+  }
+
+  /** A change made from Python (t.rerun(), t.add_hook) shows in the status line unless a command is running. */
+  function restStatus() { if (!readonly && status.state !== "running") status.set("idle", idleText()); }
 
   /** The notes banner. The "no gradients" note is found by its id (summary.note_ids, beside summary.notes),
    * never by its text; a summary without ids says so with has_grads. */
@@ -208,6 +217,7 @@ export function render({ model, el, nonce }) {
     if (lastDiff) graph.setChanged(lastDiff.changed_nodes, lastDiff.changed_modules);
     controls.render(selected, summary, readonly);
     renderBanner();
+    restStatus();
   }
 
   // A rerun made from Python (t.rerun() in a cell) arrives as new summary and diff traits, no message.
@@ -216,6 +226,7 @@ export function render({ model, el, nonce }) {
     diffView.render(lastDiff);
     graph.setChanged(lastDiff?.changed_nodes || [], lastDiff?.changed_modules || []);
     tree.setSummary(summary, new Set(lastDiff?.changed_modules || []));
+    restStatus();
   }
 
   model.on("msg:custom", onMessage);
