@@ -276,6 +276,15 @@ def test_widget_rejects_huge_ids_and_deep_messages_in_one_line():
     assert reply["type"] == "detail" and reply["request_id"] == 10 ** 60
 
 
+@pytest.mark.parametrize("query", ["weight_grad", "bias_grad", "per_sample_grads", "per_sample_grad_norms"])
+def test_a_layer_without_parameters_says_so_not_no_factor_rule(query):
+    t = hw.trace(mlp()[3])
+    with pytest.raises(ValueError) as e:
+        getattr(t, query)("1")  # the ReLU
+    text = one_line(e, "layer '1' (ReLU) has no parameters, so no gradient to rebuild", "layers with some", "'0'")
+    assert "factor rule" not in text and "requires_grad" not in text
+
+
 # -- the compiled model --------------------------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore:Using `torch.compile")  # torch's, on the wrapper's call, where it ran compiled
 def test_compiled_model_refusal_is_one_line_and_counts(monkeypatch):
@@ -326,6 +335,9 @@ def ip():
     ("%%hookwatch model --ev 5", ["unrecognized arguments: --ev 5"]),
     ("%%hookwatch model --every 0", ["--every 0", "integer >= 1"]),
     ("%%hookwatch model --every x", ["invalid int value: 'x'"]),
+    ("%%hooktrace model -o 1t", ["-o '1t' is not a Python variable name", "e.g. -o t1"]),
+    ("%%hooktrace -o class", ["-o 'class' is not a Python variable name"]),
+    ("%%hookwatch model -o my-watch", ["%%hookwatch: -o 'my-watch' is not a Python variable name"]),
 ])
 def test_magic_lines_get_one_usage_line_before_the_cell_is_compiled(ip, capsys, line, words):
     cell = "ran = True\nthis is not python\n"  # a SyntaxError, had the cell been compiled
