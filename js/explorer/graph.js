@@ -116,6 +116,7 @@ export function createGraphView({ onSelect, onStatus }) {
     if (!summary) return;
     const t0 = performance.now();
     const vis = visibleGraph(summary.graph, groups, state.expanded);
+    const loose = looseInputs(vis);
     state.items = vis.items;
     const g = new dagre.graphlib.Graph({ multigraph: false, compound: true });
     g.setGraph({ rankdir: state.forward ? "BT" : "TB", nodesep: 18, ranksep: 36, marginx: 10, marginy: 10 });
@@ -125,6 +126,7 @@ export function createGraphView({ onSelect, onStatus }) {
     for (const f of vis.frames.values()) g.setNode(f.key, {});
     for (const f of vis.frames.values()) if (f.parent !== null) g.setParent(f.key, f.parent);
     for (const item of vis.items.values()) {
+      if (loose.hidden.has(item.key)) continue;
       const sub = item.kind === "module" ? boxSub(item) : "";
       const [w, hgt] = item.kind === "module"
         ? [Math.max(100, 7.4 * Math.min(40, Math.max(item.label.length, 0.95 * Math.min(44, sub.length))) + 34), 42]
@@ -132,7 +134,7 @@ export function createGraphView({ onSelect, onStatus }) {
       g.setNode(item.key, { width: w, height: hgt });
       if (item.frame) g.setParent(item.key, item.frame);
     }
-    for (const [u, v] of vis.edges) g.setEdge(u, v);
+    for (const [u, v] of vis.edges) if (!loose.hidden.has(v)) g.setEdge(u, v);
     try {
       dagre.layout(g);
     } catch (e) {
@@ -153,9 +155,10 @@ export function createGraphView({ onSelect, onStatus }) {
     }
     const boxes = new Map();
     for (const item of vis.items.values()) {
+      if (loose.hidden.has(item.key)) continue;
       const n = g.node(item.key);
       boxes.set(item.key, n);
-      nodeLayer.append(item.kind === "module" ? moduleBox(item, n) : opNode(item, n));
+      nodeLayer.append(item.kind === "module" ? moduleBox(item, n) : opNode(item, n, loose.at.get(item.key)));
     }
     drawFrames(clusterLayer, vis, g, lines);
     const gl = g.graph();
@@ -188,13 +191,22 @@ export function createGraphView({ onSelect, onStatus }) {
     return el;
   }
 
-  function opNode(item, n) {
+  function opNode(item, n, inputs = []) {
     const i = item.index, G = state.summary.graph;
     const el = s("g", { class: `hw-node role-${item.role}`, "data-node-id": item.id, "data-key": item.key, transform: `translate(${n.x - n.width / 2},${n.y - n.height / 2})` },
       s("title", { text: `${item.id}\nrole: ${G.role[i]}${G.module[i] ? `\nmodule: ${G.module[i]}` : ""}${G.param[i] ? `\nparameter: ${G.param[i]}` : ""}\nshape: ${fmtShape(G.shape[i])}\n|grad|: ${fmt(G.grad_norm[i])}` }),
       s("rect", { width: n.width, height: n.height, rx: item.role === "input" || item.role === "param" || item.role === "leaf" ? 2 : 12, class: "hw-node-rect" }),
       s("text", { x: n.width / 2, y: 16.5, class: "hw-node-label", text: clip(G.param[i] || item.label, 28) }));
     el.addEventListener("click", () => onSelect({ kind: "node", target: item.id }));
+    // Tensors without grad that enter here (a loss's target y, a mask): grey marks on the node's side, not boxes
+    // beside the loss that read like the model's input; a click shows one as any node.
+    inputs.forEach((id, k) => {
+      const mark = s("g", { class: "hw-loose-input", "data-node-id": id, transform: `translate(${n.width + 3 + 11 * k},${n.height / 2 - 5})` },
+        s("title", { text: `${id}: a tensor without grad enters ${item.id} here (a target, a mask, a constant): its gradient is not kept` }),
+        s("rect", { width: 9, height: 10, rx: 2 }));
+      mark.addEventListener("click", (e) => { e.stopPropagation(); onSelect({ kind: "node", target: id }); });
+      el.append(mark);
+    });
     return el;
   }
 
@@ -368,6 +380,21 @@ export function createGraphView({ onSelect, onStatus }) {
 }
 
 const TAB_H = 16; // a frame's title tab, on its top edge
+
+/** Inputs without grad that enter an op outside every module (a loss's target y, a mask): {hidden: their item
+ * keys, at: consumer key -> their node ids}. Drawn as marks on that op, not as boxes beside the loss. */
+export function looseInputs(vis) {
+  const hidden = new Set(), at = new Map(), into = new Map();
+  for (const [u, v] of vis.edges) into.set(v, into.has(v) ? null : u); // null: entered from two places
+  for (const item of vis.items.values()) {
+    if (item.kind !== "node" || item.role !== "input") continue;
+    const consumer = vis.items.get(into.get(item.key));
+    if (!consumer || consumer.kind !== "node" || consumer.module || consumer.frame) continue;
+    hidden.add(item.key);
+    at.set(consumer.key, [...(at.get(consumer.key) || []), item.id]);
+  }
+  return { hidden, at };
+}
 
 /** Where edges cross the horizontal band y0..y1 (x of each segment that passes through it, at the band's middle). */
 export function crossings(lines, y0, y1) {

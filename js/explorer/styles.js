@@ -91,6 +91,7 @@ body.hw-page { margin: 8px; }
 .hw-node.role-op .hw-node-rect { fill: var(--hw-op); } .hw-node.role-root .hw-node-rect { fill: var(--hw-root-c); }
 .hw-node.role-param .hw-node-rect { fill: var(--hw-param); } .hw-node.role-leaf .hw-node-rect { fill: var(--hw-leaf); }
 .hw-node.role-input .hw-node-rect { fill: var(--hw-input); }
+.hw-loose-input rect { fill: var(--hw-input); cursor: pointer; }
 .hw-node-label { fill: #fff; font-size: 12px; text-anchor: middle; pointer-events: none; }
 .hw-node.role-leaf .hw-node-label { fill: #134e4a; }
 .hw-box { cursor: pointer; }
