@@ -2,7 +2,7 @@
 // (shared/protocol.js's createRequests: one reply per request_id, a detail, trace or status message), so an
 // error stays next to the control that caused it. The same code runs on the standalone page with a
 // read-only model (static_model.js).
-import { h } from "../shared/dom.js";
+import { h, reveal } from "../shared/dom.js";
 import { fmt } from "../shared/format.js";
 import * as P from "../shared/protocol.js";
 import { createControls } from "./controls.js";
@@ -131,7 +131,9 @@ export function render({ model, el, nonce }) {
     detail.clear();
   }
 
-  async function select(sel) {
+  /** Select a module or node; `show`: the user asked (a click, a key), so its detail comes into view where it is
+   * out of it (a narrow output stacks the detail below the graph and the layer list). */
+  async function select(sel, show = true) {
     selected = sel;
     panes.select(true);
     graph.select(sel);
@@ -141,8 +143,9 @@ export function render({ model, el, nonce }) {
     graph.focus(sel);
     controls.render(sel, summary, readonly);
     const hit = cache.get(sel.target);
-    if (hit) { detail.render(hit.meta, hit.tensors, summary); return; }
+    if (hit) { detail.render(hit.meta, hit.tensors, summary); if (show) reveal(detail.el); return; }
     detail.loading(sel.target);
+    if (show) reveal(detail.el);
     const gen = generation;
     const r = await request(P.detail(sel.target));
     if (!r.ok) { if (selected?.target === sel.target) detail.error(sel.target, r.text); status.set("error", r.text); return; }
@@ -178,7 +181,7 @@ export function render({ model, el, nonce }) {
     diffView.render(lastDiff);
     graph.setChanged(lastDiff.changed_nodes, lastDiff.changed_modules);
     tree.setSummary(summary, new Set(lastDiff.changed_modules));
-    if (selected) select(selected);
+    if (selected) select(selected, false);
   }
 
   function onMessage(raw, buffers = []) {
