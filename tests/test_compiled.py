@@ -97,6 +97,24 @@ def test_a_rerun_of_a_compiled_step_runs_eagerly_too(compiled):
     assert backend.graphs == 0
 
 
+def test_with_tracing_a_compiled_block_runs_eagerly_and_torch_warns_of_no_hooks(compiled):
+    """`with hw.tracing()` too; torch's warning that global hooks fire for the wrapper is not shown (the wrapper's call
+    is skipped), and the warning filters the code had are as before."""
+    import warnings
+
+    model, cmodel, x, y, backend = compiled
+    eager, grads = eager_run(model, x, y)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        filters = list(warnings.filters)
+        with hw.tracing() as t:
+            step_of(model, cmodel, x, y)()
+        assert warnings.filters == filters
+    assert not [w for w in seen if "global hooks" in str(w.message)], [str(w.message) for w in seen]
+    assert_same_as_eager(t, eager, grads, model)
+    assert backend.graphs == 0
+
+
 @pytest.fixture
 def ip(compiled):
     globalipapp.start_ipython()
