@@ -64,6 +64,9 @@ def load(path):
     check_path(path, "hw.load(path)", "hw.load('step.pt')")
     if os.path.isdir(path):
         return SavedWatch.from_log(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"hw.load: no file or folder {os.fspath(path)!r}; give the path that t.save(path), "
+                                "w.save(path) or hw.watch(model, log_dir=path) wrote, e.g. hw.load('step.pt')")
     kind, tree = saved.read(path)
     loader = LOADERS.get(kind)
     if loader is None:

@@ -10,6 +10,7 @@ import argparse
 import ast
 import asyncio
 import inspect
+import keyword
 import shlex
 import sys
 from dataclasses import fields
@@ -77,6 +78,7 @@ class HookTraceMagics(Magics):
         """
         __tracebackhide__ = True
         args = _parse(line)
+        _check_out("%%hooktrace", args.out)
         options = _options(args)
         ns = self.shell.user_ns
         modules, names = _models(args.models, ns)
@@ -118,6 +120,13 @@ def _parse(line: str):
         return HookTraceMagics.hooktrace.parser.parse_args(shlex.split(line))
     except Exception as e:  # argparse exits; IPython wraps it
         raise UsageError(f"%%hooktrace {line!r}: {e}; see %%hooktrace? for the options") from None
+
+
+def _check_out(magic: str, name: str) -> None:
+    """-o NAME binds a variable the user types next: a name Python cannot read back is refused before the cell runs."""
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise UsageError(f"{magic}: -o {name[:60]!r} is not a Python variable name (letters, digits and _, not "
+                         f"starting with a digit, not a keyword); e.g. -o t1")
 
 
 def _options(args) -> Options:
@@ -257,6 +266,7 @@ def hookwatch_magic(shell, line: str, cell: str):
     except (argparse.ArgumentError, ValueError) as e:
         raise _usage_error(f"%%hookwatch {line!r}: {e}; usage: %%hookwatch MODEL [-o NAME] [--every N] "
                            "[--no-flight-recorder] [--no-widget]") from None
+    _check_out("%%hookwatch", args.out)
     ns = shell.user_ns
     if args.model not in ns:
         raise _usage_error(f"%%hookwatch: no variable {args.model!r} in your namespace; name the nn.Module "

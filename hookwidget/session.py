@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from hookwidget._torch.compile import is_compiled
 from hookwidget.analysis import coverage
 from hookwidget.capture.recording import Recording
 from hookwidget.capture.tracer import Tracer
@@ -118,7 +119,8 @@ class Session:
         # step's per-sample rows come from the same rules' rerun of the module (exact, checked alike)
         return Tracer(self.modules, capture=opts.capture, budget_mb=opts.budget_mb, node_grads=opts.node_grads,
                       backward_hooks=opts.backward_hooks, layer_interventions=layer_ivs, node_interventions=node_ivs,
-                      state=state, fast_captures=self.kept_by is None)
+                      state=state, fast_captures=self.kept_by is None, eager=self.kept_by is None,
+                      wrappers=[m for m in self._related if isinstance(m, nn.Module) and is_compiled(m)])
 
     @contextmanager
     def recording(self, state: RunState | None = None):

@@ -150,11 +150,13 @@ class Trace:
     def weight_grad(self, name: str, step: int | None = None) -> torch.Tensor:
         """W.grad of the layer rebuilt from its factors: what backward pass `step` added to .grad, or,
         without step=, what every pass added (one pass, or passes accumulating into .grad)."""
+        self._parameterised(name)
         with registry.memo():
             return ps.summed_grad(self, self.layer(name).name, "weight", self._step(step))
 
     @_boundary
     def bias_grad(self, name: str, step: int | None = None) -> torch.Tensor:
+        self._parameterised(name)
         with registry.memo():
             return ps.summed_grad(self, self.layer(name).name, "bias", self._step(step))
 
@@ -168,6 +170,7 @@ class Trace:
         sample's own gradient (the contributions times B)."""
         _reduction_scale(loss_reduction, 1)
         check_name("param", param, "'weight'")
+        self._parameterised(name)
         with registry.memo():
             g = ps.per_sample_grad(self, self.layer(name).name, param, self._step(step))
         return g * _reduction_scale(loss_reduction, g.shape[0])
@@ -336,6 +339,11 @@ class Trace:
         return t
 
     def __reduce__(self):
+        from hookwidget.record import saved
+
+        if isinstance(self.session, saved.ReadOnly):  # no live model here: its file already is the copy
+            raise TypeError(f"a Trace loaded with hw.load is not pickled or deep-copied: {self.session.path} holds it; "
+                            f"read it again with hw.load({self.session.path!r}), or write a copy with t.save(path)")
         raise TypeError("a Trace holds the live model and the code that made it, which pickle and deepcopy do not "
                         "copy: keep it with t.save(path), read it back with hw.load(path)")
 
@@ -347,8 +355,18 @@ class Trace:
                              "(t.steps lists them)")
         return step
 
+    def _parameterised(self, name: str) -> None:
+        """A layer asked for a parameter's gradient has parameters (a ReLU has none: that, not a missing factor
+        rule, is why there is no gradient); else one line naming layers that have some."""
+        module = self.layer(name).module
+        if next(module.parameters(), None) is None:
+            some = [n for n in self.layers if n != name and facts.owned_params(self, n)]
+            raise ValueError(f"layer {name!r} ({self.layer(name).type}) has no parameters, so no gradient to rebuild; "
+                             f"{suggest(name, some, 'layers with some')}")
+
     def _trainable(self, name: str) -> None:
         """A layer asked for per-sample gradients holds a parameter that requires grad; else one line naming some."""
+        self._parameterised(name)
         if not facts.owned_params(self, name):
             some = [n for n in self.layers if n != name and facts.owned_params(self, n)]
             raise ValueError(f"layer {name!r} has no trainable parameters (requires_grad=False, e.g. a frozen or LoRA "

@@ -276,14 +276,28 @@ def test_widget_rejects_huge_ids_and_deep_messages_in_one_line():
     assert reply["type"] == "detail" and reply["request_id"] == 10 ** 60
 
 
+@pytest.mark.parametrize("query", ["weight_grad", "bias_grad", "per_sample_grads", "per_sample_grad_norms"])
+def test_a_layer_without_parameters_says_so_not_no_factor_rule(query):
+    t = hw.trace(mlp()[3])
+    with pytest.raises(ValueError) as e:
+        getattr(t, query)("1")  # the ReLU
+    text = one_line(e, "layer '1' (ReLU) has no parameters, so no gradient to rebuild", "layers with some", "'0'")
+    assert "factor rule" not in text and "requires_grad" not in text
+
+
 # -- the compiled model --------------------------------------------------------------------------------------
-def test_compiled_model_refusal_is_one_line_and_counts():
+@pytest.mark.filterwarnings("ignore:Using `torch.compile")  # torch's, on the wrapper's call, where it ran compiled
+def test_compiled_model_refusal_is_one_line_and_counts(monkeypatch):
+    """Where torch cannot run compiled code eagerly (no torch.compiler.set_stance before torch 2.6)."""
+    monkeypatch.delattr(torch.compiler, "set_stance")
+    torch.compiler.reset()
     model, x, y, _ = mlp()
     compiled = torch.compile(model, backend="eager")
     t = hw.trace(lambda: F.cross_entropy(compiled(x), y).backward())
     with pytest.raises(ValueError) as e:
         t.per_sample_grad_norms()
-    one_line(e, "4 parameters of a compiled model: trace the model before torch.compile", "t.notes")
+    one_line(e, "all parameters of a compiled model that ran compiled: call the uncompiled model in the code",
+             "t.notes")
     assert any("torch.compile" in n for n in t.notes)  # the details stay in t.notes
 
 
@@ -321,6 +335,9 @@ def ip():
     ("%%hookwatch model --ev 5", ["unrecognized arguments: --ev 5"]),
     ("%%hookwatch model --every 0", ["--every 0", "integer >= 1"]),
     ("%%hookwatch model --every x", ["invalid int value: 'x'"]),
+    ("%%hooktrace model -o 1t", ["-o '1t' is not a Python variable name", "e.g. -o t1"]),
+    ("%%hooktrace -o class", ["-o 'class' is not a Python variable name"]),
+    ("%%hookwatch model -o my-watch", ["%%hookwatch: -o 'my-watch' is not a Python variable name"]),
 ])
 def test_magic_lines_get_one_usage_line_before_the_cell_is_compiled(ip, capsys, line, words):
     cell = "ran = True\nthis is not python\n"  # a SyntaxError, had the cell been compiled
@@ -380,8 +397,11 @@ def test_grad_imported_before_the_trace_beside_a_seen_backward():
     assert t.notes[0].startswith("besides the passes in t.steps")
 
 
-def test_the_first_compiled_call_inside_a_trace_is_not_a_backward_pass():
-    """AOTAutograd calls torch.autograd.grad on fake tensors while it compiles: not the user's backward."""
+@pytest.mark.filterwarnings("ignore:Using `torch.compile")  # torch's, on the wrapper's call, where it ran compiled
+def test_the_first_compiled_call_inside_a_trace_is_not_a_backward_pass(monkeypatch):
+    """AOTAutograd calls torch.autograd.grad on fake tensors while it compiles: not the user's backward (it compiles
+    inside a trace where torch cannot run compiled code eagerly: no torch.compiler.set_stance before torch 2.6)."""
+    monkeypatch.delattr(torch.compiler, "set_stance")
     model, x, y, step = mlp()
     torch.compiler.reset()
     compiled = torch.compile(model, backend="aot_eager")
@@ -389,10 +409,11 @@ def test_the_first_compiled_call_inside_a_trace_is_not_a_backward_pass():
     ids = [n.id for n in t.note_records]
     assert "autograd_grad_used" not in ids and "compiled" in ids
     assert [s.kind for s in t.steps] == ["backward"]
+    traced = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     F.cross_entropy(model(x), y, reduction="sum").backward()  # plain PyTorch
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(t.param_grads["_orig_mod." + name], p.grad)  # named through the wrapper
+    for g, p in zip(traced, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
 
 
 # -- include / exclude that match no module that ran (no modules given: known only once the code ran) ---------

@@ -198,6 +198,29 @@ def test_diff_reports_norms_cosine_and_loss(net):
     assert "5.weight" in repr(d) and "loss:" in repr(d)
 
 
+def test_a_diff_of_two_model_instances_says_the_weights_differ(net):
+    """Two instances of one architecture: every gradient differs, and not by a hook; the diff says so first."""
+    import copy
+
+    from hookwidget.views import payload
+
+    model, x, y, step = net
+    t = hw.trace(step)
+    assert t.rerun().diff(t).weights_differ == []  # a rerun runs the same weights
+    twin = copy.deepcopy(model)
+    same = hw.trace(lambda: nn.functional.mse_loss(twin(x), y).backward())
+    assert same.diff(t).weights_differ == []  # another instance with the same values: nothing to say
+    torch.manual_seed(1)
+    other = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Dropout(0.0), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    u = hw.trace(lambda: nn.functional.mse_loss(other(x), y).backward())
+    d = u.diff(t)
+    assert d.weights_differ == ["0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"]
+    assert repr(d).splitlines()[0] == ("weights differ: 0.weight, 0.bias, 3.weight and 3 more held other values in "
+                                       "the two runs (two model instances, or the model changed between them), so "
+                                       "their gradients differ for that reason too, not only by a hook")
+    assert payload.diff(t, u)["weights_differ"] == d.weights_differ
+
+
 def test_a_dropped_trace_is_freed_at_once_and_a_rerun_keeps_its_baseline(net):
     """A trace and its session form no reference cycle: `del t` frees the record and its tensors without the
     garbage collector. A rerun keeps the first run it is compared with (t2.diff()) and is the session's latest."""

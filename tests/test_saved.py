@@ -337,6 +337,24 @@ def test_pickle_and_deepcopy_say_to_use_save():
         assert "\n" not in str(e.value)
 
 
+def test_pickling_a_loaded_trace_names_its_file_not_a_live_model(tmp_path):
+    model, x = nn.Linear(2, 2), torch.randn(3, 2)
+    u = hw.load(_saved(hw.trace(lambda: model(x).sum().backward()), tmp_path))
+    for fn in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError) as e:
+            fn(u)
+        text = str(e.value)
+        assert "live model" not in text and f"hw.load({str(tmp_path / 'base.pt')!r})" in text and "\n" not in text
+
+
+def test_loading_a_missing_file_is_file_not_found_in_one_line(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        hw.load(tmp_path / "nope.pt")
+    text = str(e.value)
+    assert text.startswith(f"hw.load: no file or folder {str(tmp_path / 'nope.pt')!r}") and "\n" not in text
+    assert "e.g. hw.load('step.pt')" in text and e.value.__cause__ is None and e.value.__context__ is None
+
+
 def test_file_is_data_only(tmp_path):
     """The file reads back with weights_only=True (no code is unpickled), and names its kind for hw.load."""
     model, x = nn.Linear(2, 2), torch.randn(3, 2)

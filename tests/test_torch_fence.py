@@ -328,6 +328,24 @@ def test_compiled_wrapper():
         assert compile.uncompiled(c) is m and compile.uncompiled(m) is m
 
 
+def test_compiled_code_runs_eagerly_in_the_block_only():
+    """torch.compiler.set_stance("force_eager") (public since torch 2.6): no backend is called in the block."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compiler.reset()
+    f = torch.compile(lambda t: t.sin() + 1, backend=backend)
+    assert compile.can_run_eagerly()
+    with compile.eagerly():
+        assert torch.equal(f(torch.ones(3)), torch.ones(3).sin() + 1) and graphs == []
+    f(torch.ones(3))
+    assert len(graphs) == 1
+    torch.compiler.reset()
+
+
 @pytest.mark.filterwarnings("ignore:Using padding='same'")
 def test_conv_bases_and_padding():
     convs = [nn.Conv1d(2, 2, 3), nn.Conv2d(2, 2, 3), nn.Conv3d(2, 2, 3)]

@@ -230,6 +230,36 @@ def test_python_changes_reach_the_widget_without_a_message(widget):
     assert python() == _pairs(w.summary["hooks"]) == []
 
 
+def test_displaying_the_trace_after_a_python_rerun_shows_the_rerun_and_its_diff(seed_mlp):
+    """Issue 41: t.add_hook, t.rerun(), then `t` displayed: the explorer shows the rerun (its loss, the hook),
+    the diff against the hook-free run and the changed layer, not the first run."""
+    t = hw.trace(seed_mlp[3])
+    t.add_hook("fc2", "out_scale", factor=0.5)
+    t2 = t.rerun()
+    w = HookWidget(t)
+    assert w.trace is t2 and w.summary["loss"] == t2.loss != t.loss
+    assert w.summary["hooks"] == [{"target": "fc2", "kind": "out_scale", "params": {"factor": 0.5}}]
+    assert w.diff["against"] == "baseline" and w.diff["loss_before"] == t.loss and w.diff["loss_after"] == t2.loss
+    assert "fc2" in w.diff["changed_modules"]
+    fresh = HookWidget(hw.trace(seed_mlp[3]))  # a trace with no rerun shows itself, no diff
+    assert fresh.diff is None
+
+
+def test_an_explorer_of_a_step_kept_by_hw_watch_stays_on_that_step(seed_mlp):
+    """The flight recorder's kept steps share one session whose latest moves on: displaying an earlier kept step shows
+    that step (its loss, its detail), not the latest."""
+    model, x, y, step = seed_mlp
+    with hw.watch(model, keep=lambda k, stats: k == 0) as w:
+        for _ in range(3):
+            step()
+            with torch.no_grad():
+                model.fc1.weight.mul_(0.5)  # each step's loss differs
+    first, last = w.trace(0), w.trace(-1)
+    assert first is not last and first.loss != last.loss
+    view = HookWidget(first)
+    assert view.trace is first and view.summary["loss"] == first.loss and view.diff is None  # detail asks view.trace
+
+
 def test_a_failing_display_never_fails_the_users_rerun(widget, monkeypatch, caplog):
     _, _, _, w = widget
     t = w.test_keep

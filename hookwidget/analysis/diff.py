@@ -38,6 +38,9 @@ class Diff:
     loss_after: float | None = None
     layers: dict = field(default_factory=dict)  # layer name -> (δ norm before, δ norm after)
     scale: float | None = None  # the model's gradient scale: max over the two runs of ‖all parameter grads‖₂
+    # parameters of the same name and shape whose values differ: two model instances, or a model changed between the
+    # traces; their gradients differ for that reason too, which a diff must say (it would read as a hook's effect)
+    weights_differ: list = field(default_factory=list)
 
     def param(self, name: str) -> ParamChange:
         for p in self.params:
@@ -56,7 +59,7 @@ class Diff:
         return sorted(self.params, key=rank_key)
 
     def __repr__(self) -> str:
-        lines = []
+        lines = [weights_line(self.weights_differ)] if self.weights_differ else []
         if self.loss_before is not None or self.loss_after is not None:
             lines.append(f"loss: {_f(self.loss_before)} -> {_f(self.loss_after)}")
         width = max((len(p.name) for p in self.params), default=4)
@@ -85,7 +88,8 @@ def diff(before, after) -> Diff:
     deltas = {name: (_delta_norm(before.layers.get(name)), _delta_norm(after.layers.get(name)))
               for name in dict.fromkeys([*before.layers, *after.layers])}
     floors = _noise_floors(names, g0s, g1s, n0s, n1s, deltas)
-    out = Diff(loss_before=before.loss, loss_after=after.loss, layers=deltas, scale=scale or None)
+    out = Diff(loss_before=before.loss, loss_after=after.loss, layers=deltas, scale=scale or None,
+               weights_differ=_weights_differ(before.params, after.params))
     for k, name in enumerate(names):
         out.params.append(_change(name, g0s[k], g1s[k], n0s[k], n1s[k], scale, floors[k]))
     return out
@@ -99,6 +103,28 @@ def _check_related(before, after) -> None:
         few = ", ".join(list(p0)[:2]), ", ".join(list(p1)[:2])
         raise ValueError(f"these traces share no parameter (before: {few[0]}, ...; after: {few[1]}, ...): diff "
                          "compares two runs of the same code, e.g. t.rerun().diff(t)")
+
+
+def weights_line(names: list) -> str:
+    """The one line that says two traces ran with different weights (repr; the explorer says the same)."""
+    few = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"weights differ: {few} held other values in the two runs (two model instances, or the model changed "
+            "between them), so their gradients differ for that reason too, not only by a hook")
+
+
+def _weights_differ(p0: dict, p1: dict) -> list[str]:
+    """Parameters of the same name and shape whose values differ. A rerun's are its first run's own tensors (put
+    back before it ran): the same object, not compared."""
+    out = []
+    for name, a in p0.items():
+        b = p1.get(name)
+        if b is None or a is b or tuple(a.shape) != tuple(b.shape):
+            continue
+        if a.device != b.device:
+            b = b.to(a.device)
+        if not torch.equal(a.detach(), b.detach()):
+            out.append(name)
+    return out
 
 
 def _change(name, g0, g1, n0, n1, scale, floor) -> ParamChange:

@@ -102,7 +102,8 @@ def unseen_notes(modules: dict, seen: dict, ddp: bool) -> list:
     scripted = sorted({type(r.module).__name__ for r in modules.values()
                        if isinstance(r.module, torch.jit.ScriptModule)})
     seen = {k: ", ".join(v) for k, v in seen.items()}
-    notes = [Note(i, {"where": seen[k]}) for k, i in (("compiled", "compiled"), ("func", "torch_func")) if k in seen]
+    notes = [Note(i, {"where": seen[k]}) for k, i in (("compiled", "compiled"), ("compiled_eager", "compiled_eager"),
+                                                     ("func", "torch_func")) if k in seen]
     if scripted:
         notes.append(Note("script_module", {"classes": tuple(scripted)}))
     if ddp:

@@ -35,7 +35,7 @@ from hookwidget._torch.autograd import checkpoint_frame, in_transform
 from hookwidget._torch.autograd import current_node as _current_node
 from hookwidget._torch.autograd import next_sequence_nr as _next_sequence_nr
 from hookwidget._torch.autograd import peek_transform as _peek_transform
-from hookwidget._torch.compile import is_compiled
+from hookwidget._torch.compile import can_run_eagerly, eagerly, is_compiled, uncompiled
 from hookwidget._torch.modules import (
     drop_global_kwargs_flag,
     full_backward_flag_kept,
@@ -61,13 +61,24 @@ class Tracer:
 
     capture: the keep strategy's name (keep.py); norms_rule: the object that strategy streams into (None: its
     own); budget_mb: megabytes for kept tensors and .grad copies (options.py); fast_captures: whether the generic
-    rule's modules give their fast rules the parts of their own graph (layers/generic.FAST_CAPTURES) as they run."""
+    rule's modules give their fast rules the parts of their own graph (layers/generic.FAST_CAPTURES) as they run;
+    eager: compiled code runs eagerly while the tracer is on, so that every layer's hooks fire (_torch/compile.py;
+    the watch keeps it compiled). A torch.compile wrapper is never a layer: a target is the model it wraps, and a
+    wrapper's own call is skipped (its model's call is the layer), so layers are named as in the eager model.
+    wrappers: torch.compile wrappers the code reads by name; with targets given no hook sees their calls, so
+    their note (ran eagerly, or could not) is written from this list."""
 
     def __init__(self, modules=None, capture: str = keep_mod.FULL, budget_mb: float = DEFAULT_BUDGET_MB,
                  layer_interventions=None, node_interventions=None, node_grads: bool | None = None, norms_rule=None,
-                 backward_hooks: bool = False, state=None, fast_captures: bool = True):
+                 backward_hooks: bool = False, state=None, fast_captures: bool = True, eager: bool = False,
+                 wrappers=()):
         self._options = capture, budget_mb, norms_rule, node_grads, node_interventions or {}, fast_captures
-        self.targets = module_list(modules)
+        given = module_list(modules)
+        self._compiled_targets = [m for m in [*(given or ()), *(wrappers if given else ())] if is_compiled(m)]
+        self.targets = None if given is None else [uncompiled(m) for m in given]
+        self.eager = eager
+        # what a compiled model's note says (finish.py): it ran eagerly, or this torch cannot run it so
+        self._compiled_kind = "compiled_eager" if eager and can_run_eagerly() else "compiled"
         self.layer_interventions = layer_interventions or {}
         # Full module backward hooks show grad_input too, but raise when an in-place op follows a
         # module and add nodes to the graph: opt-in only.
@@ -99,9 +110,8 @@ class Tracer:
         if in_transform():
             raise RuntimeError("hookwidget cannot trace inside a torch.func transform (vmap, grad, jacrev, ...): "
                                "hooks would see wrapped tensors; call hw.trace outside the transform")
-        for m in self.targets or ():
-            if is_compiled(m):
-                self.run.saw("compiled", m)
+        for m in self._compiled_targets:
+            self.run.saw(self._compiled_kind, uncompiled(m))
         try:
             self._install()
         except BaseException:
@@ -146,6 +156,8 @@ class Tracer:
         # First on the stack, so last to run: whatever an interrupt left half-registered is swept away.
         s.callback(self._sweep)
         s.callback(autograd_calls.unlisten, self)
+        if self.eager:
+            s.enter_context(eagerly())
         if self.targets is None:
             s.enter_context(Removing(module_mod.register_module_forward_pre_hook(self._pre_hook)))
             # No global pre-hook sees keyword arguments: a call that gets its tensors only as keywords
@@ -240,6 +252,9 @@ class Tracer:
             return
         rec = self.run.modules.get(module)
         if rec is None:
+            if is_compiled(module):  # a torch.compile wrapper: the model it wraps is the layer (its call is next)
+                self.run.saw(self._compiled_kind, uncompiled(module))
+                return
             rec = self._new_record(module)
         rec.open_calls.append(self._open_call(module, rec, inputs, kwargs))
         self.run.open += 1
@@ -249,7 +264,6 @@ class Tracer:
         registry's answer for it, which the trace's factor queries and notes take from the record."""
         rec = self.run.modules[module] = ModuleRecord(module)
         spec, rec.needs_input, rec.stateful, rec.keeps_rows = registry.capture_facts(module, self._answers)
-        rec.compiled = is_compiled(module)
         self.run.keep.decide(rec, module, spec, self._answers)
         if self.state is not None:
             self.state.on_call(module)
@@ -260,8 +274,6 @@ class Tracer:
     def _open_call(self, module, rec: ModuleRecord, inputs, kwargs=None) -> Call:
         # `a` is taken before forward runs: an in-place module (ReLU(inplace=True)) rewrites its input.
         run = self.run
-        if rec.compiled:
-            run.saw("compiled", module)
         call = Call(len(rec.calls), seq_start=_next_sequence_nr())
         call.recomputed = _current_node() is not None  # forward rerun by backward: checkpointing
         rec.calls.append(call)
@@ -298,6 +310,8 @@ class Tracer:
             return None
         rec = self.run.modules.get(module)
         if rec is None:  # hooks installed mid-call: the pre-hook did not see this call start
+            if is_compiled(module):
+                return None
             rec = self._new_record(module)
         call = self._close_call(module, rec, inputs, kwargs)
         if self.backward_hooks:

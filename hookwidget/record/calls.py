@@ -55,7 +55,6 @@ class ModuleRecord:
     open_calls: list = field(default_factory=list, repr=False)  # calls whose forward is running
     awaiting_backward: list = field(default_factory=list, repr=False)  # backward_hooks=True only
     needs_input: bool = field(default=False, repr=False)  # its weight's backward saves its input (no copy needed)
-    compiled: bool = field(default=False, repr=False)  # a torch.compile wrapper
     norms: bool = field(default=False, repr=False)  # capture="norms": its factors are wanted
     keeps_rows: bool = field(default=False, repr=False)  # row i of its output comes from row i of its input alone
     stateful: bool = field(default=False, repr=False)  # its rule needs forward-time state (BatchNorm's mode)

@@ -85,8 +85,12 @@ TEXT: dict[str, str | Callable[..., str]] = {
         "start (`from torch.autograd import grad` before the trace?): δ is kept, but that pass is no step (no loss, "
         "no .grad copy) and weight_grad / per-sample gradients are refused; call torch.autograd.grad(...)"),
     "autograd_grad_used": "torch.autograd.grad was used: parameters reached only by it keep .grad None",
-    "compiled": ("torch.compile: hooks added after compilation are not honoured, so the layers inside {where} are not "
-                 "shown; trace the uncompiled model (model._orig_mod), or call torch.compile after tracing"),
+    "compiled": ("torch.compile: this torch cannot run compiled code eagerly (torch.compiler.set_stance needs "
+                 "torch >= 2.6), and hooks do not fire inside it, so the layers of {where} are not shown; call the "
+                 "uncompiled model in the traced code (model(x), not cmodel(x) where cmodel = torch.compile(model)), "
+                 "or upgrade torch"),
+    "compiled_eager": ("torch.compile: {where} ran eagerly while traced (torch.compiler.set_stance('force_eager')), "
+                       "so its layers show; it runs compiled again after the trace"),
     "torch_func": ("torch.func transforms (vmap, grad, ...) ran {where}: calls inside a transform are not captured "
                    "(hooks see wrapped tensors); trace a plain forward and backward instead"),
     "script_module": lambda classes, **_: (
@@ -128,7 +132,7 @@ TEXT: dict[str, str | Callable[..., str]] = {
 # id -> the short line that starts a refusal a note explains, as in TEXT (`count`: the parameters it leaves out);
 # `refusal`
 REFUSAL: dict[str, str | Callable[..., str]] = {
-    "compiled": "{count} parameters of a compiled model: trace the model before torch.compile",
+    "compiled": "{count} parameters of a compiled model that ran compiled: call the uncompiled model in the code",
     "script_module": "{count} parameters inside TorchScript: trace the module before torch.jit.script",
     "torch_func": "{count} parameters reached inside torch.func transforms: trace a plain forward and backward",
     "no_grads": "the code ran no backward: call loss.backward() inside the trace",

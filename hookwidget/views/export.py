@@ -121,6 +121,8 @@ def snapshot(summary: dict, diff: dict | None = None) -> str:
         head.append("hooks: " + ", ".join(f"{h['kind']} on {h['target']}" for h in hooks))
     if diff:
         head.append(f"last rerun: loss {_fmt(diff.get('loss_before'))} → {_fmt(diff.get('loss_after'))}")
+        if diff.get("weights_differ"):
+            head.append(f"weights differ in {len(diff['weights_differ'])} parameters (not only a hook's effect)")
     rows = "".join(
         "<tr>" + "".join(f"<td>{e(str(v))}</td>" for v in (
             m["name"], m.get("cls", ""), _fmt((m.get("delta") or {}).get("norm")), _fmt(m.get("grad_norm")),

@@ -33,12 +33,8 @@ SCHEMA = request_keys("watch")  # type -> the keys it must carry besides type an
 
 
 class KeptTraceWidget(HookWidget):
-    """The trace explorer on one kept step. It stays on that step: the flight recorder's recordings share
-    one session whose `latest` moves on to the next recording, which HookWidget would follow."""
-
-    @property
-    def session(self):
-        return None
+    """The trace explorer on one kept step (it stays on that step: HookWidget does not follow the flight recorder's
+    shared session). Hooks and reruns are refused in one line naming what to do instead."""
 
     def _do_add_hook(self, msg: dict) -> None:
         # The recordings' shared session would carry the hook into the watch's next steps: the user's training.

@@ -68,15 +68,22 @@ class HookWidget(anywidget.AnyWidget):
         # The comm opens first, with the front-end's code (~180 kB) and no summary yet: the browser loads that
         # code while the summary is computed here, which then follows as a state update.
         super().__init__(**kwargs)
-        # Held weakly: displaying a trace must not keep it (and its tensors) alive after `del t`.
+        # Held weakly: displaying a trace must not keep it (and its tensors) alive after `del t`. The session is
+        # followed where it runs its code again; the flight recorder's (hw.watch) is shared by every kept step and
+        # its `latest` moves on to the next one, so an explorer of a kept step stays on that step.
         session = getattr(trace, "session", None)
-        self._session_ref = weakref.ref(session) if session is not None else None
+        follow = session is not None and getattr(session, "kept_by", None) is None
+        self._session_ref = weakref.ref(session) if follow else None
         self._trace_ref = weakref.ref(trace)
         self._busy = False  # handling a front-end command: it updates the screen itself
-        self.summary = payload.summary(trace)
+        latest = getattr(self.session, "latest", None)
+        if latest is not None and latest is not trace:
+            self.sync()  # `t` shown after t.rerun(): the session's latest run and its diff, as an open explorer shows
+        else:
+            self.summary = payload.summary(trace)
         self.on_msg(self._on_msg)
-        if session is not None and hasattr(session, "on_change"):
-            session.on_change(self._on_session_change)  # held weakly by the session
+        if self.session is not None and hasattr(self.session, "on_change"):
+            self.session.on_change(self._on_session_change)  # held weakly by the session
 
     @property
     def session(self):

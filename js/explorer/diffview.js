@@ -52,6 +52,12 @@ export function rankRows(diff) {
   });
 }
 
+/** The line that says the two runs had different weights (analysis/diff.py's weights_line says the same). */
+export function weightsLine(names) {
+  const few = names.slice(0, 3).join(", ") + (names.length > 3 ? ` and ${names.length - 3} more` : "");
+  return `weights differ: ${few} held other values in the two runs (two model instances, or the model changed between them), so their gradients differ for that reason too, not only by a hook`;
+}
+
 export function createDiffView() {
   const el = h("div", { class: "hw-diff", "data-testid": "diff" });
   let diff = null;
@@ -79,6 +85,7 @@ export function createDiffView() {
     const against = diff.against === "previous" ? "the previous run" : "the hook-free run";
     el.replaceChildren(
       h("div", { class: "hw-panel-title", text: `last rerun, compared with ${against}` }),
+      ...(diff.weights_differ?.length ? [h("div", { class: "hw-banner-main", "data-testid": "weights-differ", text: weightsLine(diff.weights_differ) })] : []),
       h("div", { "data-testid": "diff-loss", text: `loss ${fmt(diff.loss_before)} → ${fmt(diff.loss_after)}` + (diff.hooks?.length ? ` · hooks on: ${diff.hooks.join(", ")}` : "")
         + (scale ? ` · ranked by impact: ‖g₁−g₀‖₂ / ${fmt(scale)} (the model's ‖grad‖₂)` : "") }),
       h("table", { class: "hw-table hw-diff-table" }, head, ...body));

@@ -2,7 +2,7 @@
 // (shared/protocol.js's createRequests: one reply per request_id, a detail, trace or status message), so an
 // error stays next to the control that caused it. The same code runs on the standalone page with a
 // read-only model (static_model.js).
-import { h } from "../shared/dom.js";
+import { h, reveal } from "../shared/dom.js";
 import { fmt } from "../shared/format.js";
 import * as P from "../shared/protocol.js";
 import { createControls } from "./controls.js";
@@ -66,7 +66,16 @@ export function render({ model, el, nonce }) {
   requestAnimationFrame?.(() => { panes.measure(); graph.defaultView(); if (marked()) setDisconnected(true); });
   globalThis.performance?.mark?.("hookwidget:render-end");
 
-  function idleText() { return `loss ${fmt(summary.loss)} · ${fmt(summary.modules.length)} modules`; }
+  /** The resting status line: the trace on screen, and what its last rerun changed (from the explorer or Python). */
+  function idleText() {
+    const modules = `${fmt(summary.modules.length)} modules`;
+    if (!lastDiff) return `loss ${fmt(summary.loss)} · ${modules}`;
+    const changed = (lastDiff.changed_modules || []).length;
+    return `rerun: loss ${fmt(lastDiff.loss_before)} → ${fmt(lastDiff.loss_after)} · ${changed} module${changed === 1 ? "" : "s"} changed · ${modules}`;
+  }
+
+  /** A change made from Python (t.rerun(), t.add_hook) shows in the status line unless a command is running. */
+  function restStatus() { if (!readonly && status.state !== "running") status.set("idle", idleText()); }
 
   /** The notes banner. The "no gradients" note is found by its id (summary.note_ids, beside summary.notes),
    * never by its text; a summary without ids says so with has_grads. */
@@ -122,7 +131,9 @@ export function render({ model, el, nonce }) {
     detail.clear();
   }
 
-  async function select(sel) {
+  /** Select a module or node; `show`: the user asked (a click, a key), so its detail comes into view where it is
+   * out of it (a narrow output stacks the detail below the graph and the layer list). */
+  async function select(sel, show = true) {
     selected = sel;
     panes.select(true);
     graph.select(sel);
@@ -132,8 +143,9 @@ export function render({ model, el, nonce }) {
     graph.focus(sel);
     controls.render(sel, summary, readonly);
     const hit = cache.get(sel.target);
-    if (hit) { detail.render(hit.meta, hit.tensors, summary); return; }
+    if (hit) { detail.render(hit.meta, hit.tensors, summary); if (show) reveal(detail.el); return; }
     detail.loading(sel.target);
+    if (show) reveal(detail.el);
     const gen = generation;
     const r = await request(P.detail(sel.target));
     if (!r.ok) { if (selected?.target === sel.target) detail.error(sel.target, r.text); status.set("error", r.text); return; }
@@ -169,7 +181,7 @@ export function render({ model, el, nonce }) {
     diffView.render(lastDiff);
     graph.setChanged(lastDiff.changed_nodes, lastDiff.changed_modules);
     tree.setSummary(summary, new Set(lastDiff.changed_modules));
-    if (selected) select(selected);
+    if (selected) select(selected, false);
   }
 
   function onMessage(raw, buffers = []) {
@@ -208,6 +220,7 @@ export function render({ model, el, nonce }) {
     if (lastDiff) graph.setChanged(lastDiff.changed_nodes, lastDiff.changed_modules);
     controls.render(selected, summary, readonly);
     renderBanner();
+    restStatus();
   }
 
   // A rerun made from Python (t.rerun() in a cell) arrives as new summary and diff traits, no message.
@@ -216,6 +229,7 @@ export function render({ model, el, nonce }) {
     diffView.render(lastDiff);
     graph.setChanged(lastDiff?.changed_nodes || [], lastDiff?.changed_modules || []);
     tree.setSummary(summary, new Set(lastDiff?.changed_modules || []));
+    restStatus();
   }
 
   model.on("msg:custom", onMessage);

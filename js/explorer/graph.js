@@ -29,14 +29,15 @@ export function createGraphView({ onSelect, onStatus }) {
     h("button", { type: "button", "data-testid": "fit", onclick: () => fit(), text: "fit" }),
     h("button", { type: "button", "data-testid": "zoom-in", onclick: () => zoomBy(1.25), text: "+" }),
     h("button", { type: "button", "data-testid": "zoom-out", onclick: () => zoomBy(0.8), text: "−" }),
-    dirButton, legend());
+    dirButton);
   const viewport = s("g", { class: "hw-viewport" });
   const svg = s("svg", { class: "hw-svg", "data-testid": "graph" },
     s("defs", {}, s("marker", { id: `${uid}-arrow`, viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 7, markerHeight: 7, orient: "auto-start-reverse" },
       s("path", { d: "M0,0 L10,5 L0,10 z", class: "hw-arrowhead" }))),
     viewport);
-  const info = h("div", { class: "hw-dim hw-graph-info" });
-  const el = h("div", { class: "hw-graph" }, toolbar, svg, info);
+  const info = h("span", { class: "hw-dim hw-graph-info" });
+  // The legend sits below the graph, where it can wrap: in the toolbar a narrow graph (three panes) cut it short.
+  const el = h("div", { class: "hw-graph" }, toolbar, svg, h("div", { class: "hw-graph-foot" }, legend(), info));
   // An explicit extent: d3-zoom's default reads the SVG's width attribute, which fails for a relative
   // width before layout (JupyterLab renders into a detached node first). The wheel scrolls (a notebook's
   // gesture: at the graph's end the page scrolls on); ctrl/⌘ + wheel or a pinch zooms; drag pans.
@@ -115,6 +116,7 @@ export function createGraphView({ onSelect, onStatus }) {
     if (!summary) return;
     const t0 = performance.now();
     const vis = visibleGraph(summary.graph, groups, state.expanded);
+    const loose = looseInputs(vis);
     state.items = vis.items;
     const g = new dagre.graphlib.Graph({ multigraph: false, compound: true });
     g.setGraph({ rankdir: state.forward ? "BT" : "TB", nodesep: 18, ranksep: 36, marginx: 10, marginy: 10 });
@@ -124,6 +126,7 @@ export function createGraphView({ onSelect, onStatus }) {
     for (const f of vis.frames.values()) g.setNode(f.key, {});
     for (const f of vis.frames.values()) if (f.parent !== null) g.setParent(f.key, f.parent);
     for (const item of vis.items.values()) {
+      if (loose.hidden.has(item.key)) continue;
       const sub = item.kind === "module" ? boxSub(item) : "";
       const [w, hgt] = item.kind === "module"
         ? [Math.max(100, 7.4 * Math.min(40, Math.max(item.label.length, 0.95 * Math.min(44, sub.length))) + 34), 42]
@@ -131,7 +134,7 @@ export function createGraphView({ onSelect, onStatus }) {
       g.setNode(item.key, { width: w, height: hgt });
       if (item.frame) g.setParent(item.key, item.frame);
     }
-    for (const [u, v] of vis.edges) g.setEdge(u, v);
+    for (const [u, v] of vis.edges) if (!loose.hidden.has(v)) g.setEdge(u, v);
     try {
       dagre.layout(g);
     } catch (e) {
@@ -143,18 +146,21 @@ export function createGraphView({ onSelect, onStatus }) {
     viewport.replaceChildren();
     const clusterLayer = s("g", { class: "hw-clusters" }), edgeLayer = s("g", { class: "hw-edges" }), nodeLayer = s("g", { class: "hw-nodes" });
     viewport.append(clusterLayer, edgeLayer, nodeLayer);
+    const lines = [];
     for (const e of g.edges()) {
       const pts = g.edge(e).points;
+      lines.push(pts);
       const d = "M" + pts.map((p) => `${p.x.toFixed(1)},${p.y.toFixed(1)}`).join(" L");
       edgeLayer.append(s("path", { d, class: "hw-edge", "data-from": e.v, "data-to": e.w, [state.forward ? "marker-start" : "marker-end"]: `url(#${uid}-arrow)` }));
     }
     const boxes = new Map();
     for (const item of vis.items.values()) {
+      if (loose.hidden.has(item.key)) continue;
       const n = g.node(item.key);
       boxes.set(item.key, n);
-      nodeLayer.append(item.kind === "module" ? moduleBox(item, n) : opNode(item, n));
+      nodeLayer.append(item.kind === "module" ? moduleBox(item, n) : opNode(item, n, loose.at.get(item.key)));
     }
-    drawFrames(clusterLayer, vis, g);
+    drawFrames(clusterLayer, vis, g, lines);
     const gl = g.graph();
     state.bounds = { width: gl.width || 100, height: gl.height || 100 };
     info.textContent = `${summary.graph.id.length} autograd nodes · ${vis.items.size} shown · layout ${state.layoutMs.toFixed(0)} ms · wheel scrolls, ctrl + wheel zooms`;
@@ -185,13 +191,22 @@ export function createGraphView({ onSelect, onStatus }) {
     return el;
   }
 
-  function opNode(item, n) {
+  function opNode(item, n, inputs = []) {
     const i = item.index, G = state.summary.graph;
     const el = s("g", { class: `hw-node role-${item.role}`, "data-node-id": item.id, "data-key": item.key, transform: `translate(${n.x - n.width / 2},${n.y - n.height / 2})` },
       s("title", { text: `${item.id}\nrole: ${G.role[i]}${G.module[i] ? `\nmodule: ${G.module[i]}` : ""}${G.param[i] ? `\nparameter: ${G.param[i]}` : ""}\nshape: ${fmtShape(G.shape[i])}\n|grad|: ${fmt(G.grad_norm[i])}` }),
       s("rect", { width: n.width, height: n.height, rx: item.role === "input" || item.role === "param" || item.role === "leaf" ? 2 : 12, class: "hw-node-rect" }),
       s("text", { x: n.width / 2, y: 16.5, class: "hw-node-label", text: clip(G.param[i] || item.label, 28) }));
     el.addEventListener("click", () => onSelect({ kind: "node", target: item.id }));
+    // Tensors without grad that enter here (a loss's target y, a mask): grey marks on the node's side, not boxes
+    // beside the loss that read like the model's input; a click shows one as any node.
+    inputs.forEach((id, k) => {
+      const mark = s("g", { class: "hw-loose-input", "data-node-id": id, transform: `translate(${n.width + 3 + 11 * k},${n.height / 2 - 5})` },
+        s("title", { text: `${id}: a tensor without grad enters ${item.id} here (a target, a mask, a constant): its gradient is not kept` }),
+        s("rect", { width: 9, height: 10, rx: 2 }));
+      mark.addEventListener("click", (e) => { e.stopPropagation(); onSelect({ kind: "node", target: id }); });
+      el.append(mark);
+    });
     return el;
   }
 
@@ -204,18 +219,20 @@ export function createGraphView({ onSelect, onStatus }) {
   }
 
   /** Expanded groups' frames where dagre laid them out (one per call of a module called several times), outer first. */
-  function drawFrames(layer, vis, g) {
+  function drawFrames(layer, vis, g, lines) {
     const depth = (f) => { let d = 0; for (let p = f.parent; p !== null; p = vis.frames.get(p).parent) d++; return d; };
     for (const f of [...vis.frames.values()].sort((p, q) => depth(p) - depth(q))) {
       const grp = state.groups.get(f.group), n = g.node(f.key);
       if (!n || !Number.isFinite(n.width)) continue;
       const b = { x0: n.x - n.width / 2, y0: n.y - n.height / 2, x1: n.x + n.width / 2, y1: n.y + n.height / 2 };
-      const attrs = { class: "hw-cluster-tab", transform: `translate(${b.x0},${b.y0})` };
-      if (grp.chunk) attrs["data-group"] = grp.key; else attrs["data-module"] = grp.name;
       const label = `${grp.label}${grp.chunk || grp.cls === grp.label ? "" : ` · ${grp.cls}`}${f.part ? ` · call ${f.part}/${f.parts}` : ""}`;
+      const width = Math.min(b.x1 - b.x0, 7 * Math.min(40, label.length) + 34);
+      const x = tabX(b, width, crossings(lines, b.y0, b.y0 + TAB_H));
+      const attrs = { class: "hw-cluster-tab", transform: `translate(${x},${b.y0})` };
+      if (grp.chunk) attrs["data-group"] = grp.key; else attrs["data-module"] = grp.name;
       const tab = s("g", attrs,
         s("title", { text: `${grp.label} (${grp.cls})${f.part ? `, call ${f.part} of ${f.parts}` : ""} — click: details · −: collapse` }),
-        s("rect", { width: Math.min(b.x1 - b.x0, 7 * Math.min(40, label.length) + 34), height: 16, rx: 3 }),
+        s("rect", { width, height: TAB_H, rx: 3 }),
         s("text", { x: 20, y: 12, text: clip(label, 40) }),
         s("g", { class: "hw-expand", "data-collapse": grp.key, transform: "translate(2,1)", onclick: (e) => { e.stopPropagation(); toggle(grp.key); } },
           s("rect", { width: 14, height: 14, rx: 3 }), s("text", { x: 7, y: 11, text: "−" })));
@@ -360,6 +377,45 @@ export function createGraphView({ onSelect, onStatus }) {
     },
     get state() { return state; },
   };
+}
+
+const TAB_H = 16; // a frame's title tab, on its top edge
+
+/** Inputs without grad that enter an op outside every module (a loss's target y, a mask): {hidden: their item
+ * keys, at: consumer key -> their node ids}. Drawn as marks on that op, not as boxes beside the loss. */
+export function looseInputs(vis) {
+  const hidden = new Set(), at = new Map(), into = new Map();
+  for (const [u, v] of vis.edges) into.set(v, into.has(v) ? null : u); // null: entered from two places
+  for (const item of vis.items.values()) {
+    if (item.kind !== "node" || item.role !== "input") continue;
+    const consumer = vis.items.get(into.get(item.key));
+    if (!consumer || consumer.kind !== "node" || consumer.module || consumer.frame) continue;
+    hidden.add(item.key);
+    at.set(consumer.key, [...(at.get(consumer.key) || []), item.id]);
+  }
+  return { hidden, at };
+}
+
+/** Where edges cross the horizontal band y0..y1 (x of each segment that passes through it, at the band's middle). */
+export function crossings(lines, y0, y1) {
+  const xs = [], mid = (y0 + y1) / 2;
+  for (const pts of lines) {
+    for (let i = 1; i < pts.length; i++) {
+      const p = pts[i - 1], q = pts[i];
+      if (Math.max(p.y, q.y) < y0 || Math.min(p.y, q.y) > y1) continue;
+      const t = q.y === p.y ? 0.5 : Math.min(1, Math.max(0, (mid - p.y) / (q.y - p.y)));
+      xs.push(p.x + t * (q.x - p.x));
+    }
+  }
+  return xs.sort((a, c) => a - c);
+}
+
+/** A frame's title tab goes where no edge crosses it: at the frame's left corner, else right of a crossing edge
+ * inside the frame, else left of the leftmost one (hanging off the frame's corner), so no edge runs through its text. */
+export function tabX(b, width, xs, gap = 6) {
+  const free = (x) => xs.every((c) => c < x - gap || c > x + width + gap);
+  const candidates = [b.x0, ...xs.map((c) => c + gap + 1).filter((x) => x + width <= b.x1), ...xs.map((c) => c - gap - 1 - width)];
+  return candidates.find(free) ?? b.x0;
 }
 
 function legend() {

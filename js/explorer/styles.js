@@ -66,19 +66,19 @@ body.hw-page { margin: 8px; }
 .hw-tree-num { color: var(--hw-dim); flex: 0 0 auto; }
 .hw-flag { color: var(--hw-error); }
 .hw-graph { display: flex; flex-direction: column; min-width: 0; min-height: 0; border: 1px solid var(--hw-border); border-radius: 4px; }
-/* One line whatever the width: the legend gives way first (its items dropped whole; each says itself in its title). */
+/* One line whatever the width: the search box and the panes' words give way (the legend sits below the graph). */
 .hw-toolbar { display: flex; flex-wrap: nowrap; gap: 4px; align-items: center; padding: 4px; border-bottom: 1px solid var(--hw-border); white-space: nowrap; min-width: 0; overflow: hidden; }
 .hw-toolbar > * { flex: 0 0 auto; }
 .hw-toolbar .hw-search { width: 14ch; min-width: 7ch; flex: 0 1 auto; }
-.hw-toolbar .hw-legend { flex: 1 1 0; min-width: 0; overflow: hidden; flex-wrap: wrap; height: 1.4em; align-content: flex-start; row-gap: 1em; } /* items that do not fit wrap onto a hidden second line: dropped whole */
-.hw-graph { container-type: inline-size; } /* a short toolbar drops its legend and the panes' words */
-@container (max-width: 460px) { .hw-toolbar .hw-legend, .hw-toolbar .hw-pane-label { display: none; } .hw-toolbar .hw-search { width: 9ch; } }
+.hw-graph { container-type: inline-size; } /* a short toolbar drops the panes' words */
+@container (max-width: 460px) { .hw-toolbar .hw-pane-label { display: none; } .hw-toolbar .hw-search { width: 9ch; } }
 .hw-pane-toggle[aria-pressed="true"] { border-color: var(--hw-selected) !important; }
 .hw-pane-toggle[data-pane-toggle="side"] { margin-left: auto; }
 .hw-toolbar button, .hw-toolbar input { font: inherit; color: var(--hw-fg); background: var(--hw-bg2); border: 1px solid var(--hw-border); border-radius: 3px; padding: 1px 6px; }
 .hw-svg { flex: 1; width: 100%; min-height: 0; cursor: grab; user-select: none; }
-.hw-graph-info { padding: 2px 4px; }
-.hw-legend { display: inline-flex; gap: 8px; flex-wrap: nowrap; margin-left: 4px; }
+/* Below the graph: the legend, whole at any width (its items wrap), then the graph's counts. */
+.hw-graph-foot { display: flex; flex-wrap: wrap; align-items: center; gap: 2px 14px; padding: 2px 4px; border-top: 1px solid var(--hw-border); }
+.hw-legend { display: inline-flex; gap: 2px 8px; flex-wrap: wrap; }
 .hw-legend-item { display: inline-flex; gap: 3px; align-items: center; }
 .hw-swatch { width: 11px; height: 11px; border-radius: 2px; display: inline-block; }
 .hw-swatch.role-input { background: var(--hw-input); } .hw-swatch.role-param { background: var(--hw-param); }
@@ -91,6 +91,7 @@ body.hw-page { margin: 8px; }
 .hw-node.role-op .hw-node-rect { fill: var(--hw-op); } .hw-node.role-root .hw-node-rect { fill: var(--hw-root-c); }
 .hw-node.role-param .hw-node-rect { fill: var(--hw-param); } .hw-node.role-leaf .hw-node-rect { fill: var(--hw-leaf); }
 .hw-node.role-input .hw-node-rect { fill: var(--hw-input); }
+.hw-loose-input rect { fill: var(--hw-input); cursor: pointer; }
 .hw-node-label { fill: #fff; font-size: 12px; text-anchor: middle; pointer-events: none; }
 .hw-node.role-leaf .hw-node-label { fill: #134e4a; }
 .hw-box { cursor: pointer; }

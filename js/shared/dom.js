@@ -30,3 +30,26 @@ export { fmt, fmtShape } from "./format.js";
 
 /** Escape a value for an attribute selector. */
 export const cssEscape = (v) => (globalThis.CSS?.escape ? globalThis.CSS.escape(v) : String(v).replace(/["\\\]]/g, "\\$&"));
+
+/** Whether the head of `el` (its first `head` px) shows: inside the window and inside every ancestor that clips
+ * it (a scrolled pane, JupyterLab's notebook panel). An element not laid out (hidden, or no layout engine) counts
+ * as shown: there is nothing to scroll to. */
+export function headInView(el, head = 60) {
+  const r = el.getBoundingClientRect();
+  if (!r.width && !r.height) return true;
+  let top = 0, bottom = globalThis.innerHeight || 0;
+  for (let p = el.parentElement; p; p = p.parentElement) {
+    const o = getComputedStyle(p).overflowY;
+    if (o !== "visible" && p.scrollHeight > p.clientHeight) {
+      const b = p.getBoundingClientRect();
+      top = Math.max(top, b.top);
+      bottom = Math.min(bottom, b.bottom);
+    }
+  }
+  return r.top >= top && r.top + Math.min(head, r.height) <= bottom;
+}
+
+/** Scroll `el` to the top of the view where its head is out of view (a click answers where the eye is). */
+export function reveal(el) {
+  if (!headInView(el)) el.scrollIntoView?.({ block: "start" });
+}

@@ -59,5 +59,15 @@ describe("diff ranking", () => {
     expect(view.el.querySelector("tr[data-param]").getAttribute("data-param")).toBe("conv2.bias");
     view.el.querySelector('[data-sort="impact"]').dispatchEvent(new Event("click"));
     expect(view.el.querySelector("tr[data-param]").getAttribute("data-param")).toBe("conv2.weight");
+    expect(view.el.querySelector('[data-testid="weights-differ"]')).toBeNull(); // one model: nothing to say
+  });
+
+  it("says so when the two runs had different weights (two model instances), as text", () => {
+    const view = createDiffView();
+    view.render({ ...CNN, weights_differ: ["conv1.weight", "<b>x</b>", "fc.weight", "fc.bias"] });
+    const line = view.el.querySelector('[data-testid="weights-differ"]');
+    expect(line.textContent).toBe("weights differ: conv1.weight, <b>x</b>, fc.weight and 1 more held other values in the two runs "
+      + "(two model instances, or the model changed between them), so their gradients differ for that reason too, not only by a hook");
+    expect(line.querySelector("b")).toBeNull();
   });
 });

@@ -1,5 +1,6 @@
-import { beforeEach, describe, expect, it } from "vitest";
+import { beforeEach, describe, expect, it, vi } from "vitest";
 import { createPanes, widthClass } from "../explorer/panes.js";
+import { headInView, reveal } from "../shared/dom.js";
 
 beforeEach(() => { document.body.replaceChildren(); localStorage.clear(); });
 
@@ -33,5 +34,30 @@ describe("panes", () => {
     next.panes.leftButton.dispatchEvent(new Event("click"));
     expect(next.root.classList.contains("hw-left-closed")).toBe(true);
     expect(next.panes.leftButton.getAttribute("aria-pressed")).toBe("false");
+  });
+});
+
+describe("a click answers where the eye is", () => {
+  const placed = (top, height = 300) => {
+    const el = document.createElement("div");
+    document.body.append(el);
+    el.getBoundingClientRect = () => ({ top, bottom: top + height, left: 0, right: 100, width: 100, height });
+    el.scrollIntoView = vi.fn();
+    return el;
+  };
+
+  it("scrolls a detail whose head is below or above the view to the top, and leaves one in view alone", () => {
+    for (const [top, scrolls] of [[2000, true], [-400, true], [100, false], [window.innerHeight - 30, true]]) {
+      const el = placed(top);
+      reveal(el);
+      expect(el.scrollIntoView.mock.calls.length > 0).toBe(scrolls);
+      if (scrolls) expect(el.scrollIntoView).toHaveBeenCalledWith({ block: "start" });
+    }
+  });
+
+  it("an element not laid out counts as shown", () => {
+    const el = placed(0, 0);
+    el.getBoundingClientRect = () => ({ top: 0, bottom: 0, left: 0, right: 0, width: 0, height: 0 });
+    expect(headInView(el)).toBe(true);
   });
 });

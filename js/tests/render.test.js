@@ -104,6 +104,21 @@ describe("explorer", () => {
     expect(el.querySelector('[data-module="fc1"]').classList.contains("changed")).toBe(false);
   });
 
+  it("a rerun from Python moves the status line off the first run's loss; a running command keeps its line", () => {
+    const { model, el } = mount();
+    const line = () => el.querySelector('[data-testid="status"]').textContent;
+    expect(line()).toContain("loss 1.5");
+    model.change("summary", { ...seedSummary(), loss: 0.25 });
+    model.change("diff", { against: "baseline", hooks: ["fc1"], loss_before: 1.5, loss_after: 0.25,
+      params: [{ name: "fc1.weight", before: 8.28, after: 0, rel_change: 1, cosine: null, hooked: true }],
+      layers: {}, changed_nodes: ["MmBackward0#1"], changed_modules: ["fc1"] });
+    expect(line()).toBe("rerun: loss 1.5 → 0.25 · 1 module changed · 3 modules");
+    el.querySelector('[data-module="fc1"]').dispatchEvent(new Event("click"));
+    el.querySelector('[data-hook="grad_zero"]').click(); // a command from the page: running until its reply
+    model.change("summary", { ...seedSummary(), loss: 0.5 });
+    expect(el.querySelector('[data-testid="status"]').getAttribute("data-state")).toBe("running");
+  });
+
   it("when ipywidgets says the comm went (kernel restarted) it stays as a read-only snapshot", async () => {
     const { model, el } = mount();
     el.querySelector('[data-module="fc1"]').dispatchEvent(new Event("click"));

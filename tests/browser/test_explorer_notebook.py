@@ -183,6 +183,9 @@ def test_explorer_in_jupyterlab(browser, lab, width, img_dir):
         gpt2.locator('[data-testid="detail-target"]', has_text="transformer.h.7.mlp.c_fc").wait_for()
         page.wait_for_timeout(300)
         _fully_in_view(gpt2, '.hw-nodes [data-module="transformer.h.7.mlp.c_fc"] rect')
+        # ... and its detail's head in the notebook's visible part, also where the panes stack below the graph
+        # (issue 41: a click answers where the eye is).
+        assert gpt2.locator('[data-testid="detail-target"]').evaluate(SHOWN), "the detail is out of view"
         for col in ("name", "delta", "grad", "flags"):  # the detail open beside it: the table still shows these
             b, obox = ov.locator(f'[data-layer-sort="{col}"]').bounding_box(), ov.bounding_box()
             assert b and obox["x"] - 0.5 <= b["x"] <= b["x"] + b["width"] <= obox["x"] + obox["width"] + 0.5, (col, b)
@@ -194,6 +197,19 @@ def test_explorer_in_jupyterlab(browser, lab, width, img_dir):
         gpt2.locator('[data-pane-toggle="left"]').click()
         assert ov.is_visible()
         assert page.errors == []
+
+
+# Whether an element's top shows: inside the window and inside every ancestor that clips it (the notebook panel).
+SHOWN = """el => {
+  const r = el.getBoundingClientRect();
+  let top = 0, bottom = innerHeight;
+  for (let p = el.parentElement; p; p = p.parentElement) {
+    if (getComputedStyle(p).overflowY !== 'visible' && p.scrollHeight > p.clientHeight) {
+      const b = p.getBoundingClientRect(); top = Math.max(top, b.top); bottom = Math.min(bottom, b.bottom);
+    }
+  }
+  return r.height > 0 && r.top >= top && r.bottom <= bottom;
+}"""
 
 
 def _fully_in_view(root, selector):

@@ -3,7 +3,7 @@ kernel's answer."""
 
 
 import pytest
-from browser_session import notebook, toggle_grad_zero
+from browser_session import notebook, run_cell, toggle_grad_zero
 from lab_server import jupyter, write_notebook
 
 pytestmark = pytest.mark.browser
@@ -58,7 +58,7 @@ def lab(request, tmp_path_factory):
     """A JupyterLab or Notebook 7 server on 127.0.0.1 with the notebook; killed in the finalizer."""
     command, app, path = FRONT_ENDS[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    write_notebook(root / "explore.ipynb", [SETUP, TRACE, EVIL_TRACE])
+    write_notebook(root / "explore.ipynb", [SETUP, TRACE, EVIL_TRACE, "t"])
     with jupyter(root, command, app) as (base, token):
         yield {"url": f"{base}/{path}/explore.ipynb?token={token}", "root": root, "name": request.param}
 
@@ -148,3 +148,16 @@ def test_toggle_grad_zero_live(browser, lab, img_dir):
         assert "blocks.</script><script>__pwned=2</script>" in names
         assert evil.locator("img").count() == 0
         assert page.evaluate("typeof window.__pwned") == "undefined"
+        # Issue 41: `t` displayed after t.rerun() shows the rerun (its diff, the changed layers, the rerun's loss in
+        # the status line), as the explorer displayed before it does (the session's listeners).
+        for when in ("before", "after"):
+            if when == "after":
+                run_cell(page, 3)
+                page.wait_for_timeout(1000)
+            shown = page.locator(".hw-root").nth(2)
+            shown.locator('[data-testid="diff"] [data-param="fc2.weight"]', has_text="⚓").wait_for()
+            status = shown.locator('[data-testid="status"]')
+            page.wait_for_function("el => el.textContent.startsWith('rerun: loss')", arg=status.element_handle())
+            assert "changed" in shown.locator('.hw-nodes [data-module="fc1"]').first.get_attribute("class").split()
+            if lab["name"] == "jupyterlab":
+                shown.screenshot(path=str(img_dir / f"shown_{when}_python_rerun.png"))

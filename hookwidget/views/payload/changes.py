@@ -25,6 +25,7 @@ def diff(before, after) -> dict:
         "against": "baseline" if before is getattr(getattr(after, "session", None), "baseline", None) else "previous",
         "hooks": sorted(hooked),
         "grad_scale": _num(d.scale),
+        "weights_differ": list(d.weights_differ),
         "loss_before": _num(d.loss_before), "loss_after": _num(d.loss_after), "params": params,
         "layers": {n: [_num(b), _num(a)] for n, (b, a) in d.layers.items()},
         "changed_nodes": changed_nodes,
