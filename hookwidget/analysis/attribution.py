@@ -98,7 +98,9 @@ def shares(trace, name: str | None, step: int | None, method: str | None = None)
             dots = sh.gram_position_dots(fs)
             total += float(sum(d.sum(dtype=acc) for d in dots))
         else:
-            G = sum(fx.summed_grad(f) for f in fs)
+            G = _made(trace, pname, {k for k, _, _ in found})
+            if G is None:
+                G = sum(fx.summed_grad(f) for f in fs)
             total += float(G.double().square().sum()) if acc is torch.float64 else float(G.float().square().sum())
             dots = [sh.position_dots(f, G) if _positional(f) else None for f in fs]
             dots = [d if d is not None else sh.sample_dots(f, G).unsqueeze(1) for d, f in zip(dots, fs)]
@@ -235,6 +237,18 @@ def _factors(trace, h: str, k: int, p, cache) -> list:
         cache[key] = ps.layer_factors(trace, h, calls) if calls else []
     owned = owned_params(trace, h)
     return [f for f in cache[key] if owned.get(f.param) is p]
+
+
+def _made(trace, pname: str, steps: set) -> torch.Tensor | None:
+    """The gradient the selected steps made (recorded as they ran; _contributions checked that the factors add
+    up to it), or None where a step kept a summary only: then it is rebuilt from the factors."""
+    try:
+        grads = [trace.steps[k].grad(pname) for k in sorted(steps)]
+    except (KeyError, ValueError):
+        return None
+    if any(g is None or g.is_sparse for g in grads):
+        return None
+    return grads[0] if len(grads) == 1 else sum(grads)
 
 
 def _positional(f) -> bool:

@@ -3,7 +3,8 @@
 Why: ‖G‖² = Σ_b ⟨G_b, G⟩ for G = Σ_b G_b, so s_b = ⟨G_b, G⟩ / ‖G‖² says exactly, and additively, how much of
 the step each sample carried (negative where it pulled against it). A layer applied per position t has
 G_b = Σ_t δ_t a_tᵀ, so a position's part is δ_tᵀ G a_t: the output the layer would give with G as its weight,
-dotted with δ_t. That costs one product with G (about what W.grad costs), and no per-sample gradient is built.
+dotted with δ_t. That costs one product with G (the .grad the step recorded; about what W.grad costs), and no
+per-sample gradient is built.
 The Gram form Σ_{t'} (δ_t·δ_t')(a_t·a_t') over every token t' of the step needs no G but N² pairs for N tokens:
 `gram_cheaper` says when it is the cheaper (as layers/cost.py does for the norms).
 
@@ -90,13 +91,14 @@ def gram_applies(fs: list) -> bool:
 
 
 def gram_cheaper(fs: list) -> bool:
-    """Whether the Gram form (no G, N² token pairs over all N tokens of the contributions) costs less than the
-    product with G (building G and one product per token, 2·N·d_in·d_out), where it applies."""
+    """Whether the Gram form (N² token pairs over all N tokens of the contributions, N²·(d_in + d_out + M)) costs
+    less than the product with G (the .grad the step recorded: one product per token, N·d_in·d_out), where it
+    applies: only for few tokens against wide layers."""
     if not gram_applies(fs):
         return False
     n = sum(f.D.shape[0] * f.D.shape[1] for f in fs)
     d_out, d_in = fs[0].D.shape[-1], fs[0].X.shape[-1]
-    return n * (d_in + d_out + cost.MEMORY) < 2 * d_in * d_out
+    return n * (d_in + d_out + cost.MEMORY) < d_in * d_out
 
 
 def gram_position_dots(fs: list, chunk: int = 1024) -> list[torch.Tensor]:
