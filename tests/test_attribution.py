@@ -263,6 +263,10 @@ def test_cnn_shares_positions_and_norms():
     assert torch.allclose(t.shares().by_layer["c2"], c2, atol=1e-10)
     with pytest.raises(ValueError, match="no per-position gradient form"):
         t.position_norms("c2")
+    s = t.shares()  # positions: c1's 36 (the most common length, a tie broken by the longer); c2's 4 and fc's 1 not
+    assert torch.allclose(s.positions, c1, atol=1e-10)
+    assert torch.allclose(s.unplaced, s.samples - c1.sum(1), atol=1e-10)
+    assert any("c2" in n and "fc" in n and "unplaced" in n for n in s.notes)
 
 
 def test_lstm_shares_match_loop():
@@ -343,6 +347,15 @@ def test_planted_sample_ranks_first_with_its_positions():
     assert top_positions == set(wrong)
 
 
+def test_saved_trace_answers_the_same(gpt, tmp_path):
+    model, idx, y = gpt
+    t = trace_step(model, gpt_loss, idx, y)
+    t.save(tmp_path / "t.pt")
+    back = hw.load(tmp_path / "t.pt")
+    assert torch.allclose(back.sample_shares(), t.sample_shares(), atol=1e-12)
+    assert torch.allclose(back.position_shares(), t.position_shares(), atol=1e-12)
+
+
 def test_bad_input_is_one_clear_line(gpt):
     model, idx, y = gpt
     t = trace_step(model, gpt_loss, idx, y)
@@ -354,6 +367,7 @@ def test_bad_input_is_one_clear_line(gpt):
         t.shares(step=7)
     with pytest.raises(TypeError):
         t.shares(3)
-    tn = hw.trace(lambda: gpt_loss(model, idx, y).backward(), capture="norms")
-    with pytest.raises(ValueError, match="capture='full'"):
-        tn.shares()
+    for capture in ("norms", "summary"):
+        tn = hw.trace(lambda: gpt_loss(model, idx, y).backward(), capture=capture)
+        with pytest.raises(ValueError, match="capture='full'"):
+            tn.shares()

@@ -35,8 +35,10 @@ class Shares:
     """Each sample's (and position's) share of the step's gradient G over the parameters counted.
 
     samples: (N,) ⟨G_b, G⟩ / ‖G‖², N the samples of every selected step in order; they sum to 1.
-    positions: (N, T) the part each position carried, summed over the layers whose token axis has T positions
-    (the most common length among the per-position layers asked); None where no layer has positions.
+    positions: (N, T) the part each position carried, summed position by position over the layers whose token
+    axis has T positions (the most common length among the per-position layers asked, a tie to the longer);
+    None where no layer has positions. The layers are aligned by index, not proved to share the axis: where two
+    axes happen to have one length (a CNN's feature map and a sequence), read by_layer, per layer.
     unplaced: (N,) the part of each sample's share not on a position of `positions` (layers without a
     per-position form, or with another number of positions): samples = positions.sum(1) + unplaced.
     by_layer: layer -> (N, T_layer) its own positions' shares (a tied weight's layers each give theirs).
