@@ -103,7 +103,7 @@ def shares(trace, name: str | None, step: int | None, method: str | None = None)
             G = _made(trace, pname, {k for k, _, _ in found})
             if G is None:
                 G = sum(fx.summed_grad(f) for f in fs)
-            total += float(G.double().square().sum()) if acc is torch.float64 else float(G.float().square().sum())
+            total += float(torch.linalg.vector_norm(G.reshape(-1), dtype=acc).square())  # no float64 copy of G
             dots = [sh.position_dots(f, G) if _positional(f) else None for f in fs]
             dots = [d if d is not None else sh.sample_dots(f, G).unsqueeze(1) for d, f in zip(dots, fs)]
             unpositioned |= {(pname, h) for (_, h, f) in found if not _positional(f)}
