@@ -83,6 +83,7 @@ def shares(trace, name: str | None, step: int | None, method: str | None = None)
             parts[pname] = found
     if name is None:
         left_out = {**{n: w for n, w in coverage.decide(trace).left_out.items() if n not in parts}, **left_out}
+        left_out.update(_unanswered(trace, steps, set(parts) | set(left_out)))
     if not parts:
         why = "; ".join(f"{n}: {w}" for n, w in left_out.items()) or "no backward reached them"
         raise ValueError(f"no parameter {'of ' + repr(name) + ' ' if name else ''}with exact per-sample gradients "
@@ -229,6 +230,24 @@ def _contributions(trace, p, steps, usable, cache) -> list | str:
             return (f"step {k}: its factors from {', '.join(holders)} do not add up to the .grad the step made (a use "
                     "outside the layers traced, e.g. an excluded layer that shares it; or its .grad was not kept)")
         out += [(k, h, f) for h in holders for f in _factors(trace, h, k, p, cache)]
+    return out
+
+
+def _unanswered(trace, steps: list, known: set) -> dict:
+    """Parameters the selected steps gave a gradient that no counted layer answered for and coverage did not name
+    (it decides for the last step: a layer over the memory budget in an earlier one), with why."""
+    out = {}
+    for k in steps:
+        for pname in trace.steps[k].grads:
+            if pname in known or pname in out:
+                continue
+            try:
+                g = trace.steps[k].grad(pname)
+            except ValueError as e:  # kept as a summary only
+                out[pname] = f"step {k}: {e}"
+                continue
+            if g is not None and bool(g.ne(0).any()):
+                out[pname] = f"step {k}: no layer with an exact per-sample rule (and its a and δ kept) answered for it"
     return out
 
 
