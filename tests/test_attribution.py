@@ -347,6 +347,32 @@ def test_planted_sample_ranks_first_with_its_positions():
     assert top_positions == set(wrong)
 
 
+class Twice(nn.Module):
+    """A Linear called twice in one forward: its tokens are both calls' (2T), not the sequence's T."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(9, 4)
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 9)
+
+    def forward(self, idx):
+        return self.head(self.fc(torch.tanh(self.fc(self.emb(idx)))))
+
+
+def test_layer_called_twice_is_exact_and_its_positions_kept_apart():
+    torch.manual_seed(4)
+    model, idx, y = Twice(), torch.randint(0, 9, (3, 4)), torch.randint(0, 9, (3, 4))
+    t = trace_step(model, gpt_loss, idx, y)
+    names = [n for n, _ in model.named_parameters()]
+    want, _, _ = ref_shares(loop_grads(model, gpt_loss, idx, y, names))
+    s = t.shares()
+    assert torch.allclose(s.samples, want, atol=1e-10)
+    assert s.by_layer["fc"].shape == (3, 8) and s.positions.shape == (3, 4)
+    assert torch.allclose(s.unplaced, s.by_layer["fc"].sum(1), atol=1e-10)
+    assert any("fc" in n and "unplaced" in n for n in s.notes)
+
+
 def test_saved_trace_answers_the_same(gpt, tmp_path):
     model, idx, y = gpt
     t = trace_step(model, gpt_loss, idx, y)
