@@ -372,6 +372,61 @@ class Trace:
             raise ValueError(f"layer {name!r} has no trainable parameters (requires_grad=False, e.g. a frozen or LoRA "
                              f"base layer): no per-sample gradients; {suggest(name, some, 'layers with some')}")
 
+    # -- which samples and positions carried the step (analysis/attribution.py) -----------------
+    @_boundary
+    def shares(self, name: str | None = None, step: int | None = None):
+        """Each sample's share s_b = ⟨G_b, G⟩ / ‖G‖² of the step's gradient G, and each position's, as a Shares
+        (.samples (N,), .positions (N, T), .unplaced, .by_layer, .left_out, .notes, .top(k)). Exact and
+        additive: the samples' shares sum to 1; a negative one pulled against the step. name: a layer (the
+        parameters it answers for), a parameter (t.params), or None (every parameter with an exact per-sample
+        rule; .left_out names the rest). step: as per_sample_grads (under accumulation, all micro-batches).
+
+            s = t.shares()
+            s.top(3)              # [(index, share), ...], largest first
+            s.positions[s.top(1)[0][0]]   # where in that sample the step came from"""
+        from hookwidget.analysis import attribution
+
+        with registry.memo():
+            return attribution.shares(self, name, self._step(step))
+
+    @_boundary
+    def sample_shares(self, name: str | None = None, step: int | None = None) -> torch.Tensor:
+        """(N,) each sample's share ⟨G_b, G⟩ / ‖G‖² of the step's gradient (t.shares(...).samples; what is left
+        out: t.shares().left_out). They sum to 1.
+
+            t.sample_shares().argmax()      # the sample that carried most of the step
+            t.sample_shares("fc1")          # of one layer's gradient"""
+        return self.shares(name, step).samples
+
+    @_boundary
+    def position_shares(self, name: str | None = None, step: int | None = None) -> torch.Tensor:
+        """(N, T) each position's share ⟨G_{b,t}, G⟩ / ‖G‖² of the step's gradient, for one layer applied per
+        position (a Linear on (B, T, d), an Embedding, a convolution's output positions, an LSTM's steps), or
+        summed over the layers that share the sequence's T positions (name=None). What is not on a position
+        (layers without a per-position form): t.shares(name).unplaced.
+
+            t.position_shares()[b]          # which tokens of sample b carried the step"""
+        found = self.shares(name, step)
+        if found.positions is None:
+            raise ValueError(f"{name or 'the parameters counted'}: no layer applied per position among them (a "
+                             "generic-rule or mapped layer has per-sample shares only): use t.sample_shares(name)")
+        return found.positions
+
+    @_boundary
+    def position_norms(self, name: str, step: int | None = None, loss_reduction: str = "sum") -> torch.Tensor:
+        """(N, T) ‖G_{b,t}‖, the norm of each position's gradient of a layer applied per position: an outer
+        product, so ‖δ_{b,t}‖·‖a_{b,t}‖ exactly (with its bias, over both).
+
+            t.position_norms("h.0.mlp.c_fc")   # (B, T)"""
+        from hookwidget.analysis import attribution
+
+        _reduction_scale(loss_reduction, 1)
+        self._trainable(self.layer(name).name)
+        with registry.memo():
+            norms = attribution.position_norms(self, name, self._step(step))
+        return norms * _reduction_scale(loss_reduction, norms.shape[0])
+
+
 # -- helpers -----------------------------------------------------------------------------------
 def _norms_sq(t: Trace, k: int) -> torch.Tensor | None:
     """Step k's squared per-sample gradient norms over the whole model, or None where it has none."""
