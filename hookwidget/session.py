@@ -118,7 +118,7 @@ class Session:
         # step's per-sample rows come from the same rules' rerun of the module (exact, checked alike)
         return Tracer(self.modules, capture=opts.capture, budget_mb=opts.budget_mb, node_grads=opts.node_grads,
                       backward_hooks=opts.backward_hooks, layer_interventions=layer_ivs, node_interventions=node_ivs,
-                      state=state, fast_captures=self.kept_by is None)
+                      state=state, fast_captures=self.kept_by is None, batch_dim=opts.batch_dim)
 
     @contextmanager
     def recording(self, state: RunState | None = None):
