@@ -3,22 +3,25 @@
 Every per-sample rule needs to know where the samples are in a layer's input and output gradient. A size match
 proves nothing (a (T, B, d) input with T = B has two candidates), so the samples are followed instead: from the
 roots (Roots: the model's inputs along their batch dimension, declared or 0, and the outputs of calls proven
-before) through each operation of the autograd graph. `sample_dim` finds the one dimension of a tensor whose index
-i holds sample i alone; `sample_major` whether its leading dimension holds the samples folded in blocks of
-consecutive rows (MobileViT runs its transformer on (B·P, N, C), the patches of a sample next to each other:
-row r holds sample r // (n/B)). Both walk back from the tensor's grad_fn, following the dimension through each
+before) through each operation of the autograd graph. `sample_dim` finds the one dimension of a tensor whose
+index i holds sample i alone; `sample_major` whether its leading dimension holds the samples folded in blocks of
+consecutive rows (MobileViT runs its transformer on (B·P, N, C), the patches of a sample next to each other: row
+r holds sample r // (n/B)). Both walk back from the tensor's grad_fn, following the dimension through each
 operation, until every path reaches a root holding the samples along the dimension the walk arrived at, or holds
 no samples (a parameter, something broadcast along that dimension). Operations known to keep each sample in its
 own block along a dimension: elementwise ops, row-major views (the dimension starts at the same element count,
-merged or split), transposes, permutes, unbind, select, (un)squeeze, stack, softmax, cat and split along other
-dimensions, batched matmul and attention, layer, group and batch norm (its statistics are shared, as a parameter
-is; each sample keeps its place), mm/addmm of rows by a parameter. Any other
-operation on the way, a walk that reaches no root, or one over MAX_NODES, proves nothing: the layer is then not
-given per-sample results (the note says so)."""
+merged or split), transposes, permutes, flips, unbind, select, (un)squeeze, stack, softmax, cat and split along
+other dimensions, reductions over other dimensions (sum, mean, max, norms), batched matmul and attention, layer,
+group and batch norm (its statistics are shared, as a parameter is; each sample keeps its place), mm/addmm of rows
+by a parameter (F.linear on the batch's data: its saved rows, by their storage). An input slot without grad (a
+buffer, a mask) is taken for a constant, except where the op reads the data through it. Any other operation on
+the way, a walk that reaches no root, or one over MAX_NODES, proves nothing: the layer is then not given
+per-sample results (the note says so)."""
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -42,6 +45,13 @@ ELEMENTWISE = frozenset({
     "LerpBackward1",
 })
 VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+# ops whose empty input slot is what they read, not a constant (F.linear or a conv on the batch's data)
+READS_DATA = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0", "ConvolutionBackward0",
+                        "EmbeddingBackward0", "EmbeddingBagBackward0"})
+# reductions over the dims in `dim` (saved, with keepdim)
+REDUCTIONS = frozenset({"MeanBackward1", "SumBackward1", "AmaxBackward0", "AminBackward0", "MaxBackward0",
+                        "MinBackward0", "LogsumexpBackward0", "LinalgVectorNormBackward0", "VarBackward0",
+                        "StdBackward0", "ProdBackward1"})
 BATCH_NORMS = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0"})
 
 
@@ -53,18 +63,32 @@ class Roots:
 
     def __init__(self):
         self.nodes: dict = {}  # (grad_fn, output_nr) -> dim
-        self.leaves: dict = {}  # id(leaf) -> (leaf, dim)
-        self.data: list = []  # (tensor without grad, dim)
-        self._node_set: set = set()
+        self.leaves: dict = {}  # id(leaf) -> (weakref to it, dim)
+        self.data: dict = {}  # id(tensor without grad) -> (weakref to it, dim): held weakly, as leaves are (a
+        self._node_set: set = set()  # checkpointed block's activations must go when checkpointing lets them go)
 
     def add(self, t: torch.Tensor, d: int) -> None:
         if t.grad_fn is not None:
             self.nodes[(t.grad_fn, t.output_nr)] = d
             self._node_set.add(t.grad_fn)
-        elif t.requires_grad:
-            self.leaves[id(t)] = (t, d)
         else:
-            self.data.append((t, d))
+            (self.leaves if t.requires_grad else self.data)[id(t)] = (weakref.ref(t), d)
+
+    def tensor_dim(self, t: torch.Tensor):
+        """The dim of a root that is t itself (a leaf, the data; a tensor that a Function's output became since),
+        else None."""
+        for table in (self.data, self.leaves):
+            found = table.get(id(t))
+            if found is not None and found[0]() is t:
+                return found[1]
+        return None
+
+    def data_roots(self):
+        """(tensor, dim) of the data roots still alive."""
+        for ref, d in list(self.data.values()):
+            r = ref()
+            if r is not None:
+                yield r, d
 
     def clear(self) -> None:
         self.nodes.clear()
@@ -77,8 +101,18 @@ class Roots:
         d = self.nodes.get((node, nr))
         if d is None and type(node).__name__ == "AccumulateGrad":
             leaf = self.leaves.get(id(node.variable))
-            d = leaf[1] if leaf is not None and leaf[0] is node.variable else None
+            d = leaf[1] if leaf is not None and leaf[0]() is node.variable else None
         return d
+
+    def data_rows(self, t: torch.Tensor, B: int) -> bool:
+        """Whether t, a tensor without grad, is a row-major reshape of a data root whose samples lead (the same
+        storage and elements, both contiguous) with dim 0 a multiple of B: its rows hold the samples in blocks."""
+        for r, d in self.data_roots():
+            if (all(s == 1 for s in r.shape[:d]) and t.dim() and t.shape[0] % B == 0 and t.numel() == r.numel()
+                    and t.device == r.device and t.data_ptr() == r.data_ptr() and t.is_contiguous()
+                    and r.is_contiguous()):
+                return True
+        return False
 
     def holds(self, node) -> bool:
         """Whether some output of node is a root (it holds samples, whatever its inputs)."""
@@ -145,6 +179,15 @@ def _proven(node, nr: int, d: int, B: int, roots: Roots, memo: dict, budget: lis
 def _keeps_samples(node, shape: tuple, d: int, B: int, roots: Roots, memo: dict, budget: list) -> bool:
     name = type(node).__name__
     kids = [(c, nr) for c, nr in node.next_functions if c is not None and not _sample_free(c, roots, memo)]
+    if name in ("MmBackward0", "AddmmBackward0"):  # rows of mat1 times a parameter: mat1's rows
+        mat1 = node.next_functions[0 if name == "MmBackward0" else 1]
+        if mat1[0] is None:  # the batch's data (F.linear on the model's input): the saved mat1, by its storage
+            try:
+                data = saved(node, "self" if name == "MmBackward0" else "mat1")
+            except AttributeError:
+                return False
+            return d == 0 and not kids and roots.data_rows(data, B)
+        return d == 0 and kids == [mat1] and _proven(*mat1, 0, B, roots, memo, budget)
     if not kids:  # nothing that holds samples reaches it through the graph (the data may, unseen): no proof
         return False
 
@@ -159,9 +202,6 @@ def _keeps_samples(node, shape: tuple, d: int, B: int, roots: Roots, memo: dict,
             if d_in is None or not along(c, nr, d_in):
                 return False
         return True
-    if name in ("MmBackward0", "AddmmBackward0"):  # rows of mat1 times a parameter: mat1's rows
-        mat1 = node.next_functions[0 if name == "MmBackward0" else 1]
-        return d == 0 and kids == [mat1] and along(*mat1, 0)
     if name in ("BmmBackward0", "BaddbmmBackward0"):  # batched over dim 0
         return d == 0 and all(along(c, nr, 0) for c, nr in kids)
     if name.startswith("ScaledDotProduct") or name in ("NativeLayerNormBackward0", "NativeGroupNormBackward0"):
@@ -233,6 +273,10 @@ def _input_dim(node, name: str, d: int, ndim: int):
         if name == "SqueezeBackward1":  # the input had a size-1 dim at `dim`
             s = saved(node, "dim") % (ndim + 1)
             return d + 1 if s <= d else d
+        if name in REDUCTIONS:  # over `dim` (each sample's own values where d is none of them)
+            return _reduced_input_dim(node, d, ndim)
+        if name == "FlipBackward0":  # reverses the dims in `dims`: a sample's index moves along them only
+            return None if d in {x % ndim for x in saved(node, "dims")} else d
         if name in BATCH_NORMS:  # statistics per channel (dim 1), shared by all samples: each keeps its place
             return None if d == 1 else d
         if name in ("SoftmaxBackward0", "LogSoftmaxBackward0", "CatBackward0", "SliceBackward0",
@@ -243,10 +287,25 @@ def _input_dim(node, name: str, d: int, ndim: int):
     return None
 
 
+def _reduced_input_dim(node, d: int, ndim: int):
+    """The input's dim that output dim d of a reduction comes from; None where d is one it reduces."""
+    dims = saved(node, "dim")
+    keep = bool(saved(node, "keepdim"))
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    dims = [x - 2**64 if x >= 2**63 else x for x in dims]  # a negative dim may come back as an unsigned one
+    n_in = ndim if keep else ndim + len(dims)
+    reduced = sorted({x % n_in for x in dims}) if dims else list(range(n_in))
+    if keep:
+        return None if d in reduced else d
+    kept = [i for i in range(n_in) if i not in reduced]
+    return kept[d] if d < len(kept) else None
+
+
 def _sample_free(node, roots: Roots, memo: dict, depth: int = 32) -> bool:
     """Whether a tensor holds nothing of any sample: every path back ends at a leaf that is not a root (an
-    nn.Parameter, a constant that requires grad) and none at a root or at a tensor autograd does not see (the
-    batch's data has no grad_fn, so an op on it shows an empty input: not provably free)."""
+    nn.Parameter, a constant that requires grad) and none at a root. An input without grad (an empty slot: a
+    buffer, a mask) is taken for a constant, as the elementwise rule takes it; a node with no input but such
+    slots is not free (its values come from outside the graph: the data, maybe)."""
     key = ("free", node)
     if key in memo:
         return memo[key]
@@ -255,8 +314,8 @@ def _sample_free(node, roots: Roots, memo: dict, depth: int = 32) -> bool:
     elif type(node).__name__ == "AccumulateGrad":
         free = True  # not a root (holds() above): a parameter, or a leaf that is none of the model's inputs
     else:
-        kids = node.next_functions
-        free = depth > 0 and bool(kids) and all(c is not None and _sample_free(c, roots, memo, depth - 1)
-                                               for c, _ in kids)
+        kids = [c for c, _ in node.next_functions if c is not None]
+        free = depth > 0 and bool(kids) and all(_sample_free(c, roots, memo, depth - 1) for c in kids) and not (
+            type(node).__name__ in READS_DATA and len(kids) < len(node.next_functions))
     memo[key] = free
     return free

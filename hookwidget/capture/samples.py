@@ -13,11 +13,13 @@ memo per forward pass (the graph does not change under them), so each node is vi
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from hookwidget._torch.layers import is_conv
 from hookwidget.capture import rows
-from hookwidget.layers.batch_first import declared_batch_dim, elementwise, feature_dims
+from hookwidget.layers.batch_first import declared_batch_dim, elementwise, feature_dims, generic_rule
 from hookwidget.record.calls import Call
 from hookwidget.record.notes import Note
 
@@ -31,11 +33,16 @@ class Samples:
         self.roots = rows.Roots()
         self._proofs: dict = {}
         self.contradicted: list = []  # (module, the dim its input's samples were proven in, the dim it declares)
+        self.dim = None  # the model input's batch dim in the running pass
+        self.moved = None  # (old, new) batch size where a module's batch_first moved the pass's batch dim (_reroot)
+        self._start = None  # the outermost call as it started: (call, args, kwargs, a)
+        self._pass = None  # [module, call, input, output] of the pass's calls, where a module may move the batch dim
 
     def clear(self) -> None:
         """A new forward pass, or the trace ends: the roots and the memo hold the last pass's tensors and nodes."""
         self.roots.clear()
         self._proofs.clear()
+        self._start = self._pass = None
 
     def start(self, module, call: Call, args, kwargs, a) -> None:
         """An outermost call: its inputs are the pass's roots along the batch dimension (call.batch: its size)."""
@@ -43,14 +50,30 @@ class Samples:
         self.batch = None
         if a is None or not a.dim():
             return
-        d = self.declared if self.declared is not None else declared_batch_dim(module) or 0
+        own = declared_batch_dim(module)
+        d = self.declared if self.declared is not None else own or 0
+        self._pass = None
         if d >= a.dim():
             return  # no batch dimension in this input (an unbatched call): nothing is placed
-        self.batch = call.batch = a.shape[d]
+        self._seed(call, args, kwargs, a, d)
+        if self.declared is None and own is None and _declares(module):
+            self._start, self._pass = (call, args, kwargs, a), []
+
+    def _seed(self, call: Call, args, kwargs, a, d: int) -> None:
+        self.batch, self.dim = a.shape[d], d
+        call.batch, call.sample_dim = self.batch, d
         for t in _tensors(args, kwargs):
             if t.dim() > d and t.shape[d] == self.batch:
                 self.roots.add(t, d)
-        call.sample_dim = d
+
+    def root(self, a, d: int = 0) -> int | None:
+        """A new pass whose samples are a's along d (the watch: its first watched call reads the model's input);
+        its batch size, or None where a has no dim d."""
+        self.clear()
+        self.batch = a.shape[d] if a.dim() > d else None
+        if self.batch is not None:
+            self.roots.add(a, d)
+        return self.batch
 
     def place(self, module, call: Call, a) -> None:
         """call.sample_dim: the proven dim of the call's input that holds the samples; else call.folded_from."""
@@ -58,29 +81,69 @@ class Samples:
         if B is None or a is None or not a.dim():
             return
         call.in_shape = tuple(a.shape)
+        if self._pass is not None:
+            self._pass.append([module, call, a, None])
         d = self.dim_of(a)
         if d is not None:
             call.sample_dim = d
             declared = declared_batch_dim(module)
-            if declared is not None and declared != d and B > 1:
+            if declared is not None and declared != d and B > 1 and not self._reroot(a, declared):
                 self.contradicted.append((module, d, declared))
-        elif a.grad_fn is not None and a.shape[0] != B and a.shape[0] % B == 0 and \
+            if declared is not None:
+                self._pass = None  # the first module to declare its batch dim settled the pass's: no more kept
+            return
+        self._fold(call, a)
+
+    def _fold(self, call: Call, a) -> None:
+        B = self.batch
+        if a.grad_fn is not None and a.shape[0] != B and a.shape[0] % B == 0 and \
                 rows.sample_major(a.grad_fn, a.output_nr, B, self.roots, self._proofs):
             call.folded_from = B
+
+    def _reroot(self, a, declared: int) -> bool:
+        """Without a declaration (the user's, the outermost module's), the model input's batch dim is the one under
+        which every module's own batch_first holds: 0 first; where a module's input has its samples elsewhere, the
+        one other dim of the model's input that puts them in the module's declared dim, every call of the pass
+        placed again under it. False (a contradiction) where no dim, or more than one, does."""
+        if self._pass is None:
+            return False
+        outer, args, kwargs, a0 = self._start
+        found = []
+        for r in range(a0.dim()):
+            if r == self.dim or a0.shape[r] < 2:
+                continue
+            trial = Samples(r)
+            trial._seed(Call(0), args, kwargs, a0, r)
+            for module, _, x, out in self._pass:
+                probe = Call(0)
+                trial.place(module, probe, x)
+                if out is not None:
+                    trial.output(module, probe, x, out)
+            if trial.dim_of(a) == declared:
+                found.append(trial)
+        if len(found) != 1:
+            return False
+        trial, old, calls = found[0], self.batch, self._pass
+        self._pass = None  # placed again below without a second look
+        self.roots, self._proofs, self.batch, self.dim = trial.roots, trial._proofs, trial.batch, trial.dim
+        outer.batch, outer.sample_dim = trial.batch, trial.dim
+        for module, call, x, _ in calls:
+            call.sample_dim = call.folded_from = None
+            self.place(module, call, x)
+        self.moved = (old, self.batch)
+        return True
 
     def dim_of(self, t) -> int | None:
         """The proven dim of t whose index i holds sample i alone, or None."""
         B = self.batch
-        if t.grad_fn is not None:
+        d = self.roots.tensor_dim(t)
+        if d is not None:
+            pass
+        elif t.grad_fn is not None:
             d = self.roots.node_dim(t.grad_fn, t.output_nr)
             d = d if d is not None else rows.sample_dim(t.grad_fn, t.output_nr, B, self.roots, self._proofs)
-        elif t.requires_grad:
-            leaf = self.roots.leaves.get(id(t))
-            d = leaf[1] if leaf is not None and leaf[0] is t else None
-        else:
-            d = next((dd for r, dd in self.roots.data if r is t), None)
-            if d is None:
-                d = next((v for r, dd in self.roots.data if (v := view_dim(t, r, dd)) is not None), None)
+        elif not t.requires_grad:
+            d = next((v for r, dd in self.roots.data_roots() if (v := view_dim(t, r, dd)) is not None), None)
         if d is None and B == 1 and t.shape[0] == 1:
             return 0  # one sample: every row is its own, and dim 0 holds it whatever it is
         return d if d is not None and t.shape[d] == B else None
@@ -100,6 +163,10 @@ class Samples:
             return
         if out.grad_fn is None and out.requires_grad:
             return
+        if self._pass is not None:
+            entry = next((e for e in reversed(self._pass) if e[1] is call), None)
+            if entry is not None:
+                entry[3] = out
         if call.folded_from is not None:  # a row-keeping layer (the registry's keeps_rows) on folded rows
             if out.grad_fn is not None:
                 self.roots.nodes[(out.grad_fn, out.output_nr)] = 0
@@ -118,7 +185,7 @@ def _declared_output_dim(module, d: int, a, out) -> int | None:
         return declared if d == declared and out.dim() > declared else None
     if elementwise(module):
         return d if out.shape == a.shape else None
-    if is_conv(module):
+    if is_conv(module) or generic_rule(module):  # a conv's batch; the generic rule's rows are along dim 0 of both
         return 0 if d == 0 else None
     features = feature_dims(module, a)
     if features is not None and d < a.dim() - features and d < out.dim() - 1:
@@ -160,6 +227,18 @@ def view_dim(t, root, d: int) -> int | None:
         coord, offset = divmod(offset, s)
         if i == d and coord != 0:
             return None
+    return found
+
+
+_DECLARES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _declares(module) -> bool:
+    """Whether some module inside declares its own batch dim (batch_first): then the pass keeps its calls until
+    the first of them is met (_reroot). Asked once per model."""
+    found = _DECLARES.get(module)
+    if found is None:
+        found = _DECLARES[module] = any(declared_batch_dim(m) is not None for m in module.modules())
     return found
 
 

@@ -277,12 +277,19 @@ class Tracer:
         if outer:
             outer[-1].append(call)
         a = first_tensor(inputs) if inputs else first_tensor(kwargs)
-        if run.open == 0:
+        if call.recomputed:
+            pass  # a forward that backward reruns (checkpointing): its calls take the first forward's places (finish)
+        elif run.open == 0:
             samples.start(module, call, inputs, kwargs, a)
             if call.batch is not None:
                 run.batches[call.batch] += 1
         elif a is not None:
             samples.place(module, call, a)  # where its samples are: see per_sample
+            if samples.moved is not None:  # a module's batch_first moved the pass's batch dim: its size with it
+                old, new = samples.moved
+                samples.moved = None
+                run.batches[old] -= 1
+                run.batches[new] += 1
         if rec.generic and torch.is_grad_enabled() and run.generic.keep_call(module, call, inputs, kwargs):
             kept = call.inputs
             run.keep.on_generic_inputs(call, kept[0] if kept[0] else kept[1])
@@ -329,14 +336,14 @@ class Tracer:
                     self.run.keep.on_generic_inputs(call, kept)
         elif not inputs and kwargs and self.targets is None:  # keywords only, which no global pre-hook sees
             a = first_tensor(kwargs)
-            if a is not None:
+            if a is not None and not call.recomputed:
                 self.run.samples.place(module, call, a)
                 self._keep_input(rec, call, a)
         return call
 
     def _on_output(self, module, rec: ModuleRecord, call: Call, out: torch.Tensor, inputs, kwargs) -> None:
         call.output_shape = tuple(out.shape)
-        if call.sample_dim is not None or call.folded_from is not None and rec.keeps_rows:  # its output: a root
+        if not call.recomputed and (call.sample_dim is not None or call.folded_from is not None and rec.keeps_rows):
             self.run.samples.output(module, call, first_tensor(inputs) if inputs else first_tensor(kwargs), out)
         # A rerun of non-reentrant checkpointing builds a graph backward never runs: a reference to its output's
         # node would keep that graph's saved tensors (the activations checkpointing frees) until the step ends.

@@ -48,6 +48,15 @@ def elementwise(module: nn.Module) -> bool:
     return registry.spec_for(module) is None and registry.keeps_rows(module)
 
 
+def movable(module: nn.Module, d: int, a) -> bool:
+    """Whether the layer's rule takes its samples from dim d of its input a once moved to the front: d is 0, or
+    the rule is over tokens and d is none of its feature dims."""
+    if d == 0:
+        return True
+    features = feature_dims(module, a)
+    return features is not None and d < a.dim() - features
+
+
 def samples_first(call, module: nn.Module):
     """The call as its rule takes it: samples in dim 0 of a and δ. A call whose samples capture proved in another
     dim (call.sample_dim, capture/samples.py) gets a copy with that dim moved to the front, where the rule is over
@@ -56,10 +65,14 @@ def samples_first(call, module: nn.Module):
     d = call.sample_dim
     if not d or call.a is None or call.delta is None:
         return call
-    features = feature_dims(module, call.a)
-    if features is None or d >= call.a.dim() - features or d >= call.delta.dim():
+    if not movable(module, d, call.a) or d >= call.delta.dim():
         return None
     out = copy.copy(call)
     out.a, out.delta = call.a.movedim(d, 0), call.delta.movedim(d, 0)
     out.sample_dim = 0
     return out
+
+
+def generic_rule(module: nn.Module) -> bool:
+    """Whether the generic torch.func rule serves the module: it takes each sample as dim 0 of its input and output."""
+    return registry.is_generic(module)
