@@ -217,8 +217,9 @@ def test_an_empty_batch_gets_one_line(capture):
 
 
 def test_the_declared_batch_dim_is_checked_against_the_modules_own():
-    """A GRU(batch_first=False) inside: batch_dim=1 agrees with it (exact); batch_dim=0, or none (0 by default),
-    puts the samples in its dim 0: one line at the entry point, and a note naming it."""
+    """A GRU(batch_first=False) inside: batch_dim=1 agrees with it (exact), and so does no declaration (the GRU's
+    own settles the model input's: the pass is placed again under dim 1); batch_dim=0 puts the samples in its dim
+    0: one line at the entry point, and a note naming it."""
     torch.manual_seed(0)
 
     class Net(nn.Module):
@@ -231,9 +232,11 @@ def test_the_declared_batch_dim_is_checked_against_the_modules_own():
 
     model, x = Net(), torch.randn(2, 3, 3)
     ref = loop_reference(model, x, 1, ["inp.weight", "out.weight"])
-    t = trace_of(model, x, batch_dim=1)
-    close(t.per_sample_grads("inp"), ref["inp.weight"], "inp.weight")
-    close(t.per_sample_grads("out"), ref["out.weight"], "out.weight")
+    for declared in (1, None):
+        t = trace_of(model, x, batch_dim=declared)
+        assert t.layers["Net"].calls[0].sample_dim == 1
+        close(t.per_sample_grads("inp"), ref["inp.weight"], "inp.weight")
+        close(t.per_sample_grads("out"), ref["out.weight"], "out.weight")
     for declared in (0,):
         t = trace_of(model, x, batch_dim=declared)
         assert [n.layers for n in t.note_records if n.id == "batch_dim_contradicted"] == [("gru",)]
@@ -351,3 +354,30 @@ def test_positions_on_arange_stay_unbatched_and_exact_through_the_add():
     assert not t.per_sample_left_out
     close(t.per_sample_grads("pos"), ref["pos.weight"], "pos.weight")
     close(t.per_sample_grad_norms(), ref_norms(ref), "norms")
+
+
+def test_the_watch_follows_the_samples_of_its_first_input():
+    """hw.watch(per_sample=True) on a model that runs its middle layer time-major ((T, B, d) with T == B): that
+    layer's samples are proven in dim 1 and moved to the front; each step's largest per-sample norm and its sample
+    are a float64 loop's."""
+    from hookwidget.watch import watch
+
+    torch.manual_seed(0)
+
+    class Mid(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 5), nn.Linear(5, 5), nn.Linear(5, 2)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x)).transpose(0, 1)  # (T, B, 5)
+            return self.c(torch.tanh(self.b(h)).transpose(0, 1))
+
+    model, x = Mid(), torch.randn(3, 3, 4)
+    ref = loop_reference(model, x, 0, [n for n, _ in model.named_parameters()])
+    want = ref_norms(ref)
+    with watch(model, per_sample=True, flight_recorder=False) as w:
+        model(x).pow(2).sum().backward()
+    assert not any("per-sample norms leave out" in n for n in w.notes)
+    assert w.per_sample[0, 0].item() == pytest.approx(want.max().item(), rel=1e-5)
+    assert int(w.per_sample[0, 1]) == int(want.argmax())

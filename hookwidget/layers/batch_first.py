@@ -19,15 +19,22 @@ _BATCH_FIRST = (nn.RNNBase, nn.MultiheadAttention, nn.Transformer, nn.Transforme
 
 def declared_batch_dim(module: nn.Module) -> int | None:
     """The dim of its input (and first output) that the module declares holds the batch: 0 or 1 for the modules
-    taking batch_first; None for any other (its batch is where its input's is)."""
+    taking batch_first; None for any other, or where it cannot be read (its batch is where its input's is)."""
     if not isinstance(module, _BATCH_FIRST):
         return None
+    first = _batch_first(module)
+    return None if first is None else 0 if first else 1
+
+
+def _batch_first(module: nn.Module):
+    """batch_first as the module keeps it: its own (RNN, attention, Transformer), its attention's (a Transformer
+    layer), its first layer's (a Transformer stack); None where none is found."""
     first = getattr(module, "batch_first", None)
-    if first is None and isinstance(module, nn.TransformerEncoder):  # batch_first lives on its layers
-        first = getattr(module.layers[0], "batch_first", None) if len(module.layers) else None
-    if first is None and isinstance(module, (nn.Transformer, nn.TransformerDecoder)):
-        return None
-    return 0 if first else 1
+    if first is None and isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        first = getattr(getattr(module, "self_attn", None), "batch_first", None)
+    if first is None and isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) and len(module.layers):
+        first = _batch_first(module.layers[0])
+    return first if isinstance(first, bool) else None
 
 
 def feature_dims(module: nn.Module, a) -> int | None:
