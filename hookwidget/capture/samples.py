@@ -157,8 +157,8 @@ class Samples:
                                                "batch_dim": self.declared, "calls": len(self.contradicted)})
 
     def output(self, module, call: Call, a, out) -> None:
-        """A placed call's output becomes a root: where its samples are, proven through the graph, or declared
-        by the layer (what its rule assumes: leading dims kept by a token layer, dim 0 by a convolution)."""
+        """A placed call's output becomes a root: where its samples are, as the layer declares it (what its rule
+        assumes: leading dims kept by a token layer, dim 0 by a convolution), else proven through the graph."""
         if self.batch is None or (call.sample_dim is None and call.folded_from is None):
             return
         if out.grad_fn is None and out.requires_grad:
@@ -171,26 +171,46 @@ class Samples:
             if out.grad_fn is not None:
                 self.roots.nodes[(out.grad_fn, out.output_nr)] = 0
             return
-        d = self.dim_of(out)
+        d = _declared_output_dim(module, call.sample_dim, a, out)  # a layer's own: no walk (the hot path)
         if d is None:
-            d = _declared_output_dim(module, call.sample_dim, a, out)
+            d = self.dim_of(out)
         if d is not None and out.shape[d] == self.batch:
             self.roots.add(out, d)
 
 
 def _declared_output_dim(module, d: int, a, out) -> int | None:
     """The dim of the output holding the samples where the input's d does, from what the layer declares."""
-    declared = declared_batch_dim(module)
-    if declared is not None:
-        return declared if d == declared and out.dim() > declared else None
-    if elementwise(module):
+    kind, value = _layout(module)
+    if kind == "declared":
+        return value if d == value and out.dim() > value else None
+    if kind == "elementwise":
         return d if out.shape == a.shape else None
-    if is_conv(module) or generic_rule(module):  # a conv's batch; the generic rule's rows are along dim 0 of both
+    if kind == "batch0":  # a conv's batch; the generic rule's rows are along dim 0 of input and output
         return 0 if d == 0 else None
-    features = feature_dims(module, a)
-    if features is not None and d < a.dim() - features and d < out.dim() - 1:
-        return d
+    if kind == "tokens":  # value: its feature dims on float input; ids (an embedding's) have none
+        features = value if a.is_floating_point() or a.is_complex() else 0
+        return d if d < a.dim() - features and d < out.dim() - 1 else None
     return None
+
+
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layout(module) -> tuple:
+    """How the layer keeps its samples (declared_output_dim's cases), asked once per module: its calls are the
+    hot path."""
+    found = _LAYOUTS.get(module)
+    if found is None:
+        declared = declared_batch_dim(module)
+        found = (("declared", declared) if declared is not None else ("elementwise", None) if elementwise(module)
+                 else ("batch0", None) if is_conv(module) or generic_rule(module)
+                 else ("tokens", feature_dims(module, _FLOAT)) if feature_dims(module, _FLOAT) is not None
+                 else ("none", None))
+        _LAYOUTS[module] = found
+    return found
+
+
+_FLOAT = torch.empty(0)
 
 
 def view_dim(t, root, d: int) -> int | None:
