@@ -252,7 +252,7 @@ def _summed(parts: list) -> torch.Tensor:
 def _factors(module, calls: list) -> list:
     """The layer's factors over its calls as their samples saw them: a position table's per sample
     (_per_sample_call); a call on the B samples folded into rows ((B, T, d) viewed as (B·T, d), as capture proved:
-    folds.py) unfolded where the layer's rule is over tokens (OPT's MLP, MobileViT's patches), its factors' rows
+    samples.py) unfolded where the layer's rule is over tokens (OPT's MLP, MobileViT's patches), its factors' rows
     grouped per sample where it is not (LeViT's BatchNorm1d over B·T rows); analysis/batches.py does the same for
     capture="full". A folded call that cannot be either stays as it is: left out, and named (per_sample.left_out)."""
     if all(c.folded_from is None for c in calls):
