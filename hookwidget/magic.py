@@ -40,6 +40,8 @@ def _option_flags(func):
             kw.update(action="store_const", const=True)
         elif f.type == "float":
             kw.update(type=float, metavar=meta.get("metavar"))  # float("inf") parses "inf"
+        elif f.type == "int | None":
+            kw.update(type=int, metavar=meta.get("metavar"))
         else:
             kw.update(action="append", metavar=meta.get("metavar"))
         func = argument(flag, **kw)(func)

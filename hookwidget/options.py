@@ -36,6 +36,9 @@ class Options:
                                       "of up to 256 nodes)")
     show_hook_nodes: bool = _option(False, "show autograd's hook nodes (BackwardHookFunction) in the graph")
     backward_hooks: bool = _option(False, "also run full module backward hooks, to see grad_input")
+    batch_dim: int | None = _option(None, "the dim of the model's inputs that holds the samples (default: the "
+                                    "module's batch_first, else 0); each layer's is followed from there through "
+                                    "the graph", metavar="N")
     restore: tuple = _option((), "objects a rerun must put back that the code does not name: modules, optimizers, "
                              "LR schedulers, GradScalers", magic=False)
 
@@ -140,6 +143,15 @@ def _flag(name):
     return check
 
 
+def _batch_dim(value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"batch_dim={shown(value)} must be a dim index >= 0 of the model's inputs (or None: its "
+                         "batch_first, else 0), e.g. batch_dim=1 for time-major (T, B, ...) inputs")
+    return int(value)
+
+
 def _restore(value):
     items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
     for obj in items:
@@ -159,7 +171,7 @@ def _restorable(obj: Any) -> bool:
 
 _CHECKS = {"capture": _capture, "budget_mb": _budget_mb, "include": _globs("include"), "exclude": _globs("exclude"),
            "node_grads": _tristate("node_grads"), "show_hook_nodes": _flag("show_hook_nodes"),
-           "backward_hooks": _flag("backward_hooks"), "restore": _restore}
+           "backward_hooks": _flag("backward_hooks"), "batch_dim": _batch_dim, "restore": _restore}
 
 
 def shown(value, limit: int = 60) -> str:

@@ -120,7 +120,8 @@ class Session:
         return Tracer(self.modules, capture=opts.capture, budget_mb=opts.budget_mb, node_grads=opts.node_grads,
                       backward_hooks=opts.backward_hooks, layer_interventions=layer_ivs, node_interventions=node_ivs,
                       state=state, fast_captures=self.kept_by is None, eager=self.kept_by is None,
-                      wrappers=[m for m in self._related if isinstance(m, nn.Module) and is_compiled(m)])
+                      wrappers=[m for m in self._related if isinstance(m, nn.Module) and is_compiled(m)],
+                      batch_dim=opts.batch_dim)
 
     @contextmanager
     def recording(self, state: RunState | None = None):

@@ -58,7 +58,7 @@ def test_rows_folded_with_the_samples_interleaved_are_not_unfolded():
     t = hw.trace(lambda: m(x).pow(2).sum().backward(), m)
     left = t.per_sample_left_out
     assert {"l1.weight", "l1.bias", "l2.weight", "l2.bias"} == set(left)
-    assert "not the batch size" in left["l1.weight"]
+    assert "holds none of the 3 samples" in left["l1.weight"]
     torch.testing.assert_close(t.per_sample_grad_norms(), _reference(m, x, ("conv",)), rtol=1e-5, atol=1e-6)
 
 

@@ -52,17 +52,28 @@ class Blocks(nn.Module):
         return out
 
 
+def loop_sq(model, x, y) -> dict:
+    """Parameter name -> (B,) squared norms of each sample's gradient of it, from a loop of autograd."""
+    rows = {n: [] for n, _ in model.named_parameters()}
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        loss_of(model, x[i:i + 1], y[i:i + 1]).backward()
+        for n, p in model.named_parameters():
+            rows[n].append(p.grad.pow(2).sum())
+    return {n: torch.stack(v) for n, v in rows.items()}
+
+
 def loss_of(model, x, y):
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
 
 
-def loop_norms(model, x, y):
-    """Per-sample gradient norms from a loop of autograd over the samples."""
+def loop_norms(model, x, y, skip=()):
+    """Per-sample gradient norms from a loop of autograd over the samples (the parameters not in `skip`)."""
     out = []
     for i in range(x.shape[0]):
         model.zero_grad()
         loss_of(model, x[i:i + 1], y[i:i + 1]).backward()
-        out.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+        out.append(torch.cat([p.grad.flatten() for n, p in model.named_parameters() if n not in skip]).norm())
     return torch.stack(out)
 
 
@@ -82,8 +93,12 @@ def test_norms_under_checkpointing_equal_an_autograd_loop(reentrant):
         loss_of(model, x, y).backward()
 
     t = hw.trace(step, capture="norms")
-    assert t.per_sample_left_out == {}
-    torch.testing.assert_close(t.per_sample_grad_norms(), loop_norms(model, x, y), rtol=1e-5, atol=1e-7)
+    left = t.per_sample_left_out
+    if reentrant:  # its first forward runs without grad: gelu/tanh between layers leave no graph to prove samples by
+        assert left and all("holds none of the 4 samples" in why for why in left.values())
+    else:
+        assert left == {}
+    torch.testing.assert_close(t.per_sample_grad_norms(), loop_norms(model, x, y, skip=left), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -190,7 +205,7 @@ def test_the_watchs_per_sample_maximum_under_checkpointing(reentrant, shared):
         alive.append(sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.shape == (B, T, H)))
 
     for _ in range(3):  # the reference first: every backward pass inside the watch is a step of it
-        want.append(loop_norms(ref, x, y))
+        want.append(loop_sq(ref, x, y))
         ref_opt.zero_grad()
         loss_of(ref, x, y).backward()
         ref_opt.step()
@@ -200,11 +215,15 @@ def test_the_watchs_per_sample_maximum_under_checkpointing(reentrant, shared):
             opt.zero_grad()
             loss_of(model, x, y).backward()
             opt.step()
+    # reentrant: the layers whose samples no proof places (its first forward runs without grad) are left out, named
+    left = {w.layer_names[li] for li in w._ps.odd}
+    assert bool(left) == bool(reentrant) and (not left or any("per-sample norms leave out" in n for n in w.notes))
+    want = [torch.stack([v for n, v in sq.items() if n.rsplit(".", 1)[0] not in left]).sum(0).sqrt() for sq in want]
     ps = w.per_sample
     for k in range(3):
         assert ps[k, 0].item() == pytest.approx(want[k].max().item(), rel=1e-5)
         assert int(ps[k, 1]) == int(want[k].argmax())
-    assert not any("per_sample" in n for n in w.notes)
+    assert reentrant or not any("per_sample" in n for n in w.notes)
     if not reentrant:
         assert alive == [0, 0, 0]
 

@@ -203,7 +203,7 @@ def test_a_weight_two_f_linear_calls_share_goes_to_the_vmap_rule(monkeypatch):
     torch.manual_seed(0)
     attn = QVBiasAttention(twice=True)
     model = nn.ModuleDict({"attn": attn})
-    x = torch.randn(B, 5, 8)
+    x = torch.randn(B, 5, 8, requires_grad=True)  # x.flip(1) in the graph: proj's samples are proven through it
     t = traced(model, lambda: attn(x).pow(2).sum())
     close(t.per_sample_grad_norms(), norms_of(loop_reference(model, lambda i: attn(x[i:i + 1]).pow(2).sum())))
 

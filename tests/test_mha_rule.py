@@ -278,13 +278,13 @@ def test_capture_norms_takes_each_sample_delta_of_a_position_table_where_capture
     pos = torch.arange(6)
     bd = torch.randn(B, 6, 3)
     call = SimpleNamespace(a=pos, delta=bd.sum(0), bdelta=bd)
-    got = _per_sample_call(call)
+    got = _per_sample_call(call, emb)
     assert got.delta is bd and got.a.shape == (B, 6)
     norms = fx.per_sample_norm_sq(fx.factors(emb, [got])[0])
     ref = torch.stack([torch.zeros(6, 3).index_add_(0, pos, bd[b]).pow(2).sum() for b in range(B)])
     close(norms, ref)
-    assert _per_sample_call(SimpleNamespace(a=pos, delta=bd.sum(0) + 1, bdelta=bd)) is not None
-    assert _per_sample_call(SimpleNamespace(a=pos, delta=bd.sum(0) + 1, bdelta=bd)).delta.shape == (6, 3)
+    assert _per_sample_call(SimpleNamespace(a=pos, delta=bd.sum(0) + 1, bdelta=bd), emb) is not None
+    assert _per_sample_call(SimpleNamespace(a=pos, delta=bd.sum(0) + 1, bdelta=bd), emb).delta.shape == (6, 3)
 
 
 @pytest.mark.parametrize("capture", ["full", "norms"])
@@ -341,7 +341,7 @@ def test_a_models_own_parameters_added_to_the_batch(how, capture):
     indexes or reduces them, or adds them scaled, it is refused and the vmap rule answers, exactly."""
     torch.manual_seed(0)
     model = Tokens(how)
-    x = torch.randn(B, 3, 4)
+    x = torch.randn(B, 3, 4, requires_grad=True)  # in the graph: torch.cat of the raw data would hide its samples
     t = traced(model, lambda: model(x).pow(2).sum(), capture=capture)
     ref = loop_reference(model, lambda i: model(x[i:i + 1]).pow(2).sum())
     assert not t.per_sample_left_out, t.per_sample_left_out

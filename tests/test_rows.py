@@ -1,4 +1,5 @@
-"""hookwidget.capture.rows: proofs from the autograd graph that a tensor's rows hold the batch's samples sample-major.
+"""hookwidget.capture.rows: proofs from the autograd graph, back to the model's input (the root), that a tensor's
+rows hold the batch's samples sample-major.
 
 Each case builds a tensor from a batch of B samples and asks the proof; where it says yes, the claim itself is
 checked numerically: the Jacobian of the tensor with respect to the batch has no entry linking row r to any
@@ -40,7 +41,7 @@ def _samples_of_rows(y, x):
 
 def _check(make, x, expect: bool):
     out = make(x)
-    assert rows.sample_major(out.grad_fn, out.output_nr, x.shape[0]) is expect
+    assert rows.sample_major(out.grad_fn, out.output_nr, x.shape[0], rows.of(x)) is expect
     if expect:  # the proof's claim, by the Jacobian: row r depends on sample r // (n/B) alone
         k = out.shape[0] // x.shape[0]
         for r, samples in enumerate(_samples_of_rows(make, x)):
@@ -78,7 +79,7 @@ def test_rows_that_mix_or_reorder_samples_are_not_proven(case):
     }[case]
     out = make(x)
     if out.shape[0] % B == 0:
-        assert rows.sample_major(out.grad_fn, out.output_nr, B) is False
+        assert rows.sample_major(out.grad_fn, out.output_nr, B, rows.of(x)) is False
     # and the Jacobian agrees that some row depends on more than its own sample, or on another sample
     k = out.shape[0] // B if out.shape[0] % B == 0 else 1
     assert any(not s <= {r // k} for r, s in enumerate(_samples_of_rows(make, x)))
@@ -93,11 +94,14 @@ def test_a_parameter_or_a_broadcast_constant_holds_no_samples():
     _check(lambda inp: inp.reshape(B * P, N, C) + pos + table + rows_like_a_batch, x, True)
 
 
-def test_the_samples_themselves_need_no_walk_and_other_sizes_no_proof():
+def test_the_samples_come_from_a_root_and_other_sizes_no_proof():
     x = torch.randn(B, C, requires_grad=True)
     y = x * 2
-    assert rows.sample_major(y.grad_fn, 0, B)
-    assert not rows.sample_major(y.grad_fn, 0, B + 1)  # 3 rows are not a multiple of 4 samples
+    assert rows.sample_major(y.grad_fn, 0, B, rows.of(x))
+    assert not rows.sample_major(y.grad_fn, 0, B + 1, rows.of(x))  # 3 rows are not a multiple of 4 samples
+    other = torch.randn(B, C, requires_grad=True)  # B rows, but not the model's input: a size match proves nothing
+    assert not rows.sample_major((other * 2).grad_fn, 0, B, rows.of(x))
+    assert not rows.sample_major(y.grad_fn, 0, B, rows.of(x, 1))  # x's samples declared in its dim 1
 
 
 def test_a_norm_over_the_samples_dimension_mixes_them():
@@ -110,6 +114,6 @@ def test_a_norm_over_the_samples_dimension_mixes_them():
         return F.layer_norm(h, (B * P, C)).transpose(0, 1)  # back to (B·P, N, C)
 
     out = make(x)
-    assert rows.sample_major(out.grad_fn, out.output_nr, B) is False
+    assert rows.sample_major(out.grad_fn, out.output_nr, B, rows.of(x)) is False
     assert any(not s <= {r // P} for r, s in enumerate(_samples_of_rows(make, x)))
     _check(lambda inp: F.layer_norm(inp.reshape(B * P, N, C), (N, C)), x, True)  # over each row's own dims

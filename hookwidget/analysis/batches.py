@@ -1,5 +1,6 @@
 """Which rows of a call are samples: the batch size of each step, inputs folded from the batch, (1, ...) outputs
-added to a batch, and layers whose leading dimension is not the batch.
+added to a batch, calls whose samples capture proved in another dim than the first (moved to the front for the
+rule), and layers whose samples no proof places (left out, and named with what they received and the fix).
 
 Floor: analysis. Imports layers/ and analysis.facts.
 """
@@ -12,15 +13,19 @@ from collections import Counter, defaultdict
 from hookwidget._torch.layers import is_conv
 from hookwidget.analysis.facts import allclose_grad, own_trainable, owned_params, step_indices
 from hookwidget.layers import factors as fx
+from hookwidget.layers.batch_first import samples_first
+from hookwidget.record.notes import refusal
 
 
 def batched_call(trace, call, module=None):
     """The call as its samples saw it: a position table's (1, ...) output added to a batch gets each sample's δ
-    (call.bdelta) and its input repeated per sample; samples folded into rows are unfolded; any other call as
-    it is."""
+    (call.bdelta) and its input repeated per sample; samples folded into rows are unfolded; samples proven in
+    another dim are moved to the front (time-major (T, B, d) as (B, T, d)); any other call as it is."""
     bd = broadcast_delta(trace, call)
     if bd is None:
         B = _fold(trace, call, module)
+        if B is None and call.sample_dim and module is not None:
+            return samples_first(call, module) or call
         if B is None or not fx.spec_for(module).tokens:  # other folded layers: their factors' rows are grouped
             return call
         return fx.unfolded(call, B) or call
@@ -66,14 +71,19 @@ def _fold(trace, call, module) -> int | None:
 
 
 def _lead(trace, call, module=None) -> int | None:
-    """The leading dimension of the call's input as its samples saw it (see _batched)."""
+    """How many samples the call's input holds as its rule will see them (see batched_call): the size of the dim
+    capture proved to hold them, or of the rows they are folded into; None where no proof places them (a size
+    that matches the batch is not a proof)."""
     bd = broadcast_delta(trace, call) if call.bdelta is not None else None
     if bd is not None:
         return bd.shape[0]
     B = _fold(trace, call, module) if call.folded_from is not None else None
     if B is not None:
         return B
-    return call.a.shape[0] if call.a.dim() else None
+    d = call.sample_dim
+    if d is None or call.a is None or d and samples_first(call, module) is None:
+        return None
+    return call.a.shape[d]
 
 
 def step_batch_size(trace, k: int) -> int | None:
@@ -157,26 +167,49 @@ def model_batches(trace) -> dict:
 
 
 def _batch_of(lead: dict, model_batch: int | None) -> int | None:
-    """The batch size: the model's input's, where some layer sees it (a model that folds samples into rows,
-    as MobileViT's patches, has more layers at B·k than at B); else the leading dimension most layers share."""
-    if model_batch is not None and model_batch in lead.values():
-        return model_batch
-    counts = Counter(v for v in lead.values() if v is not None)
-    return counts.most_common(1)[0][0] if counts else None
+    """The batch size: the model's input's along its batch dim (the one every proof starts from)."""
+    return model_batch
 
 
 def _odd_ones(lead: dict, model_batch: int | None = None) -> dict:
-    batch = _batch_of(lead, model_batch)
-    if batch is None:
-        return {}
-    return {n: (b, batch) for n, b in lead.items() if b != batch}
+    return {n: (b, model_batch) for n, b in lead.items() if b is None or b != model_batch}
 
 
 def check_batched(trace, name: str, step: int | None) -> None:
+    """One line where the layer's samples are not placed in a selected step: what it received, and the fix."""
+    check_samples(trace, step)
     for k in step_indices(trace, step):
-        bad = unbatched(trace, k).get(name)
-        if bad:
-            raise ValueError(f"layer {name!r}: its input's leading dimension is {bad[0]}, not the batch size {bad[1]} "
-                             "(an embedding called on arange(T): its gradient is already summed over the batch; or "
-                             "samples folded into rows where the graph does not show each sample's rows kept "
-                             "together): its rows are not samples")
+        if name in unbatched(trace, k):
+            raise ValueError(f"layer {name!r}: {unplaced_reason(trace, name, k)}")
+
+
+def unplaced_reason(trace, name: str, k: int) -> str:
+    """Why no per-sample result of the layer in step k: what it received, and how to make its samples provable."""
+    layer = trace.layers[name]
+    call = next((c for c in layer.calls if c.step == k), None)
+    B = model_batches(trace).get(k)
+    shape = None if call is None else tuple(call.a.shape) if call.a is not None else call.in_shape
+    got = f"its input {shape}" if shape is not None else "its input"
+    if B is None:
+        return (f"{got}: the model's input has no batch dim to follow (an unbatched call); trace the model on a "
+                "batch, or name its batch dim: hw.trace(..., batch_dim=N)")
+    if call is not None and call.sample_dim is not None:
+        return (f"{got} holds the {B} samples in dim {call.sample_dim}, where its {type(layer.module).__name__} "
+                "rule needs them first; call it with the batch first")
+    return (f"{got} holds none of the {B} samples of the model's input in a proven dim (a matching size is no "
+            "proof): a table called on positions has its gradient summed over the batch already; to make it "
+            "provable, feed it the model's input through views or graph ops, or declare the input's batch dim: "
+            "hw.trace(..., batch_dim=N)")
+
+
+def check_samples(trace, step: int | None) -> None:
+    """One line where per-sample results have no meaning: a module's own batch_first contradicts the dim the
+    model input's samples reached it in (capture's note), or a selected step's batch holds no sample."""
+    bad = [n for n in trace.record.notes if n.id == "batch_dim_contradicted"]
+    if bad:
+        raise ValueError(refusal(bad, "per-sample gradients", ""))
+    batches = model_batches(trace)
+    for k in step_indices(trace, step):
+        if batches.get(k) == 0:
+            raise ValueError(f"step {k}: the model's batch is empty (0 samples along its batch dim): no per-sample "
+                             "gradient to give; trace a batch of at least one sample")

@@ -18,6 +18,7 @@ from hookwidget.analysis import batches, facts
 from hookwidget.analysis.facts import Refusal
 from hookwidget.layers import factors as fx
 from hookwidget.layers import generic
+from hookwidget.layers.batch_first import declared_batch_dim
 
 
 def generic_rows(trace, name: str, k: int) -> dict | Refusal:
@@ -37,6 +38,9 @@ def _generic_rows(trace, name: str, k: int) -> dict | Refusal:
     calls = [c for c in trace.layers[name].calls if c.step == k]
     if not calls:
         return Refusal(f"no backward reached it in step {k}")
+    misplaced = _misplaced(trace, name, module, calls)
+    if misplaced is not None:
+        return Refusal(misplaced)
     calls = [batches.batched_call(trace, c) for c in calls]
     why = next((generic.missing(c) for c in calls if generic.missing(c)), None)
     if why:
@@ -110,6 +114,22 @@ def _stated_counts(trace, k: int) -> Counter:
                             counts[found.n] += 1
         trace.facts[key] = counts
     return trace.facts[key]
+
+
+def _misplaced(trace, name: str, module, calls) -> str | None:
+    """Why the generic rule cannot take these calls' samples where it takes them (dim 0 of its input, or the
+    module's batch_first), or None: capture proved them elsewhere, or nowhere (a call whose (1, ...) output is
+    added to the batch gets each sample's δ instead: batches.broadcast_delta)."""
+    want = declared_batch_dim(module) or 0
+    for c in calls:
+        if c.sample_dim == want or c.sample_dim is None and c.in_shape is None or batches.broadcast_delta(trace, c) \
+                is not None:
+            continue
+        if c.sample_dim is None:
+            return batches.unplaced_reason(trace, name, c.step)
+        return (f"its input {c.in_shape} holds the samples in dim {c.sample_dim}, where the generic rule takes them "
+                f"in dim {want}")
+    return None
 
 
 def _check_rows(trace, name, module, calls, names, owned, B, k, rows) -> str | None:

@@ -17,7 +17,15 @@ from collections import defaultdict
 
 import torch
 
-from hookwidget.analysis.batches import _fold, batched_call, check_batched, unbatched, unbatched_by_step
+from hookwidget.analysis.batches import (
+    _fold,
+    batched_call,
+    check_batched,
+    check_samples,
+    unbatched,
+    unbatched_by_step,
+    unplaced_reason,
+)
 from hookwidget.analysis.facts import (
     Refusal,
     answering_holders,
@@ -112,6 +120,7 @@ def per_sample_grad(trace, name: str, param: str, step: int | None) -> torch.Ten
 def per_sample_norms(trace, name: str | None, step: int | None) -> torch.Tensor:
     """(N,) per-sample gradient norms, N the samples of every selected step, in order."""
     steps = step_indices(trace, step)
+    check_samples(trace, step)
     if name is None and trace.record.norms is not None:  # capture="norms": streamed, plus the generic rule's layers
         rows = []
         for k in steps:
@@ -279,9 +288,7 @@ def _layer_reason(trace, name: str, k: int, unbatched_names, norms_mode: bool) -
     if reason:
         return reason
     if name in unbatched_names:
-        return ("its input's leading dimension is not the batch size: a table called on positions (its gradient "
-                "is already summed over the batch), or samples folded into rows where the graph does not show "
-                "each sample's rows kept together")
+        return unplaced_reason(trace, name, k)
     if not fx.is_generic(module):
         if not norms_mode and any(c.a is None or c.delta is None for c in trace.layers[name].calls if c.step == k):
             return "its a or δ was not kept (capture='summary', or over budget_mb)"

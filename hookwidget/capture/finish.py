@@ -22,6 +22,10 @@ def drop_recomputed_calls(modules: dict, notes: list) -> None:
     for rec in modules.values():
         if any(c.recomputed for c in rec.calls):
             kept = [c for c in rec.calls if c.delta is not None or c.delta_summary is not None]
+            firsts = [c for c in rec.calls if not c.recomputed and all(c is not k for k in kept)]
+            for first, rerun in zip(firsts, [c for c in kept if c.recomputed]):  # in order: where its samples are
+                rerun.sample_dim, rerun.folded_from = first.sample_dim, first.folded_from
+                rerun.in_shape = first.in_shape
             if kept and len(kept) < len(rec.calls):
                 names.append(rec.module)
                 rec.calls[:] = kept

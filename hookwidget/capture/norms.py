@@ -26,6 +26,7 @@ from hookwidget._torch.modules import own_parameters
 from hookwidget._torch.tensors import version
 from hookwidget.layers import factors as fx
 from hookwidget.layers import generic, shared
+from hookwidget.layers.batch_first import samples_first
 
 
 class StreamingNorms:
@@ -61,6 +62,8 @@ class StreamingNorms:
         if call.recomputed:
             stand_in = next((c for c in calls if id(c) in self._no_grad), None)
             if stand_in is not None:
+                call.sample_dim, call.folded_from, call.in_shape = (stand_in.sample_dim, stand_in.folded_from,
+                                                                    stand_in.in_shape)  # where its samples are
                 self._no_grad.discard(id(stand_in))
                 self._waiting.discard(id(stand_in))
                 stand_in.a = None
@@ -142,6 +145,23 @@ class StreamingNorms:
     def _consume(self, module, calls, modules) -> None:
         if self._owners is None:
             self._owners = _owners(modules)
+        if any(c.a.numel() == 0 or c.delta.numel() == 0 for c in calls):
+            pass  # an empty batch has no rows to count (per_sample_norms says so in one line)
+        elif all(_placed(c, module) for c in calls):
+            self._count(module, calls, modules)
+        else:  # no proof says where its samples are: not counted, and named (per_sample.left_out)
+            self._left.append(module)
+        for c in calls:
+            c.a = c.delta = None
+            if c.bdelta is not None:
+                c.bdelta = None
+        left = self._pending(module)
+        if left:
+            self._open[module] = left
+        else:
+            self._open.pop(module, None)
+
+    def _count(self, module, calls, modules) -> None:
         x_gram = self._shared_gram(module, calls, modules)
         own = []
         for f in _factors(module, calls):
@@ -160,15 +180,6 @@ class StreamingNorms:
             own = [f for f in own if f is not w and f is not b]
         for f in own:
             self._add(module, fx.per_sample_norm_sq(f, x_gram if f.kind == "outer" else None))
-        for c in calls:
-            c.a = c.delta = None
-            if c.bdelta is not None:
-                c.bdelta = None
-        left = self._pending(module)
-        if left:
-            self._open[module] = left
-        else:
-            self._open.pop(module, None)
 
     def _head_part(self, module, p, f):
         """`f` reduced to a shared.HeadPart where it is the first of two contributions to `p`: an LM head's, the
@@ -181,7 +192,7 @@ class StreamingNorms:
                 continue
             pending = self._pending(m)
             if (len(pending) != 1 or pending[0].a is None or pending[0].delta is not None
-                    or pending[0].folded_from is not None):
+                    or pending[0].folded_from is not None or pending[0].sample_dim):
                 return None
             return shared.head_part(f, m, pending[0].a)
         return None
@@ -219,13 +230,13 @@ class StreamingNorms:
         self._layers.setdefault(b, []).append(module)
 
     def _step_result(self, model_batch: int | None):
-        """(B,) squared norms for the model's batch size (else the one most layers agree on), and the modules
-        left out because their inputs had another leading dimension (a position table, samples folded into rows)."""
-        if not self._sq:
-            return None, []
-        batch = model_batch if model_batch in self._layers else max(self._layers, key=lambda b: len(self._layers[b]))
-        left_out = [m for b, ms in self._layers.items() if b != batch for m in ms] + self._left
-        return _summed(self._sq[batch]), left_out
+        """(B,) squared norms for the model's batch size (its input's along the batch dim, where every proof starts),
+        and the modules left out: those whose samples no proof placed (a position table, rows folded another way),
+        and any whose rows are not the batch's."""
+        if not self._sq or model_batch not in self._sq:
+            return None, [m for ms in self._layers.values() for m in ms] + self._left
+        left_out = [m for b, ms in self._layers.items() if b != model_batch for m in ms] + self._left
+        return _summed(self._sq[model_batch]), left_out
 
     def result(self) -> list:
         """Per step: (squared norms or None, modules left out)."""
@@ -241,13 +252,13 @@ def _summed(parts: list) -> torch.Tensor:
 def _factors(module, calls: list) -> list:
     """The layer's factors over its calls as their samples saw them: a position table's per sample
     (_per_sample_call); a call on the B samples folded into rows ((B, T, d) viewed as (B·T, d), as capture proved:
-    folds.py) unfolded where the layer's rule is over tokens (OPT's MLP, MobileViT's patches), its factors' rows
+    samples.py) unfolded where the layer's rule is over tokens (OPT's MLP, MobileViT's patches), its factors' rows
     grouped per sample where it is not (LeViT's BatchNorm1d over B·T rows); analysis/batches.py does the same for
     capture="full". A folded call that cannot be either stays as it is: left out, and named (per_sample.left_out)."""
     if all(c.folded_from is None for c in calls):
-        return fx.factors(module, [_per_sample_call(c) for c in calls])
+        return fx.factors(module, [_per_sample_call(c, module) for c in calls])
     if fx.spec_for(module).tokens:
-        return fx.factors(module, [_per_sample_call(c) if c.folded_from is None or c.bdelta is not None
+        return fx.factors(module, [_per_sample_call(c, module) if c.folded_from is None or c.bdelta is not None
                                    else fx.unfolded(c, c.folded_from) or c for c in calls])
     per_call = []
     for c in calls:
@@ -261,14 +272,23 @@ def _factors(module, calls: list) -> list:
     return fx.merge_calls(per_call)
 
 
-def _per_sample_call(call):
+def _placed(call, module) -> bool:
+    """Whether the call's samples are where its rule can take them: each sample's δ of a position table, rows
+    folded sample-major, or a dim capture proved (moved to the front where it is not there: samples_first)."""
+    if call.folded_from is not None or _per_sample_call(call, module) is not call:
+        return True
+    return call.sample_dim is not None and samples_first(call, module) is not None
+
+
+def _per_sample_call(call, module):
     """A position table's call whose (1, ...) or (T, d) output was added to the batch: each sample's δ is the
     gradient that arrived at that add (call.bdelta, kept where capture hooks the add), exact where autograd's sum
-    of it over the samples is the call's δ; its input is then the same for every sample. Any other call as it is
+    of it over the samples is the call's δ; its input is then the same for every sample. A call whose samples are
+    in another dim than the first, with that dim moved to the front (samples_first). Any other call as it is
     (per_sample.batched_call does the same for capture="full")."""
     bd = call.bdelta
     if bd is None or call.delta is None or call.a is None:
-        return call
+        return samples_first(call, module) or call if call.sample_dim else call
     summed = bd.sum(0, keepdim=bd.dim() == call.delta.dim())
     if summed.shape != call.delta.shape or not torch.allclose(
             summed, call.delta, rtol=1e-4, atol=1e-5 * float(call.delta.abs().max()) + 1e-12):

@@ -17,11 +17,11 @@ from hookwidget._torch.tensors import versions
 from hookwidget.capture import finish
 from hookwidget.capture import keep as keep_mod
 from hookwidget.capture.budget import Budget
-from hookwidget.capture.folds import Folds
 from hookwidget.capture.generic import GenericCapture
 from hookwidget.capture.grads import GradCopies
 from hookwidget.capture.handles import Hooks
 from hookwidget.capture.nodes import NodeNorms
+from hookwidget.capture.samples import Samples
 from hookwidget.capture.tensors import own, slot_get
 from hookwidget.record.calls import Records, StepRecord
 
@@ -29,11 +29,11 @@ from hookwidget.record.calls import Records, StepRecord
 class Recording:
     """The state one recording fills (the tracer's hooks read and write it; see tracer.py).
 
-    options: (capture, budget_mb, norms_rule, node_grads, node_interventions, fast_captures) as the tracer was
-    given them."""
+    options: (capture, budget_mb, norms_rule, node_grads, node_interventions, fast_captures, batch_dim) as the
+    tracer was given them."""
 
     def __init__(self, options: tuple):
-        capture, budget_mb, norms_rule, node_grads, node_interventions, fast_captures = options
+        capture, budget_mb, norms_rule, node_grads, node_interventions, fast_captures, batch_dim = options
         self.budget = Budget(budget_mb)
         self.keep = keep_mod.make(capture, self.budget, norms_rule)
         self.hooks = Hooks()
@@ -44,7 +44,7 @@ class Recording:
         self.graph = NodeNorms(node_grads if self.keep.node_grads else False, node_interventions, self.hooks,
                                self.notes)
         self.generic = GenericCapture(self.hooks, self.budget, fast_captures)
-        self.folds = Folds()
+        self.samples = Samples(batch_dim)  # where each call's samples are (proven, or declared)
         self.batches = Counter()  # this step's outermost calls: their inputs' leading dimensions (Call.batch)
         self.modules: dict = {}  # module -> ModuleRecord
         self.steps: list[StepRecord] = []
@@ -95,7 +95,7 @@ class Recording:
         makes it the record's own, then derives the node norms: a step the flight recorder drops needs neither)."""
         if self._held is not None or not self.keep.records:
             return
-        self.folds.clear()  # it holds the last forward pass's graph nodes
+        self.samples.clear()  # it holds the last forward pass's tensors and graph nodes
         walk = self.graph.walk
         if not self.steps:  # forward only: show the graph that backward would have walked
             walk.extend(finish.outermost_outputs(self.modules.values()))
@@ -129,6 +129,9 @@ class Recording:
                                                 used_grad=self.used_grad, create_graph=self.create_graph,
                                                 passes_summed=self.passes_summed, unseen=self.unseen)
         self.notes += more
+        contradicted = self.samples.contradiction()
+        if contradicted is not None:
+            self.notes.append(contradicted)
         return Records(self.modules, self.graph.walk, self.steps, self._grads_unchanged, self.notes, self.used_grad,
                        no_factors, answers)
 

@@ -10,21 +10,26 @@ from torch import nn
 
 from hookwidget._torch.autograd import checkpoint_frame
 from hookwidget._torch.tensors import version
+from hookwidget.capture.samples import Samples
 from hookwidget.capture.stat_rows import F64, NAN
+from hookwidget.layers.batch_first import movable
 
 
 class _Call:
     """One forward call of a layer, as the per-sample rules read it (a, δ, the layer's state then)."""
 
-    __slots__ = ("a", "delta", "state", "version")
+    __slots__ = ("a", "delta", "state", "version", "sample_dim", "folded_from", "in_shape")
 
     def __init__(self, a: torch.Tensor | None, state):
         self.a, self.delta, self.state = None, None, state
+        self.sample_dim = self.folded_from = self.in_shape = None  # where its samples are (capture/samples.py)
         if a is not None:
             self.take(a)
 
     def take(self, a: torch.Tensor) -> None:
         self.a, self.version = a.detach(), version(a)
+        if self.sample_dim:
+            self.a = self.a.movedim(self.sample_dim, 0)
 
 
 class PerSample:
@@ -63,16 +68,32 @@ class PerSample:
                     self.eligible.discard(li)
                     left.append(f"{layer_names[li]} (a parameter shared with a layer left out)")
         self.layers, self.layer_names, self.odd = layers, layer_names, set()
+        self.samples = Samples()  # where each call's samples are, proven from the first watched call's input
         self.partial_reruns: set = set()  # layers reentrant checkpointing reran after their norms were taken
         self.note = (f"hw.watch(per_sample=True): per-sample norms leave out {', '.join(left[:6])}"
                      f"{' ...' if len(left) > 6 else ''}") if left else None
 
-    def forward(self, step, li: int, module, a: torch.Tensor, rerun: bool = False):
-        """A call of layer li read a: its _Call (None where the layer is left out). rerun: a call reentrant
-        checkpointing reruns in backward (its first forward, without grad, went unseen)."""
+    def forward(self, step, li: int, module, a: torch.Tensor, rerun: bool = False, out=None):
+        """A call of layer li read a (and gave out): its _Call (None where the layer is left out). rerun: a call
+        reentrant checkpointing reruns in backward (its first forward, without grad, went unseen: its samples are
+        taken where the first forward's were, dim 0). The first watched call of a step reads the model's input:
+        its dim 0 holds the samples; every other call's are followed from there (capture/samples.py), never
+        taken from a size that matches."""
         if step.ps_batch is None and a is not None and a.dim() > 0:
-            step.ps_batch = a.shape[0]  # the first watched call reads the model's input: its batch
-        if li not in self.eligible or a is None or a.dim() == 0:
+            step.ps_batch = self.samples.root(a)
+        if a is None or a.dim() == 0 or li not in self.eligible and rerun:
+            return None
+        call = _Call(None, None)
+        if not rerun:
+            self.samples.place(module, call, a)
+            if out is not None:
+                self.samples.output(module, call, a, out)
+            if li in self.eligible and (call.sample_dim is None or not movable(module, call.sample_dim, a)):
+                left = self.group.get(li, (li,))  # and the layers it shares a parameter with: it would be partial
+                self.odd.update(left)  # no proof places its samples where its rule takes them: left out, named
+                step.ps_odd.update(left)
+                return None
+        if li not in self.eligible:
             return None
         if rerun and li in step.ps_done:  # its norms were taken without this call: the step's are not known
             step.ps_bad = True
@@ -80,7 +101,9 @@ class PerSample:
             return None
         where = checkpoint_frame()  # non-reentrant checkpointing reruns this forward: its input comes again then
         awaits = where is not None and where[0] == "forward"
-        call = _Call(None if awaits else a, self.fx.forward_state(module))
+        call.state = self.fx.forward_state(module)
+        if not awaits:
+            call.take(a)
         step.ps_calls.setdefault(li, []).append(call)
         if awaits:
             step.ps_awaiting.setdefault((li, id(where[1])), deque()).append(call)
@@ -100,6 +123,8 @@ class PerSample:
     def delta(self, step, li: int, call, grad: torch.Tensor) -> None:
         """δ of that call arrived (under the watch's lock)."""
         call.delta = grad.detach()
+        if call.sample_dim:  # samples proven in another dim: moved to the front for the rule, a and δ alike
+            call.delta = call.delta.movedim(call.sample_dim, 0)
         self._ready(step, li)
 
     def _ready(self, step, li: int) -> None:
@@ -152,6 +177,7 @@ class PerSample:
                 self._reduce(step, got, parts)
         for li in list(step.ps_parts):  # a tied head whose embedding's call got no δ: its own contribution
             self._reduce(step, {}, {li: step.ps_parts.pop(li)})
+        self.samples.clear()  # the step's tensors and graph nodes go with it
         sq = step.ps_sq.get(step.ps_batch)
         if sq is None or step.ps_bad:
             return torch.full((2,), NAN, dtype=F64, device=dev)
@@ -163,8 +189,9 @@ class PerSample:
         out = []
         if self.odd:
             names = ", ".join(self.layer_names[li] for li in sorted(self.odd))
-            out.append(f"hw.watch(per_sample=True): per-sample norms leave out {names}: the leading dimension of its "
-                       "input is not the batch's (the leading dimension of the first watched layer's input)")
+            out.append(f"hw.watch(per_sample=True): per-sample norms leave out {names}: no proof places the samples "
+                       "of the first watched layer's input (its dim 0) where its rule takes them (a table called on "
+                       "positions, a copy of the data, rows folded); hw.trace(..., batch_dim=N) shows each layer's")
         if self.partial_reruns:
             names = ", ".join(self.layer_names[li] for li in sorted(self.partial_reruns))
             out.append(f"hw.watch(per_sample=True): per-sample norms are NaN (not known) in steps where reentrant "
@@ -178,7 +205,9 @@ class PerSample:
         _head_part), added to the step's; their a and δ let go."""
         every = [c for cs in calls.values() for c in cs]
         step.ps_done.update(calls)
-        if any(version(c.a) != c.version for c in every):
+        if step.ps_odd.intersection(calls) or step.ps_odd.intersection(parts or ()):
+            pass  # a layer of the group was left out at its call (forward): none of them is counted
+        elif any(version(c.a) != c.version for c in every):
             step.ps_bad = True  # an input changed in place after the layer read it: not known this step
         else:
             with torch.no_grad():

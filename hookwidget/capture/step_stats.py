@@ -73,6 +73,7 @@ class Step:
         self.ps_parts: dict = {}  # per_sample=True: tied heads reduced before their embedding's δ (PerSample)
         self.ps_awaiting: dict = {}  # per_sample=True: checkpointed calls awaiting their rerun's input (PerSample)
         self.ps_done: set = set()  # per_sample=True: layers whose norms this step were taken (PerSample)
+        self.ps_odd: set = set()  # per_sample=True: layers left out this step, no proof placing their samples
         self.ps = None  # [largest per-sample gradient norm, its sample], when backward ends
 
 
@@ -112,7 +113,7 @@ class StatsKeep(Keep):
             return None
         a = first_tensor(inputs)
         li = self.layer_of[module]
-        call = self.ps.forward(cur, li, module, a) if self.ps is not None else None
+        call = self.ps.forward(cur, li, module, a, out=out) if self.ps is not None else None
         return li, reduce_input(a) if a is not None else None, cur.calls, call
 
     def on_recompute(self, module, inputs, out):

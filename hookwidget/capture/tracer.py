@@ -9,7 +9,7 @@ nodes); when it ends, the .grad it left is copied, so nothing done later changes
 
 What a call keeps is its keep strategy's choice (keep.py: full, summary, norms; the watch's "stats",
 step_stats.py, streams and records nothing), within the trace's memory budget (budget.py); what the
-generic rule needs beyond (a, δ) is generic.py's, folded rows folds.py's, the .grad copies grads.py's,
+generic rule needs beyond (a, δ) is generic.py's, where the samples are samples.py's, the .grad copies grads.py's,
 and what is done to the record when the trace ends finish.py's. What the hooks fill belongs to a
 Recording (recording.py): one per trace, or one per step where the flight recorder cuts the tracer. The
 tracer hooks every call the same way and asks them.
@@ -66,13 +66,16 @@ class Tracer:
     the watch keeps it compiled). A torch.compile wrapper is never a layer: a target is the model it wraps, and a
     wrapper's own call is skipped (its model's call is the layer), so layers are named as in the eager model.
     wrappers: torch.compile wrappers the code reads by name; with targets given no hook sees their calls, so
-    their note (ran eagerly, or could not) is written from this list."""
+    their note (ran eagerly, or could not) is written from this list.
+    batch_dim: the dim of the model's inputs holding the samples, as the user declared it (None: the module's
+    batch_first, else 0; samples.py)."""
 
     def __init__(self, modules=None, capture: str = keep_mod.FULL, budget_mb: float = DEFAULT_BUDGET_MB,
                  layer_interventions=None, node_interventions=None, node_grads: bool | None = None, norms_rule=None,
                  backward_hooks: bool = False, state=None, fast_captures: bool = True, eager: bool = False,
-                 wrappers=()):
-        self._options = capture, budget_mb, norms_rule, node_grads, node_interventions or {}, fast_captures
+                 wrappers=(), batch_dim: int | None = None):
+        self._options = (capture, budget_mb, norms_rule, node_grads, node_interventions or {}, fast_captures,
+                         batch_dim)
         given = module_list(modules)
         self._compiled_targets = [m for m in [*(given or ()), *(wrappers if given else ())] if is_compiled(m)]
         self.targets = None if given is None else [uncompiled(m) for m in given]
@@ -277,9 +280,8 @@ class Tracer:
         call = Call(len(rec.calls), seq_start=_next_sequence_nr())
         call.recomputed = _current_node() is not None  # forward rerun by backward: checkpointing
         rec.calls.append(call)
-        outer, folds = run.outer, run.folds
+        outer, samples = run.outer, run.samples
         if run.open == 0:  # an outermost call: a new forward pass
-            folds.new_pass()
             outer.append([])
             if len(outer) > OUTER_CALLS_KEPT:  # no backward came for the oldest: let its graph go
                 for c in outer.popleft():
@@ -287,19 +289,24 @@ class Tracer:
         if outer:
             outer[-1].append(call)
         a = first_tensor(inputs) if inputs else first_tensor(kwargs)
-        if run.open == 0:
-            folds.batch = a.shape[0] if a is not None and a.dim() else None
-            if folds.batch is not None:
-                call.batch = folds.batch
+        if call.recomputed:
+            pass  # a forward that backward reruns (checkpointing): its calls take the first forward's places (finish)
+        elif run.open == 0:
+            samples.start(module, call, inputs, kwargs, a)
+            if call.batch is not None:
                 run.batches[call.batch] += 1
+        elif a is not None:
+            samples.place(module, call, a)  # where its samples are: see per_sample
+            if samples.moved is not None:  # a module's batch_first moved the pass's batch dim: its size with it
+                old, new = samples.moved
+                samples.moved = None
+                run.batches[old] -= 1
+                run.batches[new] += 1
         if rec.generic and torch.is_grad_enabled() and run.generic.keep_call(module, call, inputs, kwargs):
             kept = call.inputs
             run.keep.on_generic_inputs(call, kept[0] if kept[0] else kept[1])
             return call
         if a is not None:
-            node = a.grad_fn
-            if node is not None and folds.may_be_folded(a):  # samples may be folded into rows: see per_sample
-                folds.note(call, a, node)
             self._keep_input(rec, call, a)
         return call
 
@@ -321,7 +328,7 @@ class Tracer:
         replaced = intervene(self.run.hooks, ivs[module], module, inputs, output, out) if module in ivs else None
         call.seq_end = _next_sequence_nr()
         if out is not None:
-            self._on_output(module, rec, call, out)
+            self._on_output(module, rec, call, out, inputs, kwargs)
         if out is None or not out.requires_grad:
             self.run.keep.on_no_delta(rec, call)
         if rec.generic and call.inputs is not None:
@@ -343,14 +350,15 @@ class Tracer:
                     self.run.keep.on_generic_inputs(call, kept)
         elif not inputs and kwargs and self.targets is None:  # keywords only, which no global pre-hook sees
             a = first_tensor(kwargs)
-            if a is not None:
+            if a is not None and not call.recomputed:
+                self.run.samples.place(module, call, a)
                 self._keep_input(rec, call, a)
         return call
 
-    def _on_output(self, module, rec: ModuleRecord, call: Call, out: torch.Tensor) -> None:
+    def _on_output(self, module, rec: ModuleRecord, call: Call, out: torch.Tensor, inputs, kwargs) -> None:
         call.output_shape = tuple(out.shape)
-        if call.folded_from is not None and rec.keeps_rows:
-            self.run.folds.output(call, out)
+        if not call.recomputed and (call.sample_dim is not None or call.folded_from is not None and rec.keeps_rows):
+            self.run.samples.output(module, call, first_tensor(inputs) if inputs else first_tensor(kwargs), out)
         # A rerun of non-reentrant checkpointing builds a graph backward never runs: a reference to its output's
         # node would keep that graph's saved tensors (the activations checkpointing frees) until the step ends.
         node = call.out_node = None if call.recomputed and checkpoint_frame() is not None else out.grad_fn

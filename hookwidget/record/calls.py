@@ -29,7 +29,9 @@ class Call:
     step: int | None = None  # the backward pass (step) that brought this call its δ; None: no gradient reached it
     join_rows: dict | None = field(default=None, repr=False)  # a model's own (1, ...) parameter -> per-sample rows
     folded_from: int | None = None  # its input is a view of a tensor of this leading dimension ((B, T, d) as (B·T, d))
-    batch: int | None = None  # an outermost call (the model's): its first input's leading dimension, the batch size
+    batch: int | None = None  # an outermost call (the model's): its first input's size along the batch dim
+    sample_dim: int | None = None  # the dim of `a` proven to hold the samples, one each (capture/samples.py)
+    in_shape: tuple | None = field(default=None, repr=False)  # a's shape, for a note where a is not kept
     seq_start: int = field(default=0, repr=False)  # autograd sequence numbers created during the call
     seq_end: int = field(default=0, repr=False)
     out_node: Any = field(default=None, repr=False)  # the output's grad_fn, until the trace ends

@@ -106,6 +106,11 @@ TEXT: dict[str, str | Callable[..., str]] = {
     "held_written": lambda count, layers=(), **_: (
         f"{count} tensors this step held by reference (an input, a δ) were written in place before the step was "
         f"kept (a .grad clipped or zeroed in place, a batch buffer reused): left out, in {_few(layers) or 'no layer'}"),
+    "batch_dim_contradicted": lambda layers, proven, declared, batch_dim, **_: (
+        f"{_few(layers) or 'a module'} declares its batch in dim {declared} (batch_first={declared == 0}), but the "
+        f"samples of the model's input (its batch dim {0 if batch_dim is None else batch_dim}"
+        f"{', the default' if batch_dim is None else ''}) reach it in dim {proven}: per-sample gradients are "
+        "refused; declare where the model's input holds them, e.g. hw.trace(..., batch_dim=N)"),
     "checkpoint_recomputed": lambda module_types, **_: (
         "torch.utils.checkpoint reran forward during backward for: " + ", ".join(module_types)
         + "; only their calls that received a gradient are kept"),
@@ -136,6 +141,10 @@ REFUSAL: dict[str, str | Callable[..., str]] = {
     "script_module": "{count} parameters inside TorchScript: trace the module before torch.jit.script",
     "torch_func": "{count} parameters reached inside torch.func transforms: trace a plain forward and backward",
     "no_grads": "the code ran no backward: call loss.backward() inside the trace",
+    "batch_dim_contradicted": lambda layers, proven, declared, batch_dim, **_: (
+        f"the model input's batch dim{'' if batch_dim is None else f' {batch_dim}'} puts the samples in dim {proven} "
+        f"of {_few(layers) or 'a module'}, whose batch_first says dim {declared}: declare it, e.g. "
+        "hw.trace(..., batch_dim=N)"),
     "filters_matched_none": lambda given, **_: _filters(given),
     "backward_unseen": ("a backward pass ran unseen (torch.autograd.grad bound before the trace?): call "
                         "torch.autograd.grad(...) in the code"),

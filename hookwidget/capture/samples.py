@@ -1,0 +1,268 @@
+"""Where each call's samples are: the batch dimension of its input, proven (rows.py), for per_sample's rules.
+
+A forward pass starts at an outermost call. Its tensor inputs hold the samples along the batch dimension: the one
+the user declared (hw.trace(batch_dim=...)), else the one the module declares (batch_first=False: 1), else 0 (the
+convention of torch's layers); they are the pass's roots. Every call's input is then placed, never by its sizes
+alone: a root itself, a view of the batch's data (same storage, the batch's stride: view_dim), or proven through
+the autograd graph back to the roots (rows.sample_dim: call.sample_dim); its rows may hold the samples folded
+sample-major instead (rows.sample_major: call.folded_from). A placed call's output becomes a root too: proven
+through the graph where its input reaches it, else by what the layer declares (a token layer, Linear or Embedding,
+keeps its input's leading dims; a convolution its batch; an RNN or attention its batch_first). Proofs share one
+memo per forward pass (the graph does not change under them), so each node is visited once per dimension.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from hookwidget._torch.layers import is_conv
+from hookwidget.capture import rows
+from hookwidget.layers.batch_first import declared_batch_dim, elementwise, feature_dims, generic_rule
+from hookwidget.record.calls import Call
+from hookwidget.record.notes import Note
+
+
+class Samples:
+    """What one forward pass has shown of where its samples are: its batch, its roots, rows.py's memo."""
+
+    def __init__(self, batch_dim: int | None = None):
+        self.declared = batch_dim  # hw.trace(batch_dim=...): the model inputs' batch dimension, or None
+        self.batch = None  # the batch size of the running forward pass (its outermost call's input)
+        self.roots = rows.Roots()
+        self._proofs: dict = {}
+        self.contradicted: list = []  # (module, the dim its input's samples were proven in, the dim it declares)
+        self.dim = None  # the model input's batch dim in the running pass
+        self.moved = None  # (old, new) batch size where a module's batch_first moved the pass's batch dim (_reroot)
+        self._start = None  # the outermost call as it started: (call, args, kwargs, a)
+        self._pass = None  # [module, call, input, output] of the pass's calls, where a module may move the batch dim
+
+    def clear(self) -> None:
+        """A new forward pass, or the trace ends: the roots and the memo hold the last pass's tensors and nodes."""
+        self.roots.clear()
+        self._proofs.clear()
+        self._start = self._pass = None
+
+    def start(self, module, call: Call, args, kwargs, a) -> None:
+        """An outermost call: its inputs are the pass's roots along the batch dimension (call.batch: its size)."""
+        self.clear()
+        self.batch = None
+        if a is None or not a.dim():
+            return
+        own = declared_batch_dim(module)
+        d = self.declared if self.declared is not None else own or 0
+        self._pass = None
+        if d >= a.dim():
+            return  # no batch dimension in this input (an unbatched call): nothing is placed
+        self._seed(call, args, kwargs, a, d)
+        if self.declared is None and own is None and _declares(module):
+            self._start, self._pass = (call, args, kwargs, a), []
+
+    def _seed(self, call: Call, args, kwargs, a, d: int) -> None:
+        self.batch, self.dim = a.shape[d], d
+        call.batch, call.sample_dim = self.batch, d
+        for t in _tensors(args, kwargs):
+            if t.dim() > d and t.shape[d] == self.batch:
+                self.roots.add(t, d)
+
+    def root(self, a, d: int = 0) -> int | None:
+        """A new pass whose samples are a's along d (the watch: its first watched call reads the model's input);
+        its batch size, or None where a has no dim d."""
+        self.clear()
+        self.batch = a.shape[d] if a.dim() > d else None
+        if self.batch is not None:
+            self.roots.add(a, d)
+        return self.batch
+
+    def place(self, module, call: Call, a) -> None:
+        """call.sample_dim: the proven dim of the call's input that holds the samples; else call.folded_from."""
+        B = self.batch
+        if B is None or a is None or not a.dim():
+            return
+        call.in_shape = tuple(a.shape)
+        if self._pass is not None:
+            self._pass.append([module, call, a, None])
+        d = self.dim_of(a)
+        if d is not None:
+            call.sample_dim = d
+            declared = declared_batch_dim(module)
+            if declared is not None and declared != d and B > 1 and not self._reroot(a, declared):
+                self.contradicted.append((module, d, declared))
+            if declared is not None:
+                self._pass = None  # the first module to declare its batch dim settled the pass's: no more kept
+            return
+        self._fold(call, a)
+
+    def _fold(self, call: Call, a) -> None:
+        B = self.batch
+        if a.grad_fn is not None and a.shape[0] != B and a.shape[0] % B == 0 and \
+                rows.sample_major(a.grad_fn, a.output_nr, B, self.roots, self._proofs):
+            call.folded_from = B
+
+    def _reroot(self, a, declared: int) -> bool:
+        """Without a declaration (the user's, the outermost module's), the model input's batch dim is the one under
+        which every module's own batch_first holds: 0 first; where a module's input has its samples elsewhere, the
+        one other dim of the model's input that puts them in the module's declared dim, every call of the pass
+        placed again under it. False (a contradiction) where no dim, or more than one, does."""
+        if self._pass is None:
+            return False
+        outer, args, kwargs, a0 = self._start
+        found = []
+        for r in range(a0.dim()):
+            if r == self.dim or a0.shape[r] < 2:
+                continue
+            trial = Samples(r)
+            trial._seed(Call(0), args, kwargs, a0, r)
+            for module, _, x, out in self._pass:
+                probe = Call(0)
+                trial.place(module, probe, x)
+                if out is not None:
+                    trial.output(module, probe, x, out)
+            if trial.dim_of(a) == declared:
+                found.append(trial)
+        if len(found) != 1:
+            return False
+        trial, old, calls = found[0], self.batch, self._pass
+        self._pass = None  # placed again below without a second look
+        self.roots, self._proofs, self.batch, self.dim = trial.roots, trial._proofs, trial.batch, trial.dim
+        outer.batch, outer.sample_dim = trial.batch, trial.dim
+        for module, call, x, _ in calls:
+            call.sample_dim = call.folded_from = None
+            self.place(module, call, x)
+        self.moved = (old, self.batch)
+        return True
+
+    def dim_of(self, t) -> int | None:
+        """The proven dim of t whose index i holds sample i alone, or None."""
+        B = self.batch
+        d = self.roots.tensor_dim(t)
+        if d is not None:
+            pass
+        elif t.grad_fn is not None:
+            d = self.roots.node_dim(t.grad_fn, t.output_nr)
+            d = d if d is not None else rows.sample_dim(t.grad_fn, t.output_nr, B, self.roots, self._proofs)
+        elif not t.requires_grad:
+            d = next((v for r, dd in self.roots.data_roots() if (v := view_dim(t, r, dd)) is not None), None)
+        if d is None and B == 1 and t.shape[0] == 1:
+            return 0  # one sample: every row is its own, and dim 0 holds it whatever it is
+        return d if d is not None and t.shape[d] == B else None
+
+    def contradiction(self):
+        """The note where a module's own batch_first contradicts the dim the samples reached it in, or None."""
+        if not self.contradicted:
+            return None
+        module, proven, declared = self.contradicted[0]
+        return Note("batch_dim_contradicted", {"modules": (module,), "proven": proven, "declared": declared,
+                                               "batch_dim": self.declared, "calls": len(self.contradicted)})
+
+    def output(self, module, call: Call, a, out) -> None:
+        """A placed call's output becomes a root: where its samples are, as the layer declares it (what its rule
+        assumes: leading dims kept by a token layer, dim 0 by a convolution), else proven through the graph."""
+        if self.batch is None or (call.sample_dim is None and call.folded_from is None):
+            return
+        if out.grad_fn is None and out.requires_grad:
+            return
+        if self._pass is not None:
+            entry = next((e for e in reversed(self._pass) if e[1] is call), None)
+            if entry is not None:
+                entry[3] = out
+        if call.folded_from is not None:  # a row-keeping layer (the registry's keeps_rows) on folded rows
+            if out.grad_fn is not None:
+                self.roots.nodes[(out.grad_fn, out.output_nr)] = 0
+            return
+        d = _declared_output_dim(module, call.sample_dim, a, out)  # a layer's own: no walk (the hot path)
+        if d is None:
+            d = self.dim_of(out)
+        if d is not None and out.shape[d] == self.batch:
+            self.roots.add(out, d)
+
+
+def _declared_output_dim(module, d: int, a, out) -> int | None:
+    """The dim of the output holding the samples where the input's d does, from what the layer declares."""
+    kind, value = _layout(module)
+    if kind == "declared":
+        return value if d == value and out.dim() > value else None
+    if kind == "elementwise":
+        return d if out.shape == a.shape else None
+    if kind == "batch0":  # a conv's batch; the generic rule's rows are along dim 0 of input and output
+        return 0 if d == 0 else None
+    if kind == "tokens":  # value: its feature dims on float input; ids (an embedding's) have none
+        features = value if a.is_floating_point() or a.is_complex() else 0
+        return d if d < a.dim() - features and d < out.dim() - 1 else None
+    return None
+
+
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layout(module) -> tuple:
+    """How the layer keeps its samples (declared_output_dim's cases), asked once per module: its calls are the
+    hot path."""
+    found = _LAYOUTS.get(module)
+    if found is None:
+        declared = declared_batch_dim(module)
+        found = (("declared", declared) if declared is not None else ("elementwise", None) if elementwise(module)
+                 else ("batch0", None) if is_conv(module) or generic_rule(module)
+                 else ("tokens", feature_dims(module, _FLOAT)) if feature_dims(module, _FLOAT) is not None
+                 else ("none", None))
+        _LAYOUTS[module] = found
+    return found
+
+
+_FLOAT = torch.empty(0)
+
+
+def view_dim(t, root, d: int) -> int | None:
+    """The dim of t, a tensor without grad, that holds root's samples where t is a view of root (the batch's
+    data): same storage; each dim of t of size > 1 has the stride of a distinct dim of root; the one with root's
+    batch stride has all B samples, and t starts at sample 0. A copy (a new storage) or a view that merges the
+    batch with another dim proves nothing."""
+    if t.device != root.device or t.untyped_storage().data_ptr() != root.untyped_storage().data_ptr():
+        return None
+    rstrides = [s for s, n in zip(root.stride(), root.shape) if n > 1]
+    if len(set(rstrides)) != len(rstrides) or root.shape[d] <= 1:
+        return None  # an expanded or overlapping root: strides do not tell its dims apart
+    by_stride = {s: i for i, (s, n) in enumerate(zip(root.stride(), root.shape)) if n > 1}
+    found, used = None, set()
+    for j, (s, n) in enumerate(zip(t.stride(), t.shape)):
+        if n <= 1:
+            continue
+        i = by_stride.get(s)
+        if i is None or i in used or n > root.shape[i]:
+            return None
+        used.add(i)
+        if i == d:
+            found = j if n == root.shape[d] else None
+            if found is None:
+                return None
+    if found is None:
+        return None
+    offset = t.storage_offset() - root.storage_offset()
+    if offset < 0:
+        return None
+    # the offset's coordinate along root's batch dim: 0 (t starts at sample 0; dims with larger strides come first)
+    for s in sorted(by_stride, reverse=True):
+        i = by_stride[s]
+        coord, offset = divmod(offset, s)
+        if i == d and coord != 0:
+            return None
+    return found
+
+
+_DECLARES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _declares(module) -> bool:
+    """Whether some module inside declares its own batch dim (batch_first): then the pass keeps its calls until
+    the first of them is met (_reroot). Asked once per model."""
+    found = _DECLARES.get(module)
+    if found is None:
+        found = _DECLARES[module] = any(declared_batch_dim(m) is not None for m in module.modules())
+    return found
+
+
+def _tensors(args, kwargs):
+    for v in [*(args or ()), *((kwargs or {}).values())]:
+        if isinstance(v, torch.Tensor):
+            yield v
