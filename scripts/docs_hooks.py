@@ -106,7 +106,8 @@ def _generated(name: str) -> str:
                 flag = "`MODEL ...`" if action.nargs == "*" else "`MODEL`"
             elif action.option_strings and action.dest != "help":
                 meta = f" {action.metavar}" if action.metavar else (
-                    f" {{{','.join(action.choices)}}}" if action.choices else "")
+                    f" {{{','.join(action.choices)}}}" if action.choices else
+                    "" if action.nargs == 0 else f" {action.dest.upper()}")
                 flag = ", ".join(f"`{o}{meta}`" for o in action.option_strings)
             else:
                 continue
