@@ -119,6 +119,16 @@ def test_the_offline_check_finds_assets_from_other_hosts(tmp_path, html, bad):
     assert bool(_build_docs().external_assets(tmp_path)) == bad
 
 
+def test_the_reference_names_every_public_name():
+    import hookwidget
+
+    reference = "\n".join(p.read_text() for p in sorted((DOCS / "reference").glob("*.md")))
+    for name in hookwidget.__all__:
+        assert re.search(rf"\b{name}\b", reference), f"hw.{name} is not in docs/reference/"
+    for name in ("Anomaly", "HookwidgetCallback", "%%hooktrace", "%%hookwatch"):
+        assert name in reference, name
+
+
 def test_the_docs_extra_is_in_dev_and_the_site_has_no_public_url():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^docs = \[.*"mkdocs-material', pyproject, flags=re.M)
