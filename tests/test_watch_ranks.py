@@ -1,0 +1,274 @@
+"""hw.watch's global figures over ranks (watch/ranks.py), gloo, 2 CPU processes, against one process running the
+ranks' batches together (the mean of the ranks' losses) with hand-written hooks and norms, never hookwidget:
+DDP, FSDP2 (fully_shard) and a DTensor tensor-parallel pair of Linears (ColwiseParallel, RowwiseParallel).
+The models hold an uneven shard (5 rows over 2 ranks), an empty shard (a 1-row weight, a 1-entry root-held
+parameter: nothing on rank 1), a parameter of the root module, and (tensor parallel) a layer mixing a sharded
+weight and a replicated bias. A gradient spike confined to rows rank 1 holds is flagged on every rank. Losses and
+.grad stay bitwise those of the unwatched loop; every rank ends with the same rows and anomalies; log_dir holds
+the global rows; no hang (helpers_dist.spawn's timeout, ranks.TIMEOUT_S)."""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers_dist import spawn
+from torch import nn
+
+WORLD, STEPS, SPIKE_AT, BOOST, TIMEOUT_S = 2, 6, 5, 1000.0, 200
+MODES = ("ddp", "fsdp2", "tp")
+NORMS = ("grad_norm", "weight_norm", "update_ratio")
+SAMPLES = ("delta_norm", "delta_max", "a_rms", "a_zero_frac")
+
+
+class Boost(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient of output columns 3 and 4 (the rows of the next
+    weight's gradient that rank 1 holds under FSDP2: 5 rows shard as 3 + 2) by `factor`."""
+
+    @staticmethod
+    def forward(ctx, h, factor):
+        ctx.factor = factor
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g):
+        scale = torch.ones(g.shape[-1], dtype=g.dtype)
+        scale[3:] = ctx.factor
+        return g * scale, None
+
+
+class Net(nn.Module):
+    """a: Linear(6, 5), uneven shards; b: Linear(5, 1), rank 1's shard empty; scale: held by the root module,
+    one entry (rank 1's shard empty)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 5), nn.Linear(5, 1)
+        self.scale = nn.Parameter(torch.tensor([1.5]))
+        self.boost = 1.0
+
+    def forward(self, x):
+        return self.b(torch.tanh(Boost.apply(self.a(x), self.boost))) * self.scale
+
+
+def _tp_net():
+    return nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 3))  # even: a local output shard feeds row-wise
+
+
+def _batches(mode: str, rank: int):
+    """(xs, ys) of `rank`: data parallel, each rank its own; tensor parallel, the same on every rank."""
+    g = torch.Generator().manual_seed(100 + (rank if mode != "tp" else 0))
+    return torch.randn(STEPS, 4, 6, generator=g), torch.randn(STEPS, 4, 3 if mode == "tp" else 1, generator=g)
+
+
+def _build(mode: str):
+    """(model to train and watch, the module whose boost the loop sets or None)."""
+    torch.manual_seed(0)
+    if mode == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        net = _tp_net()
+        mesh = init_device_mesh("cpu", (WORLD,))
+        return parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}), None
+    net = Net()
+    if mode == "ddp":
+        return nn.parallel.DistributedDataParallel(net), net
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(net.a)
+    fully_shard(net.b)
+    return fully_shard(net), net
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _loop(mode, rank, watched, out_dir):
+    import hookwidget as hw
+
+    model, net = _build(mode)
+    xs, ys = _batches(mode, rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    log = os.path.join(out_dir, f"log-{mode}-rank{rank}")
+    w = hw.watch(model, window=4, log_dir=log) if watched else None
+    losses, grads = [], []
+    try:
+        for k in range(STEPS):
+            if net is not None:
+                net.boost = BOOST if k == SPIKE_AT else 1.0
+            opt.zero_grad()
+            loss = F.mse_loss(model(xs[k]), ys[k])
+            loss.backward()
+            losses.append(loss.detach().clone())
+            grads.append([_local(p.grad).clone() for p in model.parameters()])
+            opt.step()
+    finally:
+        if w is not None:
+            w.close()
+    out = {"losses": losses, "grads": grads}
+    if w is not None:
+        out.update(stats=w.stats, step_stats=w.step_stats, local_stats=w.local_stats,
+                   local_step_stats=w.local_step_stats, steps=w.steps, anomalies=[tuple(a) for a in w.anomalies],
+                   kept=w.kept, notes=[str(n) for n in w.notes], scope=w.scope, layer_names=list(w.layer_names),
+                   stat_names=list(w.stat_names), log=hw.load(log).stats, local_series=w.series(
+                       w.layer_names[-1], "grad_norm", scope="local"))
+    return out
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=90))
+    try:
+        for mode in MODES:
+            plain = _loop(mode, rank, False, out_dir)
+            watched = _loop(mode, rank, True, out_dir)
+            torch.save({"plain": plain, "watched": watched}, os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
+        dist.barrier()  # both ranks tear down together
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("watch_ranks")
+    spawn(_worker, out, WORLD, TIMEOUT_S)
+    return out
+
+
+def _load(runs, mode):
+    return [torch.load(runs / f"{mode}-rank{r}.pt", weights_only=False)["watched"] for r in range(WORLD)], \
+        [torch.load(runs / f"{mode}-rank{r}.pt", weights_only=False)["plain"] for r in range(WORLD)]
+
+
+# -- the reference: one process, the ranks' batches together, hooks and norms written here ------------------------
+def _reference(mode: str) -> dict:
+    torch.manual_seed(0)
+    net = _tp_net() if mode == "tp" else Net()
+    if mode == "tp":
+        xs, ys = _batches(mode, 0)
+        layers = {"0": net[0], "2": net[2]}
+    else:
+        parts = [_batches(mode, r) for r in range(WORLD)]
+        xs, ys = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+        layers = {"root": net, "a": net.a, "b": net.b}
+    own = {n: list(m.parameters(recurse=False)) for n, m in layers.items()}
+    params = list(net.parameters())
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    seen, rows, steps = {}, [], []
+
+    def hook(name):
+        def fwd(mod, inputs, out):
+            a = inputs[0].detach().double()
+            seen[name] = {"a_rms": a.square().mean().sqrt().item(), "a_zero_frac": (a == 0).double().mean().item()}
+            out.register_hook(lambda g: seen[name].update(delta_norm=g.double().norm().item(),
+                                                          delta_max=g.double().abs().max().item()))
+        return fwd
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
+    try:
+        for k in range(STEPS):
+            if mode != "tp":
+                net.boost = BOOST if k == SPIKE_AT else 1.0
+            opt.zero_grad()
+            seen.clear()
+            loss = F.mse_loss(net(xs[k]), ys[k])
+            loss.backward()
+            before = {n: torch.cat([p.detach().double().flatten() for p in ps]) for n, ps in own.items()}
+            row = {n: dict(seen[n]) for n in layers}
+            for n, ps in own.items():
+                g = torch.cat([p.grad.double().flatten() for p in ps])
+                row[n].update(grad_norm=g.norm().item(), weight_norm=before[n].norm().item())
+            total = torch.cat([p.grad.double().flatten() for p in params]).norm().item()
+            opt.step()
+            for n, ps in own.items():
+                after = torch.cat([p.detach().double().flatten() for p in ps])
+                row[n]["update_ratio"] = ((after - before[n]).norm() / before[n].norm()).item()
+            rows.append(row)
+            steps.append({"loss": loss.item(), "grad_norm": total})
+    finally:
+        for h in handles:
+            h.remove()
+    return {"rows": rows, "steps": steps, "order": list(layers)}
+
+
+def _close(got: float, want: float, rel: float = 2e-5) -> bool:
+    return math.isclose(got, want, rel_tol=rel, abs_tol=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_global_figures_equal_one_process_by_hand(runs, mode):
+    results, plains = _load(runs, mode)
+    ref = _reference(mode)
+    names = results[0]["stat_names"]
+    dp = mode != "tp"
+    for rank, (r, plain) in enumerate(zip(results, plains)):
+        # observing changes nothing, collectives and all
+        assert all(torch.equal(a, b) for a, b in zip(plain["losses"], r["losses"])), rank
+        assert all(torch.equal(a, b) for ga, gb in zip(plain["grads"], r["grads"]) for a, b in zip(ga, gb)), rank
+        assert r["steps"] == list(range(STEPS))
+        assert r["scope"]["grad_norm"] == "global"
+        assert r["scope"]["delta_norm"] == ("global" if dp else f"rank {rank}")
+        assert any("hw.watch over 2 ranks" in n for n in r["notes"]), r["notes"]
+        checked = NORMS + (SAMPLES if dp else ("a_rms",) * (mode == "tp"))
+        for k, (row, step) in enumerate(zip(ref["rows"], ref["steps"])):
+            assert _close(r["step_stats"][k, 0].item(), step["loss"]), (rank, k, "loss")
+            assert _close(r["step_stats"][k, 1].item(), step["grad_norm"]), (rank, k, "global grad_norm")
+            for li, n in enumerate(ref["order"]):
+                for stat in checked:
+                    if mode == "tp" and stat == "a_rms" and n != "0":  # layer 2's input is a shard: this rank's
+                        continue
+                    got = r["stats"][k, li, names.index(stat)].item()
+                    assert _close(got, row[n][stat], rel=1e-4 if stat == "update_ratio" else 2e-5), \
+                        (mode, rank, k, n, stat, got, row[n][stat])
+                for stat in ("grad_nan", "grad_inf", "delta_nan", "delta_inf", "a_nonfinite"):
+                    assert r["stats"][k, li, names.index(stat)].item() == 0, (rank, k, n, stat)
+        # the log_dir holds the global rows, as w.stats
+        assert torch.equal(r["log"], r["stats"])
+    # every rank computed the same global rows and the same verdicts, to the bit
+    keep = [i for i, n in enumerate(names) if results[0]["scope"][n] == "global" and n != "lr"]
+    assert torch.equal(results[0]["stats"][..., keep], results[1]["stats"][..., keep])
+    assert torch.equal(results[0]["step_stats"], results[1]["step_stats"])
+    assert results[0]["anomalies"] == results[1]["anomalies"] and results[0]["kept"] == results[1]["kept"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ("fsdp2", "tp"))
+def test_each_rank_keeps_its_shards_labelled_local(runs, mode):
+    """w.local_stats: the shards' own norms (an empty shard: 0), whose squares add up to the global figure where
+    every parameter of the layer is sharded (tensor parallel: layer 0; layer 2's replicated bias is on every rank)."""
+    results, _ = _load(runs, mode)
+    col = results[0]["stat_names"].index
+    layers = slice(None) if mode == "fsdp2" else slice(0, 1)
+    for stat in ("grad_norm", "weight_norm"):
+        shards = torch.stack([r["local_stats"][:, layers, col(stat)] for r in results])
+        full = results[0]["stats"][:, layers, col(stat)]
+        assert torch.allclose(shards.square().sum(0).sqrt(), full, rtol=1e-12), stat
+        assert not torch.equal(shards[0], full)  # a shard's, not the layer's
+    if mode == "fsdp2":  # b's and the root's scale: rank 1 holds nothing of them
+        for li, name in enumerate(results[1]["layer_names"]):
+            if name != "a":
+                assert (results[1]["local_stats"][:, li, col("grad_norm")] == 0).all(), name
+                assert not results[1]["stats"][:, li, col("grad_norm")].isnan().any(), name
+        assert torch.equal(results[1]["local_series"], results[1]["local_stats"][:, -1, col("grad_norm")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ("ddp", "fsdp2"))
+def test_a_spike_in_one_ranks_shard_is_flagged_on_every_rank(runs, mode):
+    results, _ = _load(runs, mode)
+    for r in results:
+        assert (SPIKE_AT, "grad_norm") in [(s, where) for s, where, _ in r["anomalies"]], r["anomalies"]
+        assert SPIKE_AT in r["kept"]
+    if mode == "fsdp2":  # rank 0's own gradient norm did not move: only the global one shows the spike
+        local = results[0]["local_step_stats"][:, 1]
+        assert local[SPIKE_AT] < 3 * local[:SPIKE_AT].max()
+        assert results[0]["step_stats"][SPIKE_AT, 1] > 100 * results[0]["step_stats"][:SPIKE_AT, 1].max()
