@@ -1,4 +1,4 @@
-"""hw.watch's global figures over ranks (watch/ranks.py), gloo, 2 CPU processes, against one process running the
+"""hw.watch's global figures over ranks (watch/ranks.py), gloo, 2 and 4 CPU processes, against one process running the
 ranks' batches together (the mean of the ranks' losses) with hand-written hooks and norms, never hookwidget:
 DDP, FSDP2 (fully_shard) and a DTensor tensor-parallel pair of Linears (ColwiseParallel, RowwiseParallel).
 The models hold an uneven shard (5 rows over 2 ranks), an empty shard (a 1-row weight, a 1-entry root-held
@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import os
 from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from helpers_dist import spawn
 from torch import nn
 
-WORLD, STEPS, SPIKE_AT, BOOST, TIMEOUT_S = 2, 6, 5, 1000.0, 200
+WORLDS, STEPS, SPIKE_AT, BOOST, TIMEOUT_S = (2, 4), 6, 5, 1000.0, 240
 MODES = ("ddp", "fsdp2", "tp")
 NORMS = ("grad_norm", "weight_norm", "update_ratio")
 SAMPLES = ("delta_norm", "delta_max", "a_rms", "a_zero_frac")
@@ -66,7 +68,7 @@ def _batches(mode: str, rank: int):
     return torch.randn(STEPS, 4, 6, generator=g), torch.randn(STEPS, 4, 3 if mode == "tp" else 1, generator=g)
 
 
-def _build(mode: str):
+def _build(mode: str, world: int):
     """(model to train and watch, the module whose boost the loop sets or None)."""
     torch.manual_seed(0)
     if mode == "tp":
@@ -74,7 +76,7 @@ def _build(mode: str):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         net = _tp_net()
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh("cpu", (world,))
         return parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}), None
     net = Net()
     if mode == "ddp":
@@ -90,10 +92,10 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _loop(mode, rank, watched, out_dir):
+def _loop(mode, rank, world, watched, out_dir):
     import hookwidget as hw
 
-    model, net = _build(mode)
+    model, net = _build(mode, world)
     xs, ys = _batches(mode, rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     log = os.path.join(out_dir, f"log-{mode}-rank{rank}")
@@ -125,38 +127,43 @@ def _loop(mode, rank, watched, out_dir):
 def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=90))
+    world = int(Path(out_dir, "world").read_text())
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=90))
     try:
         for mode in MODES:
-            plain = _loop(mode, rank, False, out_dir)
-            watched = _loop(mode, rank, True, out_dir)
+            plain = _loop(mode, rank, world, False, out_dir)
+            watched = _loop(mode, rank, world, True, out_dir)
             torch.save({"plain": plain, "watched": watched}, os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
         dist.barrier()  # both ranks tear down together
     finally:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("watch_ranks")
-    spawn(_worker, out, WORLD, TIMEOUT_S)
-    return out
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"{n}ranks" for n in WORLDS])
+def runs(request, tmp_path_factory):
+    """(the workers' results folder, the world size)."""
+    out = tmp_path_factory.mktemp(f"watch_ranks{request.param}")
+    (out / "world").write_text(str(request.param))
+    spawn(_worker, out, request.param, TIMEOUT_S)
+    return out, request.param
 
 
 def _load(runs, mode):
-    return [torch.load(runs / f"{mode}-rank{r}.pt", weights_only=False)["watched"] for r in range(WORLD)], \
-        [torch.load(runs / f"{mode}-rank{r}.pt", weights_only=False)["plain"] for r in range(WORLD)]
+    """(each rank's watched results, each rank's plain results)."""
+    out, world = runs
+    got = [torch.load(out / f"{mode}-rank{r}.pt", weights_only=False) for r in range(world)]
+    return [g["watched"] for g in got], [g["plain"] for g in got]
 
 
 # -- the reference: one process, the ranks' batches together, hooks and norms written here ------------------------
-def _reference(mode: str) -> dict:
+def _reference(mode: str, world: int) -> dict:
     torch.manual_seed(0)
     net = _tp_net() if mode == "tp" else Net()
     if mode == "tp":
         xs, ys = _batches(mode, 0)
         layers = {"0": net[0], "2": net[2]}
     else:
-        parts = [_batches(mode, r) for r in range(WORLD)]
+        parts = [_batches(mode, r) for r in range(world)]
         xs, ys = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
         layers = {"root": net, "a": net.a, "b": net.b}
     own = {n: list(m.parameters(recurse=False)) for n, m in layers.items()}
@@ -207,7 +214,7 @@ def _close(got: float, want: float, rel: float = 2e-5) -> bool:
 @pytest.mark.parametrize("mode", MODES)
 def test_global_figures_equal_one_process_by_hand(runs, mode):
     results, plains = _load(runs, mode)
-    ref = _reference(mode)
+    ref = _reference(mode, runs[1])
     names = results[0]["stat_names"]
     dp = mode != "tp"
     for rank, (r, plain) in enumerate(zip(results, plains)):
@@ -217,7 +224,7 @@ def test_global_figures_equal_one_process_by_hand(runs, mode):
         assert r["steps"] == list(range(STEPS))
         assert r["scope"]["grad_norm"] == "global"
         assert r["scope"]["delta_norm"] == ("global" if dp else f"rank {rank}")
-        assert any("hw.watch over 2 ranks" in n for n in r["notes"]), r["notes"]
+        assert any(f"hw.watch over {runs[1]} ranks" in n for n in r["notes"]), r["notes"]
         checked = NORMS + (SAMPLES if dp else ("a_rms",) * (mode == "tp"))
         for k, (row, step) in enumerate(zip(ref["rows"], ref["steps"])):
             assert _close(r["step_stats"][k, 0].item(), step["loss"]), (rank, k, "loss")
@@ -235,9 +242,10 @@ def test_global_figures_equal_one_process_by_hand(runs, mode):
         assert torch.equal(r["log"], r["stats"])
     # every rank computed the same global rows and the same verdicts, to the bit
     keep = [i for i, n in enumerate(names) if results[0]["scope"][n] == "global" and n != "lr"]
-    assert torch.equal(results[0]["stats"][..., keep], results[1]["stats"][..., keep])
-    assert torch.equal(results[0]["step_stats"], results[1]["step_stats"])
-    assert results[0]["anomalies"] == results[1]["anomalies"] and results[0]["kept"] == results[1]["kept"]
+    for r in results[1:]:
+        assert torch.equal(results[0]["stats"][..., keep], r["stats"][..., keep])
+        assert torch.equal(results[0]["step_stats"], r["step_stats"])
+        assert results[0]["anomalies"] == r["anomalies"] and results[0]["kept"] == r["kept"]
 
 
 @pytest.mark.slow
@@ -253,11 +261,13 @@ def test_each_rank_keeps_its_shards_labelled_local(runs, mode):
         full = results[0]["stats"][:, layers, col(stat)]
         assert torch.allclose(shards.square().sum(0).sqrt(), full, rtol=1e-12), stat
         assert not torch.equal(shards[0], full)  # a shard's, not the layer's
-    if mode == "fsdp2":  # b's and the root's scale: rank 1 holds nothing of them
-        for li, name in enumerate(results[1]["layer_names"]):
-            if name != "a":
-                assert (results[1]["local_stats"][:, li, col("grad_norm")] == 0).all(), name
-                assert not results[1]["stats"][:, li, col("grad_norm")].isnan().any(), name
+    if mode == "fsdp2":  # b's and the root's scale: the last rank holds nothing of them (of a too, on 4 ranks)
+        last = results[-1]
+        for li, name in enumerate(last["layer_names"]):
+            if name != "a" or runs[1] == 4:
+                assert (last["local_stats"][:, li, col("grad_norm")] == 0).all(), name
+                assert (last["local_stats"][:, li, col("weight_norm")] == 0).all(), name
+            assert not last["stats"][:, li].isnan().any(), name  # global: every figure has its value
         assert torch.equal(results[1]["local_series"], results[1]["local_stats"][:, -1, col("grad_norm")])
 
 
@@ -272,3 +282,24 @@ def test_a_spike_in_one_ranks_shard_is_flagged_on_every_rank(runs, mode):
         local = results[0]["local_step_stats"][:, 1]
         assert local[SPIKE_AT] < 3 * local[:SPIKE_AT].max()
         assert results[0]["step_stats"][SPIKE_AT, 1] > 100 * results[0]["step_stats"][:SPIKE_AT, 1].max()
+
+
+def test_a_gather_left_unanswered_says_so_and_every_later_figure_is_local():
+    """A rank that never answers (it closed, crashed, or watched another model): the wait gives up after
+    ranks.TIMEOUT_S, says so in w.notes, and the watch stops gathering: no hang."""
+    from hookwidget.watch import ranks
+
+    asked = []
+
+    class Late:  # a collective's Work that times out, as gloo's does
+        def wait(self, timeout):
+            asked.append(timeout)
+            raise RuntimeError("Timed out waiting 1000ms for recv operation to complete")
+
+    notes = []
+    held = SimpleNamespace(off=False, _pending={4: "a later step's"}, notes=notes, rank=1)
+    late = ranks.Pending(SimpleNamespace(index=3), None, {}, [(0, [torch.zeros(1)], Late())])
+    assert ranks.Ranks._wait(held, late) is None
+    assert held.off and held._pending == {}
+    assert asked == [timedelta(seconds=ranks.TIMEOUT_S)]
+    assert "step 3 did not arrive" in notes[0] and "rank 1" in notes[0] and "Timed out" in notes[0]

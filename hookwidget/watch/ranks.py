@@ -61,7 +61,9 @@ LOCAL_PARAM = ("hw.watch: parameters of {names} are {why}: their figures are thi
                "summed over ranks")
 NO_ANSWER = ("hw.watch: the ranks' figures of step {step} did not arrive within {s:g} s ({err}): from that step "
              "on every figure is this rank's (rank {rank}); every rank must open, step and close its watch alike")
-SCOPES = {"global": "global over ranks", "local": "this rank's"}
+ALONE = ("hw.watch: a process group of {world} ranks, but {model} is no DistributedDataParallel, FSDP2 module or "
+         "DTensor holder: every figure is this rank's (rank {rank}); watch the wrapped model (hw.watch(ddp_model)) "
+         "for figures over ranks")
 
 
 class Pending(NamedTuple):
@@ -85,6 +87,7 @@ def of(model: nn.Module, params: list, pairs: list, layer_names: list, notes: li
     fsdp = fs is not None and any(isinstance(m, fs.FSDPModule) for m in model.modules())
     dtensors = dt is not None and any(isinstance(p, dt.DTensor) for p in params)
     if not (ddp or fsdp or dtensors):
+        notes.append(ALONE.format(world=dist.get_world_size(), model=type(model).__name__, rank=dist.get_rank()))
         return None
     return Ranks(params, pairs, layer_names, notes, changed, data_parallel=(ddp or fsdp) and not _tensor_parallel(
         model, params, fs, dt), how="DDP" if ddp else "FSDP2" if fsdp else "DTensor")
@@ -162,6 +165,7 @@ class Ranks:
         for why, idx in local.items():
             notes.append(LOCAL_PARAM.format(names=", ".join(names[i] for i in idx[:6]), why=why, rank=self.rank))
         self.scope = {n: "global" for n in S}
+        self.scope["per_sample_max"] = f"rank {self.rank}"  # (per_sample=True) of this rank's batch
         if not data_parallel:
             for n in ("delta_norm", "delta_max", "a_rms", "a_zero_frac"):
                 self.scope[n] = f"rank {self.rank}"
