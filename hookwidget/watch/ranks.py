@@ -199,7 +199,6 @@ class Ranks:
             return
         dev = prev.row.device if prev.row is not None else self.params[0].device
         local = self._update_vectors(prev, dev)
-        local.update(gsq=None)
         self._pending[None] = Pending(None, prev, local, self._send(local, None, dev, only_update=True))
         self._carrier[prev.index] = None
 
