@@ -316,6 +316,24 @@ def test_a_gather_left_unanswered_says_so_and_every_later_figure_is_local():
     assert "step 3 did not arrive" in notes[0] and "rank 1" in notes[0] and "Timed out" in notes[0]
 
 
+def test_on_a_gpu_the_gather_is_waited_on_by_the_stream_not_the_host():
+    """NCCL's wait(timeout) blocks the host until the collective ends (a sync per step); wait() only makes the
+    current stream wait. Outputs off the CPU (here on the meta device) are waited on without a timeout."""
+    from hookwidget.watch import ranks
+
+    asked = []
+
+    class Work:
+        def wait(self, *timeout):
+            asked.append(timeout)
+            return True
+
+    held = SimpleNamespace(off=False, _pending={}, notes=[], rank=0)
+    p = ranks.Pending(SimpleNamespace(index=0), None, {}, [(0, [torch.zeros(2, device="meta")] * 2, Work())])
+    got = ranks.Ranks._wait(held, p)
+    assert asked == [()] and got[0].shape == (2, 2) and not held.off
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ("ddp", "fsdp2"))
 def test_a_nan_in_one_ranks_batch_is_flagged_on_every_rank(runs, mode):

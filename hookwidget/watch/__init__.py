@@ -142,8 +142,9 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
       (tensor parallelism) this rank's, with their NaN/Inf counts summed. Anomalies are judged on these, so
       every rank flags and keeps the same steps (a kept Trace is the rank's own recording). Cost: one
       asynchronous all_gather of a few numbers per layer per recorded step, waited on when the step is
-      judged or moved to the host (a rank silent for ranks.TIMEOUT_S: figures from then on are local, said
-      in w.notes); w.notes and w.scope say what is whose. Each rank's own figures: w.local_stats,
+      judged or moved to the host, by the stream on a GPU (no host sync); a rank silent for 120 s on the CPU
+      (elsewhere: the process group's timeout) makes the figures from then on local, said in w.notes;
+      w.notes and w.scope say what is whose. Each rank's own figures: w.local_stats,
       w.local_step_stats, w.series(layer, stat, scope="local"). ranks="local": no collective, every figure
       this rank's (as a single process). w.gather(dst=0), called on every rank after the loop, brings all
       ranks' own statistics to rank 0 in one gather_object.

@@ -283,12 +283,16 @@ class Ranks:
             self._update(p.prev, p.local, got, offset=0 if p.step is None else 5)
 
     def _wait(self, p: Pending):
-        """{group index: (ranks, K) float64} once every gather of `p` arrived; None (and every later figure this
-        rank's, said in w.notes) where one did not within TIMEOUT_S."""
+        """{group index: (ranks, K) float64} once every gather of `p` arrived (on a GPU: once the current stream
+        waits for it, no host sync); None (and every later figure this rank's, said in w.notes) where one did not,
+        within TIMEOUT_S on the CPU, within the process group's timeout elsewhere."""
         got = {}
         for gi, outs, work in p.works:
             try:
-                work.wait(timedelta(seconds=TIMEOUT_S))
+                if outs[0].device.type == "cpu":  # gloo: the host waits anyway; bounded here
+                    work.wait(timedelta(seconds=TIMEOUT_S))
+                else:  # NCCL: a wait with a timeout blocks the host (a sync per step); without one the current
+                    work.wait()  # stream waits, and the process group's own timeout aborts a collective that hangs
             except Exception as e:  # noqa: BLE001 - a rank gone or late: said in w.notes, never a hang
                 self.off = True
                 self._pending.clear()
