@@ -138,7 +138,8 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
       placements summed over their mesh dimension, Replicate ones and plain replicas counted once; an empty
       shard adds nothing), update_ratio the global ‖ΔW‖ over the global ‖W‖, grad_nan/grad_inf summed; the
       step loss is the mean of the ranks' losses and the step grad_norm the global gradient norm; δ and a are
-      over all the ranks' samples under data parallelism (DDP, FSDP2: each rank's δ of its own loss), else
+      over all the ranks' samples under data parallelism (DDP, FSDP2), δ that of the mean loss (each rank's
+      own divided by the world size), as one process running the ranks' batches together sees them; else
       (tensor parallelism) this rank's, with their NaN/Inf counts summed. Anomalies are judged on these, so
       every rank flags and keeps the same steps (a kept Trace is the rank's own recording). Cost: one
       asynchronous all_gather of a few numbers per layer per recorded step, waited on when the step is
