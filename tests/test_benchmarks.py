@@ -78,6 +78,21 @@ def test_watch_overhead_times_every_monitor_and_none_leaves_a_hook(tmp_path):
 
 
 @pytest.mark.slow
+def test_watch_ranks_times_every_variant_and_the_watch_changes_no_loss(tmp_path):
+    """The FSDP2 benchmark on 2 gloo ranks in a tiny configuration: every variant has its row, and every watched
+    block's losses are bitwise plain's. No timing is asserted."""
+    from benchmarks.watch_ranks import VARIANTS
+
+    r = subprocess.run([sys.executable, "-m", "benchmarks.watch_ranks", "--steps", "3", "--repeats", "1", "--out",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "watch_ranks.json").read_text())
+    assert set(res["variants"]) == set(VARIANTS) and res["world"] == 2
+    assert all(v["losses_bitwise"] and v["steps"] == 3 and v["wall_ms"] > 0 for v in res["variants"].values())
+    assert "| global+fr |" in (tmp_path / "watch_ranks.md").read_text()
+
+
+@pytest.mark.slow
 def test_per_sample_zoo_writes_the_table_and_norms_are_exact(tmp_path):
     pytest.importorskip("transformers")
     r = subprocess.run([sys.executable, "-m", "benchmarks.per_sample_zoo", "--models", "siamese,llama_like,gpt2",

@@ -1,7 +1,7 @@
-"""hw.watch under DistributedDataParallel and FSDP2 (fully_shard), gloo, 2 CPU processes: each rank
-records its own statistics, equal to hand-written plain-PyTorch ones from the same loop run without
-hookwidget; losses and .grad bitwise unchanged; no collective added (process-group sequence numbers);
-w.gather(dst=0) brings every rank's statistics to rank 0; no hang."""
+"""hw.watch under DistributedDataParallel and FSDP2 (fully_shard), gloo, 2 CPU processes: with ranks="local"
+each rank records its own statistics (the global ones, the default: test_watch_ranks.py), equal to hand-written
+plain-PyTorch ones from the same loop run without hookwidget; losses and .grad bitwise unchanged; no collective
+added (process-group sequence numbers); w.gather(dst=0) brings every rank's statistics to rank 0; no hang."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _loop(mode, xs, ys, watched, flight_recorder):
                 out.register_hook(lambda g: cur[name].update(delta_norm=g.double().norm().item(),
                                                              delta_max=g.abs().max().item()))
             handles.append(inner.get_submodule(name).register_forward_hook(fwd))
-    w = hw.watch(model, flight_recorder=flight_recorder) if watched else None
+    w = hw.watch(model, flight_recorder=flight_recorder, ranks="local") if watched else None
     losses, grads = [], []
     start = _collectives()
     for k in range(STEPS):

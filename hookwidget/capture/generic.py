@@ -14,6 +14,8 @@ methods here run only for the calls that need them.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from hookwidget._torch.modules import own_parameters
@@ -83,8 +85,11 @@ class GenericCapture:
         cache = self._snapshots
         named = [*module.named_parameters(), *module.named_buffers()]
         new = [t for _, t in named if (hit := cache.get(id(t))) is None or hit[0] is not t or hit[1] != version(t)]
+        eager = "torch.distributed.fsdp" in sys.modules  # see below
         for t in new:
-            cache[id(t)] = (t, version(t), _copy(t))
+            # FSDP2 frees an unsharded parameter's storage after forward (resize to 0) and writes the next all-gather
+            # into it: a copy-on-write clone of it fails torch's COW assert there. Where FSDP is loaded, plain copies.
+            cache[id(t)] = (t, version(t), t.detach().clone() if eager else _copy(t))
         return {name: cache[id(t)][2] for name, t in named}
 
     def hook_outputs(self, module, call: Call, output, out) -> None:

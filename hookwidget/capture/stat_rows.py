@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -26,7 +27,7 @@ SCALED = [S["delta_norm"], S["delta_max"], S["grad_norm"]]  # what a GradScaler'
 
 
 def _float(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
+    t = local(t)  # a DTensor input or δ (tensor parallelism): this rank's part, with no collective
     return t if t.is_floating_point() else t.float()
 
 
@@ -67,12 +68,25 @@ def add_delta(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class Parts(NamedTuple):
+    """What a row was summed from, kept for a distributed watch (watch/ranks.py) to sum shards over ranks:
+    `present` the indices of the parameters with a .grad; `sq` (on device, float64) ‖grad‖² of each present one,
+    then ‖W‖² of every parameter (local shards); `counts` (present, 2) [NaN, Inf] of each .grad, None where all
+    are 0; `entries` (layers,) the input entries each layer's a statistics are over (at least 1)."""
+
+    present: tuple
+    sq: torch.Tensor
+    counts: torch.Tensor | None
+    entries: torch.Tensor
+
+
 class Rows:
     """Turns what one step gathered into its (layers, stats) row, with cached index tensors."""
 
     def __init__(self, n_layers: int, params: list, pairs: list):
         self.L, self.params, self.pairs = n_layers, params, pairs  # pairs: (layer index, param index)
         self._cache: dict = {}
+        self.parts = None  # the latest row's Parts (what a distributed watch sums over ranks: watch/ranks.py)
 
     def _grad_index(self, present: tuple, dev):
         """For the params with a .grad: (index into 2L of each [grad norm.., weight norm..], mask of layers
@@ -117,6 +131,7 @@ class Rows:
             gc.index_add_(0, g_layers, counts[g_pos])
         upd = torch.full((L, 1), NAN, dtype=F64, device=dev)
         row = torch.cat([d, a_part, gw.view(2, L).T, upd, gc, upd], dim=1)
+        self.parts = Parts(present, sq, counts, a_sum[:, 3])
         loss = loss.to(dev).double() if loss is not None else torch.full((), NAN, dtype=F64, device=dev)
         return row, torch.stack([loss, total])
 
@@ -219,6 +234,7 @@ class Rows:
             c = _grad_counts(grads, total, dev)
             if c is not None:
                 g_counts = g_counts.index_add(0, ix["g_layers"], c.to(dev)[ix["g_pos"]])
+            self.parts = Parts(present, V[nd + na:nN], c, ix["denom"][:, 1])
             scaled = sums / ix["denom"]  # Σa² and the zeros of a over the entries
             m = torch.cat([scaled.sqrt(), scaled[:, 2:3], dmax, d_counts, a_bad, g_counts, ix["nan_col"]], dim=1)
             row = m.index_select(1, ix["perm"])

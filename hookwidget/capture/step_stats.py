@@ -66,6 +66,8 @@ class Step:
         self.host = None  # (host tensor, row) once moved to the host
         self.update = self.touched = None  # Σ‖ΔW‖² per layer, and the layers an optimizer step changed
         self.lr: dict = {}  # layer -> its learning rate at the optimizer step (a float, or a device tensor)
+        self.parts = None  # stat_rows.Parts of the row (watch/ranks.py sums shards over ranks)
+        self.updates: list = []  # (param indices, their ‖ΔW‖ as 0-d tensors) per optimizer step (watch/ranks.py)
         self.compiled = False  # statistics came (also) from compiled code (compiled_stats.py)
         self.scale = self.next_scale = None  # a GradScaler's scale at this backward and at the next
         self.roots = None  # the roots of a backward no eager hook saw (the watch judges why, then lets them go)
@@ -187,6 +189,7 @@ class StatsKeep(Keep):
         if step.recorded:
             self._reduce(step)
             unscale_row(step.row, step.step_row, step.scale)
+            step.parts = self.rows.parts
             step.delta = step.a = step.loss = step.ds = None
             self.rule.add(step)
         self.last = step
@@ -249,7 +252,9 @@ class StatsKeep(Keep):
         dev = copies[0].device
         foreach_sub_(copies, _locals([self.params[i] for i in idx]))
         lrs = learning_rates(opt, self.opts[opt][3])
-        sq, mask = self.rows.update(idx, l2_batch(copies), dev)
+        norms = l2_batch(copies)
+        step.updates.append((idx, norms))
+        sq, mask = self.rows.update(idx, norms, dev)
         step.update = sq if step.update is None else step.update + sq
         step.touched = mask if step.touched is None else step.touched | mask
         step.lr.update(lrs)

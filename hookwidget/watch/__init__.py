@@ -27,7 +27,7 @@ __all__ = ["STAT_NAMES", "STEP_STAT_NAMES", "Anomaly", "Watch", "watch"]
 
 def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None, flight_recorder: bool = True,
           max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256, scaler=None,
-          tensorboard=None, per_sample: bool = False, log_dir=None) -> Watch:
+          tensorboard=None, per_sample: bool = False, log_dir=None, ranks: str = "global") -> Watch:
     """Watch `model` across a training loop: `with hw.watch(model) as w: ...`, or `w = hw.watch(model)`
     ... `w.close()` (the hooks go on when watch() returns). They stay on across steps and are removed
     by close() / the end of the `with` block, whatever happened (exceptions, KeyboardInterrupt); the
@@ -131,11 +131,24 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
       skipped (inf/NaN found, no optimizer step, scale lowered) is in w.skipped, its update_ratio is NaN,
       and its anomalies start with where="scaler"; each of its other anomalies says the scaler skipped it.
       Under autocast, norms of bf16/fp16 tensors accumulate in float32.
-    - DDP and FSDP2 (fully_shard): each rank records its own: δ and a of its own batch, .grad as backward
-      leaves it (DDP: the all-reduced gradient; FSDP2: this rank's local shard of the reduce-scattered
-      gradient, DTensor.to_local(), so grad_norm, weight_norm and update_ratio are of that shard; the
-      full norm is the root sum of squares over ranks). The watch adds no collective. w.gather(dst=0),
-      called on every rank after the loop, brings all ranks' statistics to rank 0 in one gather_object.
+    - DDP, FSDP2 (fully_shard) and DTensor-sharded parameters (parallelize_module), in a process group of 2+
+      ranks (ranks="global", the default; watch the wrapped model on every rank, and close it on every rank):
+      w.stats, w.series, the anomalies, log_dir and the live view hold global figures, the same on every
+      rank. A layer's grad_norm and weight_norm are the root of its shards' summed squares (a DTensor's Shard
+      placements summed over their mesh dimension, Replicate ones and plain replicas counted once; an empty
+      shard adds nothing), update_ratio the global ‖ΔW‖ over the global ‖W‖, grad_nan/grad_inf summed; the
+      step loss is the mean of the ranks' losses and the step grad_norm the global gradient norm; δ and a are
+      over all the ranks' samples under data parallelism (DDP, FSDP2), δ that of the mean loss (each rank's
+      own divided by the world size), as one process running the ranks' batches together sees them; else
+      (tensor parallelism) this rank's, with their NaN/Inf counts summed. Anomalies are judged on these, so
+      every rank flags and keeps the same steps (a kept Trace is the rank's own recording). Cost: one
+      asynchronous all_gather of a few numbers per layer per recorded step, waited on when the step is
+      judged or moved to the host, by the stream on a GPU (no host sync); a rank silent for 120 s on the CPU
+      (elsewhere: the process group's timeout) makes the figures from then on local, said in w.notes;
+      w.notes and w.scope say what is whose. Each rank's own figures: w.local_stats,
+      w.local_step_stats, w.series(layer, stat, scope="local"). ranks="local": no collective, every figure
+      this rank's (as a single process). w.gather(dst=0), called on every rank after the loop, brings all
+      ranks' own statistics to rank 0 in one gather_object.
     - tensorboard=log_dir writes scalars as rows reach the host (`{stat}/{layer}`, `step/loss`,
       `step/grad_norm`, x = step; the anomalies as text at close); w.to_tensorboard(log_dir) writes what
       was recorded so far. Needs the extra: pip install hookwidget[tensorboard].
@@ -150,10 +163,10 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     """
     check_arguments(model=model, every=every, spike=spike, window=window, keep=keep, flight_recorder=flight_recorder,
                     max_kept=max_kept, batch=batch, trace_budget_mb=trace_budget_mb, scaler=scaler,
-                    tensorboard=tensorboard, per_sample=per_sample, log_dir=log_dir)
+                    tensorboard=tensorboard, per_sample=per_sample, log_dir=log_dir, ranks=ranks)
     return Watch(model, every=every, spike=spike, window=window, keep=keep, flight_recorder=flight_recorder,
                  max_kept=max_kept, batch=batch, trace_budget_mb=trace_budget_mb, scaler=scaler,
-                 tensorboard=tensorboard, per_sample=per_sample, log_dir=log_dir).open()
+                 tensorboard=tensorboard, per_sample=per_sample, log_dir=log_dir, ranks=ranks).open()
 
 
 # -- watch()'s arguments, checked where the user gave them (%%hookwatch checks its flags with these too) -----------
@@ -199,6 +212,8 @@ _CHECKS = {
     "must be a torch.amp.GradScaler (or None: found when the loop calls scaler.scale)",
     "tensorboard": lambda v: "" if v is None or isinstance(v, (str, os.PathLike)) else
     "must be a log directory, e.g. tensorboard='runs/watch'",
+    "ranks": lambda v: "" if v in ("global", "local") else
+    "must be 'global' (figures over ranks) or 'local' (this rank's), e.g. ranks='local'",
     "log_dir": lambda v: "" if v is None or isinstance(v, (str, os.PathLike)) else
     "must be a folder for the statistics, e.g. log_dir='runs/watch1'",
 }

@@ -25,6 +25,8 @@ from hookwidget.watch.amp import ScaleTrack
 from hookwidget.watch.detect import Detector
 from hookwidget.watch.flight import FlightRecorder
 from hookwidget.watch.host import HostRows
+from hookwidget.watch.ranks import MODES
+from hookwidget.watch.ranks import of as _spread_of
 
 _OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> the open watch on it
 
@@ -43,7 +45,7 @@ class Watch:
 
     def __init__(self, model: nn.Module, every: int = 1, spike: float = 6.0, window: int = 20, keep=None,
                  flight_recorder: bool = True, max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256,
-                 scaler=None, tensorboard=None, per_sample: bool = False, log_dir=None):
+                 scaler=None, tensorboard=None, per_sample: bool = False, log_dir=None, ranks: str = "global"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch(model): model must be an nn.Module, got {type(model).__name__}")
         if int(every) < 1 or int(window) < 2 or int(batch) < 1:
@@ -96,7 +98,13 @@ class Watch:
         self._unseen_checks = 0  # steps checked for hooks that compiled code did not call (at most 3)
         self._warned = False  # the "hooks not seen" warning, given once
         self._called_checked = False  # the first recorded step's layers without a call: named once
-        self._rows = HostRows(len(self._layers), self._detector, lambda: self._amp, ps is not None, self._tell)
+        if ranks not in MODES:
+            raise ValueError(f"watch: ranks={ranks!r} must be 'global' or 'local'")
+        # a model spread over ranks (DDP, FSDP2, DTensor): its rows made global (ranks.py); else None
+        self._spread = _spread_of(model, self._params, pairs, self.layer_names, self.notes,
+                                  lambda: self._rows.changed(), ranks)
+        self._rows = HostRows(len(self._layers), self._detector, lambda: self._amp, ps is not None, self._tell,
+                              self._spread)
         self._tracer = Tracer(self._layers, capture=STATS, norms_rule=Watched(
             self._layers, self._params, pairs, self.every, ps, self._scale_now, self._rows.add, self._rows.changed,
             self._step_ended, self._step_began))
@@ -159,6 +167,8 @@ class Watch:
         self._tracer.hooks.active = False
         self._stack.close()
         if was_active:
+            if self._spread is not None:
+                self._spread.finish()  # the last step's update ratio: one more gather, on every rank
             self._flush()
             if self._flight is not None:
                 self._flight.finish(self._detector.rank)
@@ -215,6 +225,7 @@ class Watch:
         for s in self._rows.pending:
             if s.index > upto or self._detector.judged(s.index):
                 continue
+            self._rows.settle(s)  # spread over ranks: judged on the global row, the same verdict on every rank
             if self._detector.judge_on_device(s.index, s.row, s.step_row, s.has_loss):
                 self._flush(upto=s.index)
 
@@ -315,21 +326,44 @@ class Watch:
             raise KeyError("per-sample norms are off: hw.watch(model, per_sample=True) records them")
         return self._rows.per_sample_table()
 
-    def series(self, layer: str, stat: str | None = None) -> torch.Tensor:
+    @property
+    def local_stats(self) -> torch.Tensor:
+        """Like w.stats, as this rank held them (a shard's norms under FSDP2/DTensor, its own batch's δ and a);
+        w.stats itself where the model is not spread over ranks (w.scope says which figure is whose)."""
+        return self._local()[0]
+
+    @property
+    def local_step_stats(self) -> torch.Tensor:
+        """Like w.step_stats, as this rank held them: its own loss, the norm of its own (local) gradients."""
+        return self._local()[1]
+
+    @property
+    def scope(self) -> dict:
+        """statistic -> whose figure w.stats holds: "global" (over ranks) or "rank r"; {} for one process."""
+        return dict(self._spread.scope) if self._spread is not None else {}
+
+    def _local(self) -> tuple:
+        stats, step_stats = self._rows.tables()
+        return self._spread.local_tables(stats, step_stats) if self._spread is not None else (stats, step_stats)
+
+    def series(self, layer: str, stat: str | None = None, scope: str = "global") -> torch.Tensor:
         """One statistic of one layer over the recorded steps; series("loss") and series("grad_norm")
-        give the per-step ones."""
+        give the per-step ones. scope="local": as this rank held it (a model spread over ranks: see w.scope)."""
+        if scope not in MODES:
+            raise ValueError(f"series(scope={scope!r}): 'global' (over ranks) or 'local' (this rank's)")
+        stats, step_stats = self._local() if scope == "local" else (self.stats, self.step_stats)
         if stat is None:
             if layer in ("per_sample_max", "per_sample_argmax"):
                 return self.per_sample[:, 0 if layer == "per_sample_max" else 1]
             if layer not in self.step_stat_names:
                 raise KeyError(f"series({layer!r}): give a layer and a statistic, or one of {self.step_stat_names}")
-            return self.step_stats[:, self.step_stat_names.index(layer)]
+            return step_stats[:, self.step_stat_names.index(layer)]
         if layer not in self.layer_names:
             close = [n for n in self.layer_names if layer.lower() in n.lower()][:5] or self.layer_names[:8]
             raise KeyError(f"no layer {layer!r} watched (layers with parameters); e.g. {', '.join(close)}")
         if stat not in self.stat_names:
             raise KeyError(f"no statistic {stat!r}; choose one of {', '.join(self.stat_names)}")
-        return self.stats[:, self.layer_names.index(layer), self.stat_names.index(stat)]
+        return stats[:, self.layer_names.index(layer), self.stat_names.index(stat)]
 
     @property
     def anomalies(self) -> list:
@@ -393,10 +427,10 @@ class Watch:
         return write(self, run)
 
     def gather(self, dst: int = 0, group=None):
-        """Distributed: every rank's statistics on rank `dst` (list of RankStats indexed by rank; None on the
-        others), in one gather_object call at the end; call it on every rank. Each rank records its own:
+        """Distributed: every rank's own statistics (w.local_stats) on rank `dst` (list of RankStats indexed by
+        rank; None on the others), in one gather_object call at the end; call it on every rank. Each rank's own:
         δ and a of its own batch; .grad as backward leaves it (DDP: all-reduced; FSDP2: the rank's local shard
-        of the reduce-scattered gradient, and ‖W‖ of its local shard)."""
+        of the reduce-scattered gradient, and ‖W‖ of its local shard). w.stats holds the global figures."""
         from hookwidget.watch.gather import gather
 
         return gather(self, dst, group)

@@ -1,5 +1,5 @@
-"""Statistics of every rank on one: each rank watches its own model replica or shard; at the end
-one `gather_object` call brings all of them to `dst` (nothing is exchanged while the loop runs)."""
+"""Statistics of every rank on one: each rank's own figures (its replica or shard, its batch: w.local_stats); at
+the end one `gather_object` call brings all of them to `dst`. (The global figures, w.stats, are ranks.py's.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ class RankStats(NamedTuple):
     layer_names: list
     steps: list
     stats: torch.Tensor  # (recorded steps, layers, statistics), float64, on the host
-    step_stats: torch.Tensor  # (recorded steps, 2): loss and global gradient norm, as this rank saw them
+    step_stats: torch.Tensor  # (recorded steps, 2): loss and gradient norm, as this rank saw them
     anomalies: list
     skipped: list
     notes: list
@@ -27,7 +27,7 @@ def gather(w, dst: int = 0, group=None):
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("w.gather(): no process group; call it on every rank after "
                            "torch.distributed.init_process_group")
-    mine = RankStats(dist.get_rank(), list(w.layer_names), w.steps, w.stats, w.step_stats,
+    mine = RankStats(dist.get_rank(), list(w.layer_names), w.steps, w.local_stats, w.local_step_stats,
                      [tuple(a) for a in w.anomalies], list(w.skipped), list(w.notes))
     out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     dist.gather_object(mine, out, dst=dst, group=group)

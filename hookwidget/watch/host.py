@@ -24,8 +24,9 @@ class HostRows:
     `steps`, per-sample maxima). `amp()` gives the watch's ScaleTrack or None (it may appear mid-run);
     `per_sample`: whether steps carry per-sample maxima; `tell(event, *args)`: the watch's listeners (Watch.listen)."""
 
-    def __init__(self, n_layers: int, detector, amp, per_sample: bool, tell):
+    def __init__(self, n_layers: int, detector, amp, per_sample: bool, tell, ranks=None):
         self.L, self.detector, self.amp, self.per_sample, self.tell = n_layers, detector, amp, per_sample, tell
+        self.ranks = ranks  # a model spread over ranks: ranks.Ranks makes each row global before it is read
         self.pending: list = []  # recorded steps whose statistics are still on device
         self.chunks, self.step_chunks, self.recorded = [], [], array("q")  # recorded: the step index of each row
         self._blocks = 0  # leading chunks that are merged blocks already
@@ -35,7 +36,14 @@ class HostRows:
         self._due = time.monotonic() + FLUSH_SECONDS
 
     def add(self, step) -> None:
+        if self.ranks is not None:
+            self.ranks.launch(step)
         self.pending.append(step)
+
+    def settle(self, step) -> None:
+        """Make a pending step's row global (spread over ranks: ranks.Ranks) before it is judged; else nothing."""
+        if self.ranks is not None:
+            self.ranks.settle(step)
 
     def due(self, batch: int, timed: bool) -> bool:
         """Whether the waiting rows should move now: more than `batch` of them, or (`timed`: where moving them costs
@@ -53,6 +61,8 @@ class HostRows:
             return
         self._due = time.monotonic() + FLUSH_SECONDS
         self.pending = self.pending[len(take):]
+        for s in take if self.ranks is not None else ():
+            self.ranks.settle(s)
         n, L = len(take), self.L
         track = self.amp()
         scales = [track.pairs(take, take[0].row.device).flatten()] if track is not None else []
@@ -78,6 +88,8 @@ class HostRows:
             s.host, s.row, s.step_row = (rows, r), None, None
             if s.lr:
                 view[r, :, S["lr"]] = lr_column(s.lr, L)
+        if self.ranks is not None:
+            self.ranks.moved(take, rows, step_rows)
         self.chunks.append(rows)
         self.step_chunks.append(step_rows)
         self.recorded.extend(s.index for s in take)
