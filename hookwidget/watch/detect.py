@@ -59,6 +59,12 @@ class Detector:
         self.judge(step, loss if has_loss else None, gnorm)
         return any(c > 0 for c in counts)  # NaN (not counted) is not > 0
 
+    def forget(self, steps: list) -> None:
+        """Early verdicts on `steps`, whose rows are to be added up into one (the values they added to the spike
+        history stay: a spike is judged against `window` steps)."""
+        for k in steps:
+            self._early.pop(k, None)
+
     def judged(self, step: int) -> bool:
         """Whether the step's scalars were judged ahead of its row (judge), not yet listed by check."""
         return step in self._early
