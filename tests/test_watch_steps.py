@@ -11,6 +11,7 @@ from torch import nn
 
 import hookwidget as hw
 from hookwidget._torch.modules import module_hooks, optimizer_hooks
+from hookwidget.watch import host
 
 
 def hook_count(model) -> int:
@@ -85,26 +86,33 @@ def check(w, ref, stats=("grad_norm", "update_ratio", "weight_norm", "delta_norm
                 assert close(w.series(name, stat)[k].item(), row[name][stat]), (k, name, stat)
 
 
-def test_gradient_accumulation_gives_one_row_per_optimizer_step():
+def accumulate(model, opt, steps=4):
+    """Two micro-batches per optimizer step, each loss divided by 2; returns the optimizer steps' losses."""
+    xs, ys = torch.randn(2 * steps, 4, 6), torch.randn(2 * steps, 4, 3)
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(2):
+            loss = nn.functional.mse_loss(model(xs[2 * step + micro]), ys[2 * step + micro]) / 2
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def test_gradient_accumulation_gives_one_row_per_optimizer_step(monkeypatch):
+    monkeypatch.setattr(host, "FLUSH_SECONDS", 1e9)  # a slow first step would move its rows (next test)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref = Reference(model, opt)
-    xs, ys = torch.randn(8, 4, 6), torch.randn(8, 4, 3)
-    losses = []
     try:
         with hw.watch(model) as w:
-            for step in range(4):
-                total = 0.0
-                for micro in range(2):
-                    loss = nn.functional.mse_loss(model(xs[2 * step + micro]), ys[2 * step + micro]) / 2
-                    loss.backward()
-                    total += loss.item()
-                opt.step()
-                opt.zero_grad()
-                losses.append(total)
+            losses = accumulate(model, opt)
     finally:
         ref.remove()
-    assert w.seen == 8
+    assert w.seen == 8 and not w.notes
     # the first optimizer step shows the watch accumulation: its passes, made steps of their own while they waited
     # on device, are taken back into it
     assert w.micro_batches == {0: [0, 1], 1: [2, 3], 2: [4, 5], 3: [6, 7]}
@@ -114,6 +122,19 @@ def test_gradient_accumulation_gives_one_row_per_optimizer_step():
     assert stats.shape == (2, 2, len(w.stat_names)) and close(step_stats[:, 0].sum().item(), losses[2])
     assert close(math.sqrt((stats[:, 0, 0] ** 2).sum().item()), ref.rows[2]["0"]["delta_norm"])
     assert hook_count(model) == 0
+
+
+def test_first_accumulating_step_already_on_the_host_is_said(monkeypatch):
+    """Its passes' rows moved to the host before the optimizer step showed the accumulation: they stay steps of their
+    own, a note says so and names the fix; the later optimizer steps are one row each."""
+    monkeypatch.setattr(host, "FLUSH_SECONDS", 0.0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="count_optimizer_steps"):
+        with hw.watch(model) as w:
+            accumulate(model, opt)
+    assert w.micro_batches == {0: [0], 1: [1], 2: [2, 3], 3: [4, 5], 4: [6, 7]}
+    assert "steps 0..1 stay one backward pass each" in w.notes[0]
 
 
 def test_accumulation_counted_from_the_start():
@@ -240,7 +261,7 @@ def test_optimizer_steps_change_nothing(kind):
         try:
             for i in range(0, 6, 2):
                 if kind == "lbfgs":
-                    def closure():
+                    def closure(i=i):
                         opt.zero_grad()
                         loss = nn.functional.mse_loss(model(data[i][0]), data[i][1])
                         loss.backward()

@@ -117,7 +117,6 @@ class StatsKeep(Keep):
         self.stepping: list = []  # the optimizers (of watched parameters) whose step runs now, outermost first
         self.since = 0  # backward passes since the latest optimizer step began
         self.recent: list = []  # while steps are backward passes: the passes since the latest optimizer step began
-        self.stepped = None  # while steps are backward passes: the latest one an optimizer step followed
         # whether .grad is set as a backward begins, read from one parameter (cheap, no sync): zero_grad (set to None,
         # its default) came before a pass that starts a gradient, not before one that accumulates into it
         self.probe = next((p for p in rule.params if p.requires_grad), rule.params[0])
@@ -201,15 +200,10 @@ class StatsKeep(Keep):
         """From now on a step is an optimizer step (see the class docstring)."""
         self.grouped = True
 
-    def complete(self, hold: bool = False) -> int:
+    def complete(self) -> int:
         """The last step whose row is complete (its optimizer step ran): before the step being made, and, while
-        steps are backward passes, before the latest pass too (an optimizer step may still follow it). hold: before
-        any optimizer step was seen, none (the first optimizer step may yet add them up, _take_back)."""
-        if self.grouped:
-            return self.k - 1
-        if self.stepped is None:
-            return -1 if hold else self.k - 2
-        return min(self.k - 2, self.stepped)
+        steps are backward passes, before the latest pass too (an optimizer step may still follow it)."""
+        return self.k - 1 if self.grouped else self.k - 2
 
     def begin_pass(self, kind: str, tensors: list) -> None:
         self.kind = kind
@@ -385,8 +379,6 @@ class StatsKeep(Keep):
             self._update(step, opt, *snap[1:])
         if made is not None and made.recorded:
             self.rule.add(made)
-        if not self.grouped and step is not None:
-            self.stepped = step.index
 
     def _update(self, step: Step, opt, idx: tuple, copies: list) -> None:
         """ΔW of the optimizer step `opt` (copies: the parameters before it) into `step`'s row."""

@@ -32,6 +32,11 @@ AGAIN = ("hw.watch: {model} is already watched by an open watch ({other}); both 
          "close that one first (w.close()), or open watches as `with hw.watch(model) as w:`")
 
 
+EARLY = ("hw.watch: the first optimizer step accumulated backward passes whose rows had moved to the host already "
+         "(a read, a slow step, an anomaly): steps {first}..{last} stay one backward pass each; every later optimizer "
+         "step is one row. Call w.count_optimizer_steps() before the loop to count optimizer steps from the first")
+
+
 NOT_CALLED = ("hw.watch: no call of {layers} reached backward in the first recorded step: their delta_* and a_* "
               "statistics are NaN (not measured); grad_norm, weight_norm and update_ratio are recorded wherever their "
               "weights get a gradient. A layer whose weight another module uses directly is never called itself "
@@ -195,8 +200,7 @@ class Watch:
                 self._judge(upto=step.index - 1)
             self._flight.step_ended(step.index, self._detector.rank)
         if self._rows.due(self.batch, timed=self._flight is not None or self._params[0].device.type == "cpu"):
-            over = len(self._rows.pending) > self.batch  # no optimizer step seen yet: held, up to `batch` rows
-            self._flush(upto=step.index - 1 if over else self._stats.complete(hold=True))
+            self._flush(upto=step.index - 1)
 
     def _take_back(self, steps: list) -> bool:
         """The first accumulating optimizer step holds `steps` (backward passes made steps of their own, their rows
@@ -205,6 +209,8 @@ class Watch:
         then they stay steps of their own."""
         pending = {id(s) for s in self._rows.pending}
         if not all(id(s) in pending for s in steps):
+            self.notes.append(EARLY.format(first=steps[0].index, last=steps[-1].index))
+            warnings.warn(self.notes[-1], stacklevel=2)
             return False
         taken = {id(s) for s in steps}
         self._rows.pending = [s for s in self._rows.pending if id(s) not in taken]
@@ -383,6 +389,18 @@ class Watch:
         return list(self._detector.anomalies)
 
     @property
+    def found_nonfinite(self) -> dict:
+        """w.nonfinite among the rows already on the host (no transfer: the live view reads it)."""
+        return dict(self._detector.stretches)
+
+    @property
+    def nonfinite(self) -> dict:
+        """Onset step of each non-finite stretch (its one anomaly in w.anomalies) -> the recorded steps after it that
+        were non-finite too (counted, not listed; detect.py)."""
+        self._flush()
+        return dict(self._detector.stretches)
+
+    @property
     def kept(self) -> list:
         """Steps whose full Trace w.trace(k) returns now."""
         self._flush()
@@ -467,6 +485,7 @@ class Watch:
                 "step_stats": self.step_stats, "steps": torch.tensor(self.steps, dtype=torch.int64),
                 "per_sample": ps, "anomalies": [tuple(a) for a in self.anomalies],
                 "notes": [str(n) for n in self.notes], "skipped": list(self.skipped), "seen": int(self.seen),
+                "nonfinite": {int(k): int(v) for k, v in self.nonfinite.items()},
                 "dropped": self.dropped_traces,
                 "traces": None if self._flight is None else [(k, self.trace(k).to_data()) for k in self.kept]}
         saved.write(path, "watch", tree)  # a loaded watch saves the same way (watch/saved.py's SavedWatch)
