@@ -283,3 +283,52 @@ def test_optimizer_steps_change_nothing(kind):
     (l0, p0, _), (l1, p1, w) = run(False), run(True)
     assert len(w.steps) == 3 and hook_count(w.model) == 0
     assert all(torch.equal(a, b) for a, b in zip(l0, l1)) and all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_optimizer_steps_add_no_host_sync_on_gpu(per_sample):
+    """Adding the passes up, reading .grad at the optimizer step and the update ratio: all on device."""
+    model = mlp().cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    xs, ys = torch.randn(8, 4, 6, device="cuda"), torch.randn(8, 4, 3, device="cuda")
+    with hw.watch(model, flight_recorder=False, per_sample=per_sample) as w:
+        w.count_optimizer_steps()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in range(4):
+                for micro in range(2):
+                    (nn.functional.mse_loss(model(xs[2 * step + micro]), ys[2 * step + micro]) / 2).backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert w.steps == [0, 1, 2, 3] and w.series("0", "update_ratio").isfinite().all()
+
+
+def test_per_sample_maxima_over_the_micro_batches(monkeypatch):
+    """per_sample=True: an optimizer step's largest per-sample gradient norm is the largest over its micro-batches;
+    the reference differentiates each sample's share of the loss on its own (autograd, no hooks)."""
+    monkeypatch.setattr(host, "FLUSH_SECONDS", 1e9)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs, ys = torch.randn(4, 4, 6), torch.randn(4, 4, 3)
+    want = []
+    with hw.watch(model, per_sample=True, flight_recorder=False) as w:
+        for step in range(2):
+            twin, best = mlp(), (-1.0, -1)  # the reference on a copy: outside the watch
+            twin.load_state_dict(model.state_dict())
+            for micro in range(2):
+                x, y = xs[2 * step + micro], ys[2 * step + micro]
+                for i in range(4):  # sample i's share of (mean squared error / 2), differentiated alone
+                    share = ((twin(x[i:i + 1]) - y[i:i + 1]) ** 2).sum() / y.numel() / 2
+                    g = torch.autograd.grad(share, list(twin.parameters()))
+                    best = max(best, (math.sqrt(sum(t.double().square().sum().item() for t in g)), i))
+            want.append(best)
+            for micro in range(2):
+                (nn.functional.mse_loss(model(xs[2 * step + micro]), ys[2 * step + micro]) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+    assert w.steps == [0, 1]
+    for k, (n, i) in enumerate(want):
+        assert close(w.per_sample[k, 0].item(), n) and w.per_sample[k, 1].item() == i

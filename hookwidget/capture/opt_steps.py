@@ -75,5 +75,5 @@ def merge(group: list, grads, total):
     ps = None
     if group[0].ps is not None:
         maxima = torch.stack([s.ps for s in group])
-        ps = maxima[maxima[:, 0].nan_to_num(-1.0).argmax()]
+        ps = maxima.index_select(0, maxima[:, 0].nan_to_num(-1.0).argmax().view(1)).view(2)  # no sync: no .item()
     return row, torch.stack([loss, total.to(row.device, F64)]), order, a_order, has_loss, ps
