@@ -953,7 +953,8 @@ def test_counts_shared_parameters_and_unreached_layers_exact():
             assert math.isnan(idle[col[c]].item()), (k, c)
         assert idle[col["weight_norm"]].item() > 0
     assert w.stats[1, 1, col["a_nonfinite"]] == 0 and w.stats[1, 3, col["a_nonfinite"]] == 1  # tanh(inf) = 1
-    assert [a.where for a in w.anomalies if a.step == 1][:1] == ["loss"]
+    (onset,) = [a for a in w.anomalies if a.step == 1]  # the onset: where δ turned non-finite, the loss listed first
+    assert onset.where == "head" and onset.reason.split(" | ")[1].startswith("non-finite loss")
 
 
 def test_layers_returning_a_dict_or_a_dataclass_are_seen():

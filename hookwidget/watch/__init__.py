@@ -69,7 +69,10 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     w.stats is (recorded steps × layers × statistics), float64;
     w.steps the step index of each row; w.series("fc1", "grad_norm"), w.series("loss").
 
-    w.anomalies: (step, where, reason) for a recorded step with
+    w.anomalies: (step, where, reason) for a recorded step with (a run that turns non-finite gives one anomaly
+    for its onset, where = the layer where it arose, the reason listing each of the kinds below with its first
+    layer; the non-finite steps right after it are counted in w.nonfinite, {onset: count}, not listed; the
+    flight recorder keeps the onset's Trace)
       - a non-finite loss (where="loss");
       - a non-finite δ (where = the first layer in backward order, the order in which gradients
         reached the layers' outputs, whose δ has a NaN or Inf: every layer reached before it had a
@@ -99,7 +102,9 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     Flight recorder (flight_recorder=True): a full recording (capture="full", as hw.trace does) runs
     from the end of backward k-1 (or the opening of the watch) to the end of backward k, so the Trace
     of step k holds the optimizer step and zero_grad that followed step k-1, the forward of step k
-    and its backward (t.steps[-1], its .grad, its graph). w.trace(k) returns it for the kept steps
+    and its backward (t.steps[-1], its .grad, its graph); where a step is an optimizer step of several backward
+    passes, the recording of its last pass (the ones before it are let go as the next pass begins).
+    w.trace(k) returns it for the kept steps
     (w.kept): every anomalous step, including those keep= asks for (at most max_kept of these, and when
     they are full the first step with a non-finite value takes the place of the latest kept for a spike
     or a GradScaler skip, and the first one keep= asks for that of a spike; w.dropped_traces counts the
