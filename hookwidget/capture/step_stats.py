@@ -3,8 +3,9 @@
 The tracer owns the hooks (one forward hook on each watched layer, the δ hook on its output, the optimizer
 hooks), their removal and the step boundaries; this strategy decides what each call reduces, on device and
 while the tensor is hot in cache (stat_rows.reduce_input / reduce_delta, per_sample's (a, δ) norms), and puts
-a recorded backward pass's reductions together into its (layers, statistics) row in a few kernels when its backward
-ends; where a step is an optimizer step of several passes, opt_steps.py adds their rows up when it has run. It keeps no Call, no StepRecord and no .grad copy (`records = False`): a watch left on for a million steps
+a recorded backward pass's reductions together into its (layers, statistics) row in a few kernels when its
+backward ends; where a step is an optimizer step of several passes, opt_steps.py adds their rows up when it has
+run. It keeps no Call, no StepRecord and no .grad copy (`records = False`): a watch left on for a million steps
 holds its rows only. The rows go to the watch through `Watched.add`; what it does with them (moving them to the
 host in batches, detection, the flight recorder) is the watch's.
 """
