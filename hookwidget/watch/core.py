@@ -2,7 +2,8 @@
 
 The hooks are the one tracer's (capture/tracer.py) with the keep strategy "stats" (capture/step_stats.py): it
 hands each step's row here when the step's backward ends (an optimizer step of several passes: when it has run);
-the Watch moves rows to the host (host.py), judges them (detect.py), keeps Traces (flight.py), unscales GradScaler steps (amp.py) and says what it could not see."""
+the Watch moves rows to the host (host.py), judges them (detect.py), keeps Traces (flight.py), unscales
+GradScaler steps (amp.py) and says what it could not see."""
 
 from __future__ import annotations
 
