@@ -125,7 +125,7 @@ class StatsKeep(Keep):
         self.last: Step | None = None
         self.row_step: Step | None = None  # the latest step made: an optimizer step after it writes into its row
         self.opts = weakref.WeakKeyDictionary()  # optimizer -> (param-group sizes, param indices, copies, groups)
-        self.snap = None  # (optimizer, step, param indices, copies) between an optimizer's pre and post hooks
+        self.snap = None  # (optimizer, param indices, copies) between an optimizer's pre and post hooks
         self.sinks = compiled_stats.sinks(rule.layers)  # where compiled code leaves its statistics
 
     # -- calls: reduced now, while a and δ are hot in cache, to 0-d tensors -------------------------
