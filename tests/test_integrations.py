@@ -1,7 +1,8 @@
 """hookwidget.integrations: the callbacks inside a real Hugging Face Trainer (tiny GPT-2, random weights, CPU) and a
 real Lightning Trainer (small MLP, CPU), with gradient accumulation. The reference is taken in the same fit by
-hand-written hooks: a post-accumulate-grad hook on every parameter keeps ‖p.grad‖₂ as each backward pass leaves
-it, and the trainer's own events (Trainer: on_substep_end / on_step_end; Lightning: on_train_batch_end and
+hand-written hooks: the torch optimizer's own step hooks (register_step_pre_hook / register_step_post_hook) read
+‖p.grad‖₂ as the step uses it (after the Trainer's clipping) and copy the parameters before and after it (‖ΔW‖/‖W‖),
+and the trainer's own events (Trainer: on_substep_end / on_step_end; Lightning: on_train_batch_end and
 trainer.global_step) say which micro-batches each optimizer step held. Nothing in the reference comes from
 hookwidget."""
 
@@ -23,20 +24,37 @@ def hook_count(model) -> int:
             + sum(len(d) for d in module_hooks().values()) + sum(len(d) for d in optimizer_hooks()))
 
 
-class GradNorms:
-    """Hand-written hooks: ‖p.grad‖₂ of every parameter as the latest backward pass left it; per layer (a module
-    with parameters of its own, named as in named_modules) the root sum of squares over its own parameters."""
+class StepNorms:
+    """Hand-written hooks on a torch optimizer: per optimizer step and layer (a module with parameters of its own,
+    named as in named_modules), ‖W.grad‖₂ as the step used it and ‖ΔW‖₂/‖W‖₂ of the step (root sums of squares
+    over the layer's own parameters)."""
 
     def __init__(self, model):
-        self.model, self.norms = model, {}
-        self.handles = [p.register_post_accumulate_grad_hook(self.hook) for p in model.parameters()]
+        self.model, self.rows, self.globals, self.before, self.handles = model, [], [], None, []
 
-    def hook(self, p):
-        self.norms[id(p)] = p.grad.detach().double().norm().item()
+    def attach(self, opt):
+        opt = getattr(opt, "optimizer", opt)  # accelerate's wrapper: the torch optimizer inside
+        self.handles = [opt.register_step_pre_hook(self.pre), opt.register_step_post_hook(self.post)]
 
-    def layers(self) -> dict:
-        return {name or type(m).__name__: math.sqrt(sum(self.norms[id(p)] ** 2 for p in m.parameters(recurse=False)))
-                for name, m in self.model.named_modules() if list(m.parameters(recurse=False))}
+    def layers(self):
+        return [(name or type(m).__name__, list(m.parameters(recurse=False))) for name, m in self.model.named_modules()
+                if list(m.parameters(recurse=False))]
+
+    def pre(self, opt, args, kwargs):
+        self.before = {id(p): p.detach().clone() for p in self.model.parameters()}
+
+    def post(self, opt, args, kwargs):  # .grad as the step used it: Lightning's backward runs inside step(closure)
+        self.globals.append(math.sqrt(sum(p.grad.double().square().sum().item() for p in self.model.parameters()
+                                          if p.grad is not None)))
+
+        def root(f, ps):
+            return math.sqrt(sum(f(p) ** 2 for p in ps))
+
+        self.rows.append({name: {"grad_norm": root(lambda p: p.grad.double().norm().item(), ps),
+                                 "update_ratio": root(lambda p: (p.detach() - self.before[id(p)]).double().norm()
+                                                      .item(), ps) / root(lambda p: self.before[id(p)].double()
+                                                                          .norm().item(), ps)}
+                          for name, ps in self.layers()})
 
     def remove(self):
         for h in self.handles:
@@ -47,19 +65,19 @@ def close(a, b):
     return a == pytest.approx(b, rel=2e-5, abs=1e-12)
 
 
-def check_against(cb, ref_steps, ref_micro):
-    """The watch's grad_norm at each optimizer step's last micro-batch is the hand-written one; the micro-batches
-    are the trainer's."""
+def check_against(cb, norms, ref_micro, losses):
+    """One row per optimizer step: its grad_norm and update_ratio are the hand-written ones, its loss the trainer's,
+    the micro-batches the trainer's."""
     w = cb.watch
     assert not w.active
     assert cb.micro_batches == ref_micro
-    assert cb.optimizer_steps() == [s for s, bs in sorted(ref_micro.items()) for _ in bs]
-    gi = w.stat_names.index("grad_norm")
-    for s, layers in ref_steps.items():
-        row = w.steps.index(ref_micro[s][-1])
+    assert cb.optimizer_steps() == sorted(ref_micro) and len(w.steps) == len(norms.rows) == len(ref_micro)
+    for r, layers in enumerate(norms.rows):
         assert set(layers) == set(w.layer_names)
-        for li, layer in enumerate(w.layer_names):
-            assert close(w.stats[row, li, gi].item(), layers[layer]), (s, layer)
+        for layer in w.layer_names:
+            for stat in ("grad_norm", "update_ratio"):
+                assert close(w.series(layer, stat)[r].item(), layers[layer][stat]), (r, layer, stat)
+    assert w.series("loss").tolist() == pytest.approx(losses, rel=1e-4)
 
 
 # -- imports ------------------------------------------------------------------------------------------------
@@ -107,7 +125,10 @@ def trainer_parts():
 
         def __init__(self, norms):
             self.norms, self.n, self.first = norms, 0, 0
-            self.steps, self.micro, self.logs = {}, {}, {}
+            self.micro, self.logs = {}, {}
+
+        def on_train_begin(self, args, state, control, optimizer=None, **kw):
+            self.norms.attach(optimizer)
 
         def on_substep_end(self, args, state, control, **kw):
             self.n += 1
@@ -115,7 +136,6 @@ def trainer_parts():
         def on_step_end(self, args, state, control, **kw):
             self.n += 1
             self.micro[state.global_step], self.first = list(range(self.first, self.n)), self.n
-            self.steps[state.global_step] = self.norms.layers()
 
         def on_log(self, args, state, control, logs=None, **kw):
             if "loss" in logs:
@@ -145,25 +165,50 @@ def test_trainer_callback_against_hand_written_hooks(tmp_path):
 
     model = gpt2(tf)
     before = hook_count(model)
-    norms = GradNorms(model)
+    norms = StepNorms(model)
     ref, cb = TrainerReference(norms), HookwidgetCallback()
     trainer = hf_trainer(tf, tmp_path, model, [ref, cb])  # ref first: where the report_to integrations are
     trainer.train()
     norms.remove()
     assert hook_count(model) == before
     assert sorted(ref.micro) == [1, 2, 3, 4] and all(len(b) == 2 for b in ref.micro.values())
-    check_against(cb, ref.steps, ref.micro)
-    # the series reached the logs at the Trainer's cadence (logging_steps=1), as a callback before ours sees them
+    # the Trainer clips (max_grad_norm=1.0): the optimizer's .grad is not the one backward left
+    assert any(abs(g - ref.logs[s]["grad_norm"]) > 1e-3 for s, g in zip(sorted(ref.logs), norms.globals))
+    check_against(cb, norms, ref.micro, [ref.logs[s]["loss"] for s in sorted(ref.logs)])
+    # a handful of keys reached the logs at the Trainer's cadence (logging_steps=1), as a callback before ours sees
+    # them, and the Trainer's log_history
     assert sorted(ref.logs) == [1, 2, 3, 4]
     w = cb.watch
-    for s, logs in ref.logs.items():
-        for layer in w.layer_names:
-            assert close(logs[f"hookwidget/grad_norm/{layer}"], ref.steps[s][layer])
-            assert f"hookwidget/update_ratio/{layer}" in logs
+    ui = w.stat_names.index("update_ratio")
+    for r, (_, logs) in enumerate(sorted(ref.logs.items())):
+        keys = sorted(k for k in logs if k.startswith("hookwidget/"))
+        assert keys == ["hookwidget/anomalies", "hookwidget/grad_norm", "hookwidget/update_ratio_max",
+                        "hookwidget/update_ratio_max_layer"]
+        assert close(logs["hookwidget/grad_norm"], norms.globals[r])
+        top = max(norms.rows[r].items(), key=lambda kv: kv[1]["update_ratio"])
+        assert w.layer_names[logs["hookwidget/update_ratio_max_layer"]] == top[0]
+        assert close(logs["hookwidget/update_ratio_max"], top[1]["update_ratio"])
+        assert logs["hookwidget/anomalies"] == len(w.anomalies) == 0
+        assert w.stats[r, :, ui].isfinite().all()
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["step"] for h in history] == [1, 2, 3, 4]
-    assert all(h[f"hookwidget/grad_norm/{w.layer_names[0]}"] == ref.logs[h["step"]][
-        f"hookwidget/grad_norm/{w.layer_names[0]}"] for h in history)
+    assert all(h["hookwidget/grad_norm"] == ref.logs[h["step"]]["hookwidget/grad_norm"] for h in history)
+
+
+def test_trainer_callback_per_layer_series_opt_in(tmp_path):
+    tf, _ = trainer_parts()
+    from hookwidget.integrations.transformers import HookwidgetCallback
+
+    cb = HookwidgetCallback(log_stats=("grad_norm",), flight_recorder=False)
+    trainer = hf_trainer(tf, tmp_path, gpt2(tf), [cb])
+    trainer.train()
+    w = cb.watch
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    for r, h in enumerate(history):
+        keys = [k for k in h if k.startswith("hookwidget/")]
+        assert len(keys) == 4 + len(w.layer_names)
+        assert all(h[f"hookwidget/grad_norm/{layer}"] == w.series(layer, "grad_norm")[r].item()
+                   for layer in w.layer_names)
 
 
 def test_trainer_fit_is_unchanged_by_the_callback(tmp_path):
@@ -206,7 +251,8 @@ def test_trainer_fit_that_raises_leaves_no_hook(tmp_path, added_later, error):
         trainer.train()
     handle.remove()
     assert not cb.watch.active and hook_count(model) == before
-    assert cb.watch.steps == [0, 1] and cb.micro_batches == {1: [0, 1]}
+    # one optimizer step, then a micro-batch no step followed: its row belongs to no trainer step
+    assert cb.watch.steps == [0] and cb.micro_batches == {1: [0, 1]} and cb.optimizer_steps() == [1]
 
 
 def test_arguments_checked_when_the_callback_is_made():
@@ -227,14 +273,16 @@ def lightning_parts():
         def __init__(self, fail_at=None):
             super().__init__()
             self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-            self.fail_at, self.calls = fail_at, 0
+            self.fail_at, self.calls, self.losses = fail_at, 0, []
 
         def training_step(self, batch, batch_idx):
             self.calls += 1
             if self.calls == self.fail_at:
                 raise Boom("boom")
             x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(loss.item())
+            return loss
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -242,14 +290,16 @@ def lightning_parts():
     class Reference(L.Callback):
         def __init__(self, norms):
             self.norms, self.n, self.first, self.last = norms, 0, 0, 0
-            self.steps, self.micro = {}, {}
+            self.micro = {}
+
+        def on_train_start(self, trainer, pl_module):
+            self.norms.attach(trainer.optimizers[0])
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.n += 1
             if trainer.global_step != self.last:
                 self.last = trainer.global_step
                 self.micro[self.last], self.first = list(range(self.first, self.n)), self.n
-                self.steps[self.last] = self.norms.layers()
 
     return L, MLP, Reference
 
@@ -274,22 +324,23 @@ def test_lightning_callback_against_hand_written_hooks(tmp_path):
     torch.manual_seed(0)
     module = MLP()
     before = hook_count(module)
-    norms = GradNorms(module)
-    ref, cb = Reference(norms), HookwidgetCallback()
+    norms = StepNorms(module)
+    ref, cb = Reference(norms), HookwidgetCallback(log_stats=("grad_norm",))
     logger = CSVLogger(str(tmp_path), name="csv")
     lightning_fit(tmp_path, L, module, [cb, ref], logger)
     norms.remove()
     assert hook_count(module) == before
     assert sorted(ref.micro) == [1, 2, 3] and all(len(b) == 2 for b in ref.micro.values())
-    check_against(cb, ref.steps, ref.micro)
-    # the series reached the Trainer's logger (log_every_n_steps=1), at x = global_step
+    # Lightning divides each micro-batch's loss by accumulate_grad_batches for backward: the step's loss is their mean
+    check_against(cb, norms, ref.micro, [sum(module.losses[2 * s:2 * s + 2]) / 2 for s in range(3)])
+    # the keys reached the Trainer's logger (log_every_n_steps=1), at x = global_step
     with open(f"{logger.log_dir}/metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("hookwidget/grad_norm/net.0")]
+        rows = [r for r in csv.DictReader(f) if r.get("hookwidget/grad_norm")]
     assert [int(r["step"]) for r in rows] == [1, 2, 3]
     for r in rows:
+        assert close(float(r["hookwidget/grad_norm"]), norms.globals[int(r["step"]) - 1])
         for layer in cb.watch.layer_names:
-            assert close(float(r[f"hookwidget/grad_norm/{layer}"]), ref.steps[int(r["step"])][layer])
-            assert f"hookwidget/update_ratio/{layer}" in r
+            assert close(float(r[f"hookwidget/grad_norm/{layer}"]), norms.rows[int(r["step"]) - 1][layer]["grad_norm"])
 
 
 def test_lightning_fit_that_raises_leaves_no_hook(tmp_path):
@@ -303,4 +354,5 @@ def test_lightning_fit_that_raises_leaves_no_hook(tmp_path):
     with pytest.raises(Boom):
         lightning_fit(tmp_path, L, module, [cb])
     assert not cb.watch.active and hook_count(module) == before
-    assert cb.watch.steps == [0, 1, 2] and cb.micro_batches == {1: [0, 1]}
+    # one optimizer step, then a micro-batch no step followed: its row belongs to no trainer step
+    assert cb.watch.steps == [0, 1] and cb.micro_batches == {1: [0, 1]} and cb.optimizer_steps() == [1, None]

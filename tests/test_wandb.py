@@ -173,7 +173,7 @@ def test_trainer_report_to_wandb_gets_the_callbacks_series(offline, tmp_path):
     args = tf.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, gradient_accumulation_steps=2,
                                 per_device_train_batch_size=2, logging_steps=2, report_to=["wandb"], use_cpu=True,
                                 save_strategy="no", disable_tqdm=True, seed=0)
-    cb = HookwidgetCallback()
+    cb = HookwidgetCallback(log_stats=("grad_norm", "update_ratio"))  # per-layer series: opt-in
     trainer = tf.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
     trainer.train()
     run = wandb.run
@@ -183,6 +183,8 @@ def test_trainer_report_to_wandb_gets_the_callbacks_series(offline, tmp_path):
     rows = {row["train/global_step"]: row for row in logged(run) if "train/loss" in row}
     assert sorted(rows) == [2, 4]
     for step, row in rows.items():
+        for key in ("grad_norm", "update_ratio_max", "update_ratio_max_layer", "anomalies"):
+            assert row[f"train/hookwidget/{key}"] == kept[step][f"hookwidget/{key}"]
         for layer in cb.watch.layer_names:
             for stat in ("grad_norm", "update_ratio"):
                 key = f"hookwidget/{stat}/{layer}"

@@ -13,7 +13,7 @@ import torch.optim.optimizer as optimizer_mod
 from torch import nn
 
 from hookwidget.trace import Trace
-from hookwidget.watch import STAT_NAMES, watch
+from hookwidget.watch import STAT_NAMES, host, watch
 
 TORCH_BACKWARD, TORCH_GRAD = torch.autograd.backward, torch.autograd.grad
 
@@ -527,12 +527,11 @@ def test_first_non_finite_in_backward_order():
     opt = torch.optim.SGD(model.parameters(), 0.1)
     with watch(model) as w:
         run_loop(model, opt, x, y, 6, skip_nonfinite=True)
-    delta = [a for a in w.anomalies if a.reason.startswith("δ")]
-    assert [(a.step, a.where) for a in delta] == [(3, "fc2")]
-    assert f"(nan {step3[1][1]}, inf 0); 2 layers in all" in delta[0].reason
-    grads = [a for a in w.anomalies if a.reason.startswith(".grad")]
-    assert [(a.step, a.where) for a in grads] == [(3, "fc2")]  # fc2 is also the first with a NaN .grad
-    assert {a.step for a in w.anomalies} == {3}
+    (onset,) = w.anomalies  # one anomaly: the onset, where it arose
+    assert (onset.step, onset.where) == (3, "fc2") and w.nonfinite == {3: 0}  # step 4 is finite again
+    parts = onset.reason.split(" | ")[1:]
+    assert parts[0].startswith("fc2: δ") and parts[0].endswith(f"(nan {step3[1][1]}, inf 0); 2 layers in all")
+    assert [p.split(" ")[:2] for p in parts[1:]] == [["fc2:", ".grad"]]  # fc2 is also the first with a NaN .grad
     assert w.stats[3, 2, STAT_NAMES.index("delta_nan")].item() == 0  # fc3
     assert w.stats[3, 1, STAT_NAMES.index("delta_nan")].item() == step3[1][1]  # fc2
     assert 3 in w.kept and math.isnan(w.trace(3).layers["fc2"].delta.sum().item())
@@ -548,8 +547,10 @@ def test_first_non_finite_in_forward_order():
     opt = torch.optim.SGD(model.parameters(), 0.1)
     with watch(model) as w:
         run_loop(model, opt, x, y, 5, skip_nonfinite=True)
-    found = {(a.step, a.where, a.reason.split(" ")[0]) for a in w.anomalies}
-    assert found == {(2, "loss", "non-finite"), (2, "3", "input"), (2, "5", "δ"), (2, "5", ".grad")}
+    (onset,) = w.anomalies
+    assert (onset.step, onset.where) == (2, "5")  # where δ turned non-finite: the loss is NaN, so every δ is
+    parts = [p.split(" ")[:2] for p in onset.reason.split(" | ")[1:]]
+    assert parts == [["non-finite", "loss"], ["5:", "δ"], ["3:", "input"], ["5:", ".grad"]]
     a_rms = w.stats[2, :, STAT_NAMES.index("a_rms")]
     assert math.isfinite(a_rms[0]) and math.isnan(a_rms[1]) and math.isnan(a_rms[2])
     assert w.kept == [2, 4]
@@ -581,12 +582,16 @@ def test_divergence_by_too_large_learning_rate():
     assert bad_loss and first_bad_delta and first_bad_input  # it diverges
     with watch(model, max_kept=3) as w:
         run_loop(model, torch.optim.SGD(model.parameters(), 30.0), x, y, 25)
-    assert sorted({a.step for a in w.anomalies if a.where == "loss" and "non-finite" in a.reason}) == bad_loss
-    assert sorted({a.step for a in w.anomalies if a.reason.startswith(".grad")}) == bad_grad
-    assert {a.step: a.where for a in w.anomalies if a.reason.startswith("δ")} == first_bad_delta
-    assert {a.step: a.where for a in w.anomalies if a.reason.startswith("input")} == first_bad_input
-    assert min(a.step for a in w.anomalies) == min(bad_loss + bad_grad + list(first_bad_delta))
-    assert len([k for k in w.kept if k != 24]) == 3 and w.dropped_traces > 0  # max_kept anomalous, and the latest
+    bad = sorted(set(bad_loss + bad_grad + list(first_bad_delta) + list(first_bad_input)))
+    onset = bad[0]
+    assert bad == list(range(onset, 25))  # once non-finite, it stays so
+    # one anomaly for the onset, where it arose (the first non-finite δ in backward order), the steps after it counted
+    after = [a for a in w.anomalies if a.step >= onset]
+    assert [(a.step, a.where) for a in after] == [(onset, first_bad_delta[onset])]
+    assert (onset in bad_loss) == ("non-finite loss" in after[0].reason)
+    assert (onset in first_bad_input) == (f"{first_bad_input.get(onset)}: input activation" in after[0].reason)
+    assert w.nonfinite == {onset: 24 - onset}
+    assert onset in w.kept and all(k <= onset or k == 24 for k in w.kept)  # the onset's Trace, not the stretch's
 
 
 def test_spikes_and_window():
@@ -693,9 +698,6 @@ def test_bad_arguments():
 def test_statistics_move_to_host_in_batches(monkeypatch):
     """Without the flight recorder the statistics stay on device and come over `batch` steps at a time (the live
     view's timed moves, every FLUSH_SECONDS, set aside: on a loaded machine slow steps would add some)."""
-    from hookwidget.watch import host
-
-    monkeypatch.setattr(host, "FLUSH_SECONDS", float("inf"))
     torch.manual_seed(0)
     model = Net(bn=False, p=0.0)
     opt = torch.optim.SGD(model.parameters(), 0.01)
@@ -703,11 +705,14 @@ def test_statistics_move_to_host_in_batches(monkeypatch):
     transfers = []
     cpu = torch.Tensor.cpu
     monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: transfers.append(t.shape) or cpu(t, *a, **k))
+    monkeypatch.setattr(host, "FLUSH_SECONDS", 1e9)  # on CPU rows also move every FLUSH_SECONDS: not in this test
     w = watch(model, flight_recorder=False, batch=64)
-    run_loop(model, opt, x, y, 150)
-    assert len(transfers) == 2  # after 65 steps, then after 130: 64 rows each time
-    assert w.stats.shape[0] == 150 and len(transfers) == 3  # reading brings the rest
-    w.close()
+    try:
+        run_loop(model, opt, x, y, 150)
+        assert len(transfers) == 2  # after 65 steps, then after 130: 64 rows each time
+        assert w.stats.shape[0] == 150 and len(transfers) == 3  # reading brings the rest
+    finally:
+        w.close()  # a watch left open would leave its stand-ins for the tests after this one
     monkeypatch.undo()
     assert w.steps == list(range(150))
 
@@ -949,7 +954,8 @@ def test_counts_shared_parameters_and_unreached_layers_exact():
             assert math.isnan(idle[col[c]].item()), (k, c)
         assert idle[col["weight_norm"]].item() > 0
     assert w.stats[1, 1, col["a_nonfinite"]] == 0 and w.stats[1, 3, col["a_nonfinite"]] == 1  # tanh(inf) = 1
-    assert [a.where for a in w.anomalies if a.step == 1][:1] == ["loss"]
+    (onset,) = [a for a in w.anomalies if a.step == 1]  # the onset: where δ turned non-finite, the loss listed first
+    assert onset.where == "head" and onset.reason.split(" | ")[1].startswith("non-finite loss")
 
 
 def test_layers_returning_a_dict_or_a_dataclass_are_seen():

@@ -88,7 +88,7 @@ def test_event_files_hold_every_layer_statistic_and_step(tmp_path, live, monkeyp
             assert [k for k, _ in got] == w.steps
             assert all(same(v, w.stats[r, li, si].item()) for r, (_, v) in enumerate(got)), (n, s)
     text = acc.Tensors("anomalies/text_summary")[-1].tensor_proto.string_val[0].decode()
-    assert "step 4, loss: non-finite loss" in text
+    assert "step 4, 2: non-finite from here on" in text and "| non-finite loss (nan) |" in text
 
 
 def test_missing_tensorboard_is_one_line_naming_the_extra(tmp_path, monkeypatch):

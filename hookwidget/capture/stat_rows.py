@@ -87,6 +87,9 @@ class Rows:
         self.L, self.params, self.pairs = n_layers, params, pairs  # pairs: (layer index, param index)
         self._cache: dict = {}
         self.parts = None  # the latest row's Parts (what a distributed watch sums over ranks: watch/ranks.py)
+        # the latest row's sums before roots and quotients: (‖δ‖², Σa², zeros of a, entries of a), each (layers,)
+        # (NaN: not reached); what an optimizer step's micro-batches add up exactly (opt_steps.py)
+        self.sums = None
 
     def _grad_index(self, present: tuple, dev):
         """For the params with a .grad: (index into 2L of each [grad norm.., weight norm..], mask of layers
@@ -111,6 +114,7 @@ class Rows:
         L, params = self.L, self.params
         nan4 = torch.full((4,), NAN, dtype=F64, device=dev)
         d = torch.stack([delta[i].to(dev) if i in delta else nan4 for i in range(L)])
+        dsq = d[:, 0].clone()
         d[:, 0].sqrt_()
         nan4 = torch.full((4,), NAN, dtype=F64, device=dev)
         a_sum = torch.stack([a[i].to(dev) if i in a else nan4 for i in range(L)])
@@ -133,6 +137,7 @@ class Rows:
         row = torch.cat([d, a_part, gw.view(2, L).T, upd, gc, upd], dim=1)
         self.parts = Parts(present, sq, counts, a_sum[:, 3])
         loss = loss.to(dev).double() if loss is not None else torch.full((), NAN, dtype=F64, device=dev)
+        self.sums = (dsq, a_sum[:, 0], a_sum[:, 1], a_sum[:, 3])
         return row, torch.stack([loss, total])
 
     def _entry_index(self, key: tuple, dev):
@@ -235,6 +240,7 @@ class Rows:
             if c is not None:
                 g_counts = g_counts.index_add(0, ix["g_layers"], c.to(dev)[ix["g_pos"]])
             self.parts = Parts(present, V[nd + na:nN], c, ix["denom"][:, 1])
+            self.sums = (sums[:, 0], sums[:, 1], sums[:, 2], ix["denom"][:, 1])  # views: no kernel
             scaled = sums / ix["denom"]  # Σa² and the zeros of a over the entries
             m = torch.cat([scaled.sqrt(), scaled[:, 2:3], dmax, d_counts, a_bad, g_counts, ix["nan_col"]], dim=1)
             row = m.index_select(1, ix["perm"])
@@ -258,6 +264,27 @@ class Rows:
         if gather is not None:
             sq = sq[gather]
         return torch.zeros(self.L, dtype=F64, device=dev).index_add_(0, layers, sq), mask
+
+
+    def grads(self, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """The .grad now: (layers, 3) [‖W.grad‖₂, NaN count, Inf count] (NaN: no .grad) and the global norm; read at
+        an optimizer step that held several backward passes (opt_steps.py), where .grad is what that step used."""
+        L, params = self.L, self.params
+        present = tuple(i for i, p in enumerate(params) if p.grad is not None)
+        if not present:
+            return torch.full((L, 3), NAN, dtype=F64, device=dev), torch.full((), NAN, dtype=F64, device=dev)
+        _, has, _, g_layers, g_pos = self._grad_index(present, dev)
+        with torch.no_grad():
+            grads = [_dense(params[i].grad) for i in present]
+            sq = _stack(l2_batch(grads), dev).double().square_()
+            norm = torch.zeros(L, dtype=F64, device=dev).index_add_(0, g_layers, sq[g_pos]).sqrt_()
+            total = sq.sum().sqrt()
+            counts = torch.zeros(L, 2, dtype=F64, device=dev)
+            c = _grad_counts(grads, total, dev)
+            if c is not None:
+                counts.index_add_(0, g_layers, c.to(dev)[g_pos])
+            out = torch.cat([norm.view(L, 1), counts], dim=1)
+            return out.masked_fill_(~has[:L].view(L, 1), NAN), total
 
 
 def _grad_counts(grads: list, total: torch.Tensor, dev) -> torch.Tensor | None:

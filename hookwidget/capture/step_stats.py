@@ -3,8 +3,9 @@
 The tracer owns the hooks (one forward hook on each watched layer, the δ hook on its output, the optimizer
 hooks), their removal and the step boundaries; this strategy decides what each call reduces, on device and
 while the tensor is hot in cache (stat_rows.reduce_input / reduce_delta, per_sample's (a, δ) norms), and puts
-a recorded step's reductions together into its (layers, statistics) row in a few kernels when its backward
-ends. It keeps no Call, no StepRecord and no .grad copy (`records = False`): a watch left on for a million steps
+a recorded backward pass's reductions together into its (layers, statistics) row in a few kernels when its
+backward ends; where a step is an optimizer step of several passes, opt_steps.py adds their rows up when it has
+run. It keeps no Call, no StepRecord and no .grad copy (`records = False`): a watch left on for a million steps
 holds its rows only. The rows go to the watch through `Watched.add`; what it does with them (moving them to the
 host in batches, detection, the flight recorder) is the watch's.
 """
@@ -21,12 +22,14 @@ from hookwidget._torch.autograd import checkpoint_frame
 from hookwidget._torch.norms import foreach_copy_, foreach_sub_
 from hookwidget.capture import compiled_stats
 from hookwidget.capture.keep import Keep, register
+from hookwidget.capture.opt_steps import merge
 from hookwidget.capture.stat_rows import F64, NAN, Rows, S, _locals, add_delta, local, reduce_delta, reduce_input
 from hookwidget.capture.stat_rows import unscale as unscale_row
 from hookwidget.capture.tensors import first_tensor
 from hookwidget.stats import l2_batch
 
 STATS = "stats"  # the strategy's name (not a user capture mode: the watch makes its Tracer itself)
+RECENT = 256  # backward passes the first accumulating optimizer step can take back (StatsKeep._take_back)
 
 
 class Watched(NamedTuple):
@@ -35,7 +38,9 @@ class Watched(NamedTuple):
     sample_stats.PerSample or None. The callbacks: `scale()` the GradScaler's scale now (a device tensor) or
     None, asked as each backward starts; `add(step)` a recorded step's row is ready (on device); `changed()` a
     row already on the host was written into; `ended(step)` a step's backward ended, recorded or not;
-    `began(step)` the first call of a step's forward (the optimizer steps of the step before have run)."""
+    `began(step)` the first call of a step's forward (the optimizer steps of the step before have run);
+    `take_back(steps)` the rows of `steps` (added, recorded) are to be added up into one optimizer step: whether
+    they could be (still on device, their index free: the watch's rows, anomalies and flight recorder)."""
 
     layers: list
     params: list
@@ -47,13 +52,21 @@ class Watched(NamedTuple):
     changed: Callable
     ended: Callable
     began: Callable
+    take_back: Callable
 
 
 class Step:
-    """What hooks gathered for one step (backward pass) while it runs; all on device."""
+    """What hooks gathered for one step while it runs; all on device. A step is one backward pass, or, once the
+    watch counts optimizer steps (StatsKeep.grouped), one optimizer step: then each backward pass is a Step of its
+    own (its `index` the optimizer step's) and opt_steps.merge adds them up into the optimizer step's Step."""
 
-    def __init__(self, index: int, recorded: bool):
-        self.index, self.recorded = index, recorded
+    def __init__(self, index: int | None = None, recorded: bool = False):
+        self.index, self.recorded = index, recorded  # index None: not known until the pass's first call (_open)
+        self.pass_index = None  # the backward pass (0, 1, ... over the run) it was
+        self.inside = False  # its backward ran inside an optimizer step: step(closure)
+        self.accumulates = False  # its backward began with .grad set: it added to the passes' before it
+        self.sums = None  # stat_rows.Rows.sums of its row, while an optimizer step may add it up (opt_steps.py)
+        self.passes = self.micro = None  # an optimizer step's Step: its passes' indices and (rows, step rows)
         self.delta: dict = {}  # layer index -> [‖δ‖², max|δ|, NaN, Inf] over its calls (compiled code's)
         self.a: dict = {}  # layer index -> [Σa², zeros, non-finite, entries] over its calls (compiled code's)
         self.order: dict = {}  # layer index -> position in backward order (δ arrival)
@@ -80,9 +93,15 @@ class Step:
 
 
 class StatsKeep(Keep):
-    """Per-step statistics of the watched layers; `rule` is the watch's `Watched`. `cur`: the step whose
-    forward/backward runs now; `last`: the latest step whose backward ended (optimizer steps belong to it);
-    `n`: backward passes seen (autograd.grad calls, gradient penalties, are not steps)."""
+    """Per-step statistics of the watched layers; `rule` is the watch's `Watched`. `cur`: the backward pass whose
+    forward/backward runs now; `last`: the latest pass whose backward ended; `n`: backward passes seen
+    (autograd.grad calls, gradient penalties, are not steps); `k`: the index of the step being made.
+
+    Steps are backward passes until the watch sees an optimizer step hold several of them (gradient accumulation)
+    or run one inside step(closure) (opt_steps.py says why the optimizer hooks tell it): from then on (`grouped`,
+    or from the start where count_optimizer_steps() says so) a step is an optimizer step, made of the passes since
+    the one before, and its row goes to the watch when the optimizer's post-hook has run. A plain loop (one
+    backward pass, then one optimizer step) never groups: its rows, and their cost, are those of backward passes."""
 
     records = False
     node_grads = False
@@ -96,10 +115,20 @@ class StatsKeep(Keep):
         self.lock = threading.Lock()  # the δ hooks autograd may run on its device threads
         self.kind = None  # the kind of the outermost backward running now
         self.n = 0
-        self.cur = Step(0, True)
+        self.k = 0
+        self.grouped = False
+        self.group: list = []  # grouped: the passes of the open optimizer step
+        self.stepping: list = []  # the optimizers (of watched parameters) whose step runs now, outermost first
+        self.since = 0  # backward passes since the latest optimizer step began
+        self.recent: list = []  # while steps are backward passes: the passes since the latest optimizer step began
+        # whether .grad is set as a backward begins, read from one parameter (cheap, no sync): zero_grad (set to None,
+        # its default) came before a pass that starts a gradient, not before one that accumulates into it
+        self.probe = next((p for p in rule.params if p.requires_grad), rule.params[0])
+        self.cur = Step()
         self.last: Step | None = None
+        self.row_step: Step | None = None  # the latest step made: an optimizer step after it writes into its row
         self.opts = weakref.WeakKeyDictionary()  # optimizer -> (param-group sizes, param indices, copies, groups)
-        self.snap = None  # (optimizer, step, param indices, copies) between an optimizer's pre and post hooks
+        self.snap = None  # (optimizer, param indices, copies) between an optimizer's pre and post hooks
         self.sinks = compiled_stats.sinks(rule.layers)  # where compiled code leaves its statistics
 
     # -- calls: reduced now, while a and δ are hot in cache, to 0-d tensors -------------------------
@@ -109,6 +138,9 @@ class StatsKeep(Keep):
     def on_call(self, module, inputs, out):
         cur = self.cur
         if cur.calls == 0:
+            if self.group and not self.stepping and self.probe.grad is None:
+                self._abandon()
+            self._open(cur)
             self.rule.began(cur)
         cur.calls += 1
         if not cur.recorded:
@@ -163,14 +195,37 @@ class StatsKeep(Keep):
         return False
 
     # -- steps -----------------------------------------------------------------------------------
+    def _open(self, cur: Step) -> None:
+        """The pass's step is known at its first call (or backward): the step being made, `k`."""
+        if cur.index is None:
+            cur.index, cur.recorded = self.k, self.k % self.every == 0
+
+    def count_optimizer_steps(self) -> None:
+        """From now on a step is an optimizer step (see the class docstring)."""
+        self.grouped = True
+
+    def complete(self) -> int:
+        """The last step whose row is complete (its optimizer step ran): before the step being made, and, while
+        steps are backward passes, before the latest pass too (an optimizer step may still follow it)."""
+        return self.k - 1 if self.grouped else self.k - 2
+
     def begin_pass(self, kind: str, tensors: list) -> None:
         self.kind = kind
         if kind != "backward":
             return
         cur = self.cur
+        cur.accumulates = self.probe.grad is not None
+        if self.stepping:  # backward inside step(closure): the pass is that optimizer step's
+            cur.inside = True
+            self.grouped = True
+        elif self.group and not cur.accumulates:  # the gradient of the passes before was let go with no optimizer
+            self._abandon()                        # step (a GradScaler skipped it): they make a step of their own
+            cur.index = None  # its forward was counted in theirs (zero_grad came after it): the next step's
+        self._open(cur)
         cur.scale = self.rule.scale()
-        if self.last is not None and self.last.recorded:
-            self.last.next_scale = cur.scale
+        for s in (self.last, self.row_step):
+            if s is not None and s.recorded and s.next_scale is None:
+                s.next_scale = cur.scale
         if cur.recorded:
             scalars = [t for t in tensors if t.numel() == 1]
             cur.loss = scalars[0].detach().reshape(()).clone() if scalars else None
@@ -191,11 +246,55 @@ class StatsKeep(Keep):
             unscale_row(step.row, step.step_row, step.scale)
             step.parts = self.rows.parts
             step.delta = step.a = step.loss = step.ds = None
-            self.rule.add(step)
+            step.sums = self.rows.sums  # views (no copy): what an optimizer step adds up (_take_back too)
+            if not self.grouped:
+                self.rule.add(step)
+        step.pass_index = self.n
         self.last = step
         self.n += 1
-        self.cur = Step(self.n, self.n % self.every == 0)
+        self.since += 1
+        if self.grouped:
+            self.group.append(step)
+        else:
+            self.row_step = step
+            self.recent.append(step)
+            if len(self.recent) > RECENT:  # no optimizer step in sight: a loop that updates by hand, or none
+                del self.recent[0]
+            self.k += 1
+        self.cur = Step()
         self.rule.ended(step)
+
+    def _close(self, read_grads: bool) -> Step:
+        """The open optimizer step's Step, its passes added up (opt_steps.merge); read_grads: .grad is what the
+        step used (the optimizer's post-hook), else the last pass's .grad stands (no optimizer step followed)."""
+        group, self.group = self.group, []
+        step = Step(group[0].index, group[0].recorded)
+        step.passes = [s.pass_index for s in group]
+        step.inside = any(s.inside for s in group)
+        if step.recorded:
+            dev = self.params[0].device
+            grads, total = self.rows.grads(dev) if read_grads else (None, None)
+            step.row, step.step_row, step.order, step.a_order, step.has_loss, step.ps = merge(group, grads, total)
+            step.micro = (torch.stack([s.row for s in group]), torch.stack([s.step_row for s in group]))
+            step.scale, step.next_scale = group[-1].scale, group[-1].next_scale
+            step.compiled = any(s.compiled for s in group)
+        for s in group:
+            s.row = s.step_row = s.sums = s.ps = None
+        self.row_step = step
+        self.k += 1
+        return step
+
+    def _abandon(self) -> None:
+        """The open optimizer step's passes, which no optimizer step followed, as one step (update_ratio NaN): a
+        pass that begins with .grad unset (zero_grad) outside an optimizer step starts a new one."""
+        step = self._close(read_grads=False)
+        if step.recorded:
+            self.rule.add(step)
+
+    def finish(self) -> None:
+        """The watch closes: passes no optimizer step followed make one more step."""
+        if self.group:
+            self._abandon()
 
     def _reduce(self, step) -> None:
         """The step's (layers, stats) row from what its hooks reduced, put together on device in a few kernels."""
@@ -228,27 +327,66 @@ class StatsKeep(Keep):
 
     # -- optimizer steps: the update ratio ‖ΔW‖/‖W‖ and the learning rate of each layer's param group -----
     def before_update(self, opt) -> None:
-        step = self.last
-        if step is None or not step.recorded:
-            return
+        """An optimizer step begins. Steps are optimizer steps from here if it accumulated two or more backward
+        passes; its ΔW is measured (parameters copied now) where the step it belongs to is recorded."""
         sizes = tuple(len(g["params"]) for g in opt.param_groups)
         hit = self.opts.get(opt)
         if hit is None or hit[0] != sizes:
             ids = {id(p) for g in opt.param_groups for p in g["params"]}
             idx = tuple(i for i, p in enumerate(self.params) if id(p) in ids)
-            hit = self.opts[opt] = (sizes, idx, [torch.empty_like(local(self.params[i])) for i in idx],
-                                    _layer_groups(opt, self.params, self.rule.pairs))
+            hit = self.opts[opt] = (sizes, idx, [torch.empty_like(local(self.params[i])) for i in idx] if idx
+                                    else [], _layer_groups(opt, self.params, self.rule.pairs))
         _, idx, copies, _ = hit
-        if not idx:
+        if not idx:  # it steps none of the watched parameters
             return
-        foreach_copy_(copies, _locals([self.params[i] for i in idx]))  # detached: nothing recorded
-        self.snap = (opt, step, idx, copies)
+        self.stepping.append(opt)
+        if len(self.stepping) > 1:  # a wrapper's step calling the inner optimizer's: the outer one counts
+            return
+        if not self.grouped and self.since >= 2 and self.last.accumulates:
+            self.grouped = True  # accumulation: from this optimizer step on, steps are optimizer steps
+            self._take_back()
+        self.since = 0
+        self.recent = []
+        if self.grouped and not self.group:  # its passes are to come (step(closure)): the step being made
+            recorded = self.k % self.every == 0
+        elif self.grouped:
+            recorded = self.group[0].recorded
+        else:  # the latest pass's, unless a closure follows (the first step of a closure loop: last is None)
+            recorded = self.last is None or self.last.recorded
+        if recorded:
+            foreach_copy_(copies, _locals([self.params[i] for i in idx]))  # detached: nothing recorded
+            self.snap = (opt, idx, copies)
+
+    def _take_back(self) -> None:
+        """The passes this first accumulating optimizer step holds were made steps of their own: made its passes
+        again where the watch can still add them up (Watched.take_back), else they stay steps of their own."""
+        recent, self.recent = self.recent[-self.since:], []
+        rows = [s for s in recent if s.recorded]
+        if len(rows) not in (0, len(recent)) or not self.rule.take_back(rows):
+            return
+        first = recent[0].index
+        for s in recent:
+            s.index = first
+        self.group, self.k = recent, first
+        self.row_step = None
 
     def after_update(self, opt) -> None:
-        snap, self.snap = self.snap, None
-        if snap is None or snap[0] is not opt:
+        if not self.stepping or self.stepping[-1] is not opt:
             return
-        _, step, idx, copies = snap
+        self.stepping.pop()
+        if self.stepping:
+            return
+        snap, self.snap = self.snap, None
+        step, made = self.row_step, None
+        if self.grouped and self.group:
+            step = made = self._close(read_grads=True)
+        if snap is not None and snap[0] is opt and step is not None and step.recorded:
+            self._update(step, opt, *snap[1:])
+        if made is not None and made.recorded:
+            self.rule.add(made)
+
+    def _update(self, step: Step, opt, idx: tuple, copies: list) -> None:
+        """ΔW of the optimizer step `opt` (copies: the parameters before it) into `step`'s row."""
         dev = copies[0].device
         foreach_sub_(copies, _locals([self.params[i] for i in idx]))
         lrs = learning_rates(opt, self.opts[opt][3])

@@ -1,46 +1,52 @@
-"""One fit as a trainer sees it: the watch opened for it, and its backward passes grouped into optimizer steps.
+"""One fit as a trainer sees it: the watch opened for it, its rows the trainer's optimizer steps, and what the
+trainer's loggers get.
 
-The watch counts backward passes (its steps); a trainer counts optimizer steps, each holding its micro-batches
-(gradient accumulation: `gradient_accumulation_steps` backward passes, then one optimizer step). The callbacks
-tell `Fit` when the trainer's step counter moves; Fit notes which backward passes that step held, and picks
-the row the loggers get for it: the step's last recorded backward pass, where .grad is the accumulated
-gradient the optimizer used and update_ratio is that optimizer step's. With every=N the watch records every N-th
-backward pass, not every N-th optimizer step: a step whose last micro-batch was not recorded gets its last recorded
-one (whose .grad holds the micro-batches so far), and a step with none recorded logs nothing.
+A trainer always steps an optimizer (after `gradient_accumulation_steps` backward passes, or with backward inside
+`optimizer.step(closure)`, as Lightning does): `Fit.open` tells the watch to count optimizer steps from the first
+backward pass (Watch.count_optimizer_steps), so each row of watch.stats is one optimizer step (its micro-batches
+added up, ‖W.grad‖ of the gradient the step used, the loss as the trainer reports it) and watch.steps[r] + 1 + the
+trainer's step counter at the start is the trainer's step after it (global_step). Rows made from backward passes
+no optimizer step followed (a fit that ended mid-accumulation) belong to no trainer step.
+
+At the trainer's logging cadence the loggers get a handful of keys (LOG_KEYS): the global gradient norm, the
+largest update ratio and its layer (an index into watch.layer_names: loggers take numbers), the anomalies so far
+and the trainer step of the latest; per-layer series only for the statistics asked for in `log_stats`.
 """
 
 from __future__ import annotations
 
 import bisect
 import inspect
+import math
 
 from hookwidget.watch import STAT_NAMES
 from hookwidget.watch import watch as open_watch
 
-PREFIX = "hookwidget"  # the loggers' keys: hookwidget/{stat}/{layer}
-LOG_STATS = ("grad_norm", "update_ratio")
+PREFIX = "hookwidget"  # the loggers' keys: hookwidget/{key}, and hookwidget/{stat}/{layer} for log_stats
+LOG_KEYS = ("grad_norm", "update_ratio_max", "update_ratio_max_layer", "anomalies", "anomaly_step")
 
 
 class Fit:
-    """`watch_kwargs` go to hw.watch; `log_stats`: the statistics forwarded to the trainer's loggers (each for
-    every watched layer; () forwards none)."""
+    """`watch_kwargs` go to hw.watch; `log_stats`: the statistics forwarded per layer to the trainer's loggers
+    (() forwards none: LOG_KEYS only)."""
 
     def __init__(self, watch_kwargs: dict, log_stats):
-        self.watch_kwargs, self.log_stats = dict(watch_kwargs), tuple(log_stats)
+        self.watch_kwargs = dict(watch_kwargs)
+        self.log_stats = (log_stats,) if isinstance(log_stats, str) else tuple(log_stats)
         inspect.signature(open_watch).bind(None, **self.watch_kwargs)  # a misspelt argument fails now, not mid-fit
         unknown = [s for s in self.log_stats if s not in STAT_NAMES]
         if unknown:
             raise ValueError(f"log_stats: no statistic {', '.join(unknown)}; choose from {', '.join(STAT_NAMES)}")
         self.watch = None
-        self.micro_batches: dict = {}  # trainer step -> the backward passes (watch steps) it held
-        self._first = 0  # the first backward pass of the optimizer step being accumulated
+        self._start = 0  # the trainer's step counter when the fit began (resumed fits: not 0)
         self._step = 0  # the trainer's step counter when last seen
 
     def open(self, model, step: int) -> None:
-        """A new watch for a new fit, whose trainer step counter starts at `step` (resumed fits: not 0); the
-        previous watch, if a fit left it open, is closed first."""
+        """A new watch for a new fit, whose trainer step counter starts at `step`; the previous watch, if a fit
+        left it open, is closed first."""
         self.close()
-        self.watch, self.micro_batches, self._first, self._step = open_watch(model, **self.watch_kwargs), {}, 0, step
+        self.watch, self._start, self._step = open_watch(model, **self.watch_kwargs), step, step
+        self.watch.count_optimizer_steps()
 
     def close(self) -> None:
         """Remove every hook of the watch; idempotent, and safe before open()."""
@@ -52,42 +58,58 @@ class Fit:
         return self.watch is not None and self.watch.active
 
     def stepped(self, step: int) -> bool:
-        """The trainer's optimizer step counter reads `step`; if it moved, the backward passes since it last
-        moved are that step's. Returns whether it moved."""
+        """The trainer's optimizer step counter reads `step`; returns whether it moved since last seen."""
         if not self.active or step == self._step:
             return False
-        n = self.watch.seen
-        self.micro_batches[step], self._first, self._step = list(range(self._first, n)), n, step
+        self._step = step
         return True
 
+    def trainer_step(self, k: int):
+        """The trainer's step counter after the watch's step k; None if the trainer never got there."""
+        s = self._start + k + 1
+        return s if s <= self._step else None
+
+    @property
+    def micro_batches(self) -> dict:
+        if self.watch is None:
+            return {}
+        return {s: bs for k, bs in self.watch.micro_batches.items() if (s := self.trainer_step(k)) is not None}
+
     def optimizer_steps(self) -> list:
-        """For each row of watch.stats (watch.steps), the trainer step whose micro-batch it was; None for backward
-        passes after the last optimizer step (an accumulation the fit ended before stepping)."""
-        of = {b: s for s, bs in self.micro_batches.items() for b in bs}
-        return [of.get(k) for k in self.watch.steps] if self.watch is not None else []
+        """For each row of watch.stats (watch.steps), the trainer step it is; None where the fit ended before that
+        optimizer step."""
+        return [self.trainer_step(k) for k in self.watch.steps] if self.watch is not None else []
 
     def row_of(self, step: int):
-        """The row of watch.stats the loggers get for trainer step `step`: its last recorded micro-batch; None if
-        none of its micro-batches was recorded (every=N)."""
-        mine = self.micro_batches.get(step)
-        if not mine:
-            return None
-        steps = self.watch.steps  # ascending
-        r = bisect.bisect_right(steps, mine[-1]) - 1
-        return r if r >= 0 and steps[r] >= mine[0] else None
+        """The row of watch.stats of trainer step `step`; None if not recorded (every=N)."""
+        steps, k = self.watch.steps, step - self._start - 1
+        r = bisect.bisect_left(steps, k)
+        return r if r < len(steps) and steps[r] == k else None
 
     def metrics(self, step: int) -> dict:
-        """{f"hookwidget/{stat}/{layer}": value} of trainer step `step` (moves pending rows to the host: call it
-        at the trainer's logging cadence, not every step)."""
-        if self.watch is None or not self.log_stats:
+        """The loggers' keys for trainer step `step` (moves pending rows to the host: call it at the trainer's
+        logging cadence, not every step): LOG_KEYS, and f"hookwidget/{stat}/{layer}" for the stats in log_stats."""
+        if self.watch is None:
             return {}
         r = self.row_of(step)
         if r is None:
             return {}
         w = self.watch
-        table = w.stats[r].tolist()
-        return {f"{PREFIX}/{stat}/{layer}": table[li][w.stat_names.index(stat)]
-                for stat in self.log_stats for li, layer in enumerate(w.layer_names)}
+        out = {f"{PREFIX}/grad_norm": w.step_stats[r, 1].item()}
+        ratios = w.stats[r, :, w.stat_names.index("update_ratio")].nan_to_num(-math.inf)
+        top = int(ratios.argmax())
+        out[f"{PREFIX}/update_ratio_max"] = ratios[top].item() if ratios[top] > -math.inf else math.nan
+        out[f"{PREFIX}/update_ratio_max_layer"] = top if ratios[top] > -math.inf else math.nan
+        anomalies = w.anomalies
+        out[f"{PREFIX}/anomalies"] = len(anomalies)
+        if anomalies:
+            latest = self.trainer_step(anomalies[-1].step)
+            out[f"{PREFIX}/anomaly_step"] = latest if latest is not None else math.nan
+        if self.log_stats:
+            table = w.stats[r].tolist()
+            out.update({f"{PREFIX}/{stat}/{layer}": table[li][w.stat_names.index(stat)]
+                        for stat in self.log_stats for li, layer in enumerate(w.layer_names)})
+        return out
 
 
 class Watching:
@@ -102,11 +124,12 @@ class Watching:
 
     @property
     def micro_batches(self) -> dict:
-        """Optimizer step (the trainer's step counter after it) -> the backward passes (watch steps) it held."""
+        """Optimizer step (the trainer's step counter after it) -> the backward passes it held (0, 1, ... over the
+        fit; watch.micro(k) gives their rows)."""
         return self._fit.micro_batches
 
     def optimizer_steps(self) -> list:
-        """The optimizer step of each row of watch.stats (None: after the last optimizer step)."""
+        """The trainer's optimizer step of each row of watch.stats (None: passes after the last optimizer step)."""
         return self._fit.optimizer_steps()
 
     def close(self) -> None:

@@ -5,11 +5,13 @@
     cb.watch                                     # the Watch: live view, w.series, w.trace(k), w.anomalies
 
 The watch opens at on_train_start and closes at on_train_end and on_exception (Lightning calls it for any
-exception of the fit, KeyboardInterrupt included). Steps are the Trainer's: `cb.micro_batches[s]` lists the
-backward passes (watch steps) optimizer step `s` (trainer.global_step after it) held with
-accumulate_grad_batches, `cb.optimizer_steps()` the optimizer step of each row of `cb.watch.stats`. Every
-`log_every_n_steps` optimizer steps, `hookwidget/{stat}/{layer}` for the stats in `log_stats` (of the step's last
-micro-batch) go to every logger of the Trainer (trainer.loggers), at x = trainer.global_step.
+exception of the fit, KeyboardInterrupt included). Steps are the Trainer's: each row of `cb.watch.stats` is one
+optimizer step (Lightning runs backward inside optimizer.step(closure); with accumulate_grad_batches the micro-batches
+before it are added up: integrations/fit.py), `cb.optimizer_steps()` its trainer.global_step, `cb.micro_batches[s]`
+the backward passes step `s` held. Every `log_every_n_steps` optimizer steps a handful of keys go to every logger of
+the Trainer (trainer.loggers), at x = trainer.global_step: hookwidget/grad_norm (global), hookwidget/update_ratio_max
+and hookwidget/update_ratio_max_layer (an index into cb.watch.layer_names), hookwidget/anomalies (so far) and
+hookwidget/anomaly_step (the latest one's); per layer, `hookwidget/{stat}/{layer}` only for the stats in `log_stats`.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ try:
 except ImportError:
     raise ImportError("hookwidget.integrations.lightning needs Lightning: pip install hookwidget[lightning]") from None
 
-from hookwidget.integrations.fit import LOG_STATS, Fit, Watching
+from hookwidget.integrations.fit import Fit, Watching
 
 
 class HookwidgetCallback(Callback, Watching):
-    """See the module docstring. `log_stats`: the statistics forwarded to the loggers (() for none); the other
-    keyword arguments go to hw.watch (every, spike, window, keep, flight_recorder, max_kept, per_sample, ...)."""
+    """See the module docstring. `log_stats`: statistics forwarded per layer to the loggers (default none, e.g.
+    log_stats=("grad_norm", "update_ratio")); the other keyword arguments go to hw.watch (every, spike, window, keep,
+    flight_recorder, max_kept, per_sample, ...)."""
 
-    def __init__(self, log_stats=LOG_STATS, **watch_kwargs):
+    def __init__(self, log_stats=(), **watch_kwargs):
         self._fit = Fit(watch_kwargs, log_stats)
 
     def on_train_start(self, trainer, pl_module) -> None:

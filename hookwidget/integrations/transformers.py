@@ -7,13 +7,17 @@
 The watch opens at on_train_begin and closes at on_train_end, and whatever ends the fit early: Trainer has no
 exception event, so the callback wraps the instance's `train` (when it is handed to the Trainer's
 constructor: on_init_end; added later with add_callback, the first fit's training_step is wrapped too, and an
-exception outside it leaves the hooks until cb.close()). Steps are the Trainer's: `cb.micro_batches[s]` lists
-the backward passes (watch steps) optimizer step `s` (state.global_step) held, `cb.optimizer_steps()` gives
-the optimizer step of each row of `cb.watch.stats`. At the Trainer's logging cadence (on_log, logging_steps)
-the logs gain `hookwidget/{stat}/{layer}` for the stats in `log_stats`, of the step's last micro-batch. The
-callback moves itself first in the Trainer's callback list, so the report_to integrations (W&B, TensorBoard,
-MLflow, ...), which the Trainer puts before the user's callbacks, log those keys too; so does
-state.log_history.
+exception outside it leaves the hooks until cb.close()). Steps are the Trainer's: each row of `cb.watch.stats` is
+one optimizer step, its gradient_accumulation_steps micro-batches added up (integrations/fit.py: ‖W.grad‖ of the
+gradient the step used, after clipping; the loss as the Trainer logs it), `cb.optimizer_steps()` its
+state.global_step, `cb.micro_batches[s]` the backward passes step `s` held. At the Trainer's logging cadence
+(on_log, logging_steps) the logs gain a handful of keys: hookwidget/grad_norm (global), hookwidget/update_ratio_max
+and hookwidget/update_ratio_max_layer (an index into cb.watch.layer_names), hookwidget/anomalies (so far) and
+hookwidget/anomaly_step (the latest one's); per layer, `hookwidget/{stat}/{layer}` only for the stats in
+`log_stats`. The callback moves itself first in the Trainer's callback list, so the report_to integrations
+(W&B, TensorBoard, MLflow, ...), which the Trainer puts before the user's callbacks, log those keys too; so does
+state.log_history. (The Trainer's own grad_norm is the norm before clipping; hookwidget/grad_norm the one the
+optimizer used.)
 
 Only the Trainer finds the Trainer: callbacks are not given it, so the callback looks for it (and for the
 CallbackHandler calling it) among its callers' frames, through inspect's public frame API.
@@ -32,7 +36,7 @@ except ImportError:
     raise ImportError("hookwidget.integrations.transformers needs transformers: "
                       "pip install hookwidget[transformers]") from None
 
-from hookwidget.integrations.fit import LOG_STATS, Fit, Watching
+from hookwidget.integrations.fit import Fit, Watching
 
 GUARD = "_hookwidget_guard"  # marks a method this module wrapped
 
@@ -47,10 +51,11 @@ def _callers(frame, depth: int = 8):
 
 
 class HookwidgetCallback(TrainerCallback, Watching):
-    """See the module docstring. `log_stats`: the statistics forwarded to the logs (() for none); the other
-    keyword arguments go to hw.watch (every, spike, window, keep, flight_recorder, max_kept, per_sample, ...)."""
+    """See the module docstring. `log_stats`: statistics forwarded per layer to the logs (default none, e.g.
+    log_stats=("grad_norm", "update_ratio")); the other keyword arguments go to hw.watch (every, spike, window, keep,
+    flight_recorder, max_kept, per_sample, ...)."""
 
-    def __init__(self, log_stats=LOG_STATS, **watch_kwargs):
+    def __init__(self, log_stats=(), **watch_kwargs):
         self._fit = Fit(watch_kwargs, log_stats)
 
     # -- the Trainer's events --------------------------------------------------------------------------

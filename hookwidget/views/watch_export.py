@@ -47,6 +47,7 @@ def data(watch) -> dict:
         "stats": base64.b64encode(stats.double().contiguous().numpy().tobytes()).decode("ascii"),
         "step_stats": base64.b64encode(step_stats.double().contiguous().numpy().tobytes()).decode("ascii"),
         "anomalies": [[int(a.step), str(a.where), str(a.reason)] for a in watch.anomalies],
+        "nonfinite": [[int(k), int(v)] for k, v in watch.nonfinite.items()],
         "kept": [int(k) for k in watch.kept], "dropped": watch.dropped_traces,
         "state": "open" if watch.active else "closed", "traces": traces,
     }

@@ -149,6 +149,7 @@ class WatchWidget(anywidget.AnyWidget):
                "steps": [int(s) for c in chunks for s in c[2]],
                "a_start": a_start,
                "anomalies": [[int(a.step), str(a.where), str(a.reason)] for a in anomalies[a_start:]],
+               "nonfinite": [[int(k), int(v)] for k, v in (w.found_nonfinite if w is not None else {}).items()],
                "kept": _kept(w), "dropped": w.dropped_traces if w is not None else 0,
                "total_steps": int(getattr(w, "_n", 0)) if w is not None else None, "state": self.state}
         self.pushes += 1

@@ -35,7 +35,16 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     every .grad and the RNG stream are bitwise those of the loop without the watch. Watching a model
     (or a layer of it) that an open watch already watches warns once (both would record, each at its cost).
 
-    A step is one `backward()` call (torch.autograd.grad calls are not steps and are not counted).
+    A step is what the optimizer steps on. In a plain loop (backward, optimizer.step) that is one `backward()` call
+    (torch.autograd.grad calls are not steps and are not counted). Where an optimizer steps after several backward
+    passes (gradient accumulation: the first such optimizer step tells the watch, as do the callbacks, which call
+    w.count_optimizer_steps() before the fit) or runs backward inside optimizer.step(closure) (Lightning, L-BFGS,
+    SAM), a step is one optimizer step and its row adds up its backward passes exactly (capture/opt_steps.py):
+    grad_norm is ‖W.grad‖ as the optimizer's step used it (accumulated, clipped), the loss the sum of the passes'
+    losses (the trainer's loss: each micro-batch's is divided by the accumulation steps; of repeated closure calls
+    the first), δ and a statistics over all its passes. w.micro_batches says which backward passes each step held
+    and w.micro(step) gives their own rows; w.seen counts backward passes. A pass that begins with .grad unset
+    (zero_grad) and no optimizer step since the passes before (a GradScaler skipped it) starts a new step.
     Every `every`-th step (0, every, 2·every, ...) is recorded: for each layer with parameters of its
     own (w.layer_names), the statistics of w.stat_names:
       delta_norm, delta_max  ‖δ‖₂ and max|δ| of the gradient w.r.t. its output (all its calls that
@@ -43,8 +52,8 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
       a_rms, a_zero_frac     RMS of its input activation, and the fraction of its entries that are 0
       a_nonfinite            the number of its NaN or Inf entries
       grad_norm, weight_norm ‖W.grad‖₂ (all its own parameters together, as .grad is when backward
-                             ends) and ‖W‖₂ then
-      update_ratio           ‖ΔW‖₂/‖W‖₂ of the optimizer step(s) after that backward (NaN: none), ‖W‖
+                             ends; an optimizer step's: as its step used it) and ‖W‖₂ then (before the step)
+      update_ratio           ‖ΔW‖₂/‖W‖₂ of the step's optimizer step(s) (NaN: none), ‖W‖
                              being weight_norm; it costs one copy of the optimizer's parameters (a
                              buffer reused across steps), taken before the step with torch._foreach ops
       delta_nan, delta_inf, grad_nan, grad_inf   NaN and Inf counts of δ and of .grad
@@ -60,7 +69,10 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     w.stats is (recorded steps × layers × statistics), float64;
     w.steps the step index of each row; w.series("fc1", "grad_norm"), w.series("loss").
 
-    w.anomalies: (step, where, reason) for a recorded step with
+    w.anomalies: (step, where, reason) for a recorded step with (a run that turns non-finite gives one anomaly
+    for its onset, where = the layer where it arose, the reason listing each of the kinds below with its first
+    layer; the non-finite steps right after it are counted in w.nonfinite, {onset: count}, not listed; the
+    flight recorder keeps the onset's Trace)
       - a non-finite loss (where="loss");
       - a non-finite δ (where = the first layer in backward order, the order in which gradients
         reached the layers' outputs, whose δ has a NaN or Inf: every layer reached before it had a
@@ -90,7 +102,9 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     Flight recorder (flight_recorder=True): a full recording (capture="full", as hw.trace does) runs
     from the end of backward k-1 (or the opening of the watch) to the end of backward k, so the Trace
     of step k holds the optimizer step and zero_grad that followed step k-1, the forward of step k
-    and its backward (t.steps[-1], its .grad, its graph). w.trace(k) returns it for the kept steps
+    and its backward (t.steps[-1], its .grad, its graph); where a step is an optimizer step of several backward
+    passes, the recording of its last pass (the ones before it are let go as the next pass begins).
+    w.trace(k) returns it for the kept steps
     (w.kept): every anomalous step, including those keep= asks for (at most max_kept of these, and when
     they are full the first step with a non-finite value takes the place of the latest kept for a spike
     or a GradScaler skip, and the first one keep= asks for that of a spike; w.dropped_traces counts the

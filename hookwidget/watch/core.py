@@ -1,8 +1,9 @@
 """The run-long recorder: hooks on across a training loop, statistics per step and layer on device.
 
 The hooks are the one tracer's (capture/tracer.py) with the keep strategy "stats" (capture/step_stats.py): it
-hands each step's row here when the step's backward ends; the Watch moves rows to the host (host.py), judges them
-(detect.py), keeps Traces (flight.py), unscales GradScaler steps (amp.py) and says what it could not see."""
+hands each step's row here when the step's backward ends (an optimizer step of several passes: when it has run);
+the Watch moves rows to the host (host.py), judges them (detect.py), keeps Traces (flight.py), unscales
+GradScaler steps (amp.py) and says what it could not see."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ _OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> the o
 
 AGAIN = ("hw.watch: {model} is already watched by an open watch ({other}); both record, each at its own cost: "
          "close that one first (w.close()), or open watches as `with hw.watch(model) as w:`")
+
+
+EARLY = ("hw.watch: the first optimizer step accumulated backward passes whose rows had moved to the host already "
+         "(a read, a slow step, an anomaly): steps {first}..{last} stay one backward pass each; every later optimizer "
+         "step is one row. Call w.count_optimizer_steps() before the loop to count optimizer steps from the first")
 
 
 NOT_CALLED = ("hw.watch: no call of {layers} reached backward in the first recorded step: their delta_* and a_* "
@@ -107,7 +113,7 @@ class Watch:
                               self._spread)
         self._tracer = Tracer(self._layers, capture=STATS, norms_rule=Watched(
             self._layers, self._params, pairs, self.every, ps, self._scale_now, self._rows.add, self._rows.changed,
-            self._step_ended, self._step_began))
+            self._step_ended, self._step_began, self._take_back))
         self._stats = self._tracer.keep  # the steps (capture/step_stats.StatsKeep)
         self._ps = ps
         self.tracks_per_sample = ps is not None  # per_sample=True: each step's largest per-sample gradient norm
@@ -167,6 +173,7 @@ class Watch:
         self._tracer.hooks.active = False
         self._stack.close()
         if was_active:
+            self._stats.finish()  # an optimizer step whose passes are still being added up: its row
             if self._spread is not None:
                 self._spread.finish()  # the last step's update ratio: one more gather, on every rank
             self._flush()
@@ -205,6 +212,24 @@ class Watch:
             self._flight.step_ended(step.index, self._detector.rank)
         if self._rows.due(self.batch, timed=self._flight is not None or self._params[0].device.type == "cpu"):
             self._flush(upto=step.index - 1)
+
+    def _take_back(self, steps: list) -> bool:
+        """The first accumulating optimizer step holds `steps` (backward passes made steps of their own, their rows
+        waiting on device): taken back from the rows, their early verdicts and Traces moved to the first's index
+        (StatsKeep._take_back). False where a row moved to the host already (a read, or an anomaly's row):
+        then they stay steps of their own."""
+        pending = {id(s) for s in self._rows.pending}
+        if not all(id(s) in pending for s in steps):
+            self.notes.append(EARLY.format(first=steps[0].index, last=steps[-1].index))
+            warnings.warn(self.notes[-1], stacklevel=2)
+            return False
+        taken = {id(s) for s in steps}
+        self._rows.pending = [s for s in self._rows.pending if id(s) not in taken]
+        indices = [s.index for s in steps]
+        self._detector.forget(indices)
+        if self._flight is not None and indices:
+            self._flight.rekey(indices[1:], indices[0])
+        return True
 
     def _step_began(self, step) -> None:
         """The forward of `step` began: the step before is complete (its optimizer steps have run), so the flight
@@ -268,15 +293,42 @@ class Watch:
 
     @property
     def seen(self) -> int:
-        """Backward passes seen so far (steps, recorded or not: every=k records one in k)."""
+        """Backward passes seen so far (recorded or not: every=k records one step in k)."""
         return self._stats.n
 
     def sync(self) -> None:
         """Move the statistics of every step whose optimizer step has run to the host, in one transfer (as reading
         w.stats does; the live view calls it after each cell). The running step's row stays on the device."""
-        last = self._stats.last
-        if self.active and last is not None:
-            self._flush(upto=last.index - 1)
+        if self.active:
+            self._flush(upto=self._stats.complete())
+
+    def count_optimizer_steps(self) -> None:
+        """From now on each row is an optimizer step (the backward passes it accumulated, or ran inside
+        step(closure), added up), as it is anyway from the first such step the watch sees; call it before the
+        loop's first backward where the first optimizer step accumulates (the callbacks do)."""
+        self._stats.count_optimizer_steps()
+
+    @property
+    def micro_batches(self) -> dict:
+        """Step -> the backward passes (0, 1, ... over the run: w.seen counts them) it held, for the recorded
+        steps; a step is one pass until the watch counts optimizer steps."""
+        self._flush()
+        micro = self._rows.micro
+        return {k: micro[k][0] if k in micro else [k] for k in self._rows.recorded}
+
+    def micro(self, step: int) -> tuple:
+        """(stats, step_stats) of the backward passes of recorded step `step`, as the watch records a pass
+        (w.micro_batches[step] lists them): (passes, layers, statistics) and (passes, 2) float64. A pass's
+        grad_norm is ‖.grad‖ as its backward left it (accumulated so far), its update_ratio NaN, its loss the
+        loss backward started from."""
+        self._flush()
+        if step in self._rows.micro:
+            _, stats, step_stats = self._rows.micro[step]
+            return stats, step_stats
+        if step not in self._rows.recorded:
+            raise KeyError(f"step {step} was not recorded; recorded steps: w.steps")
+        r = list(self._rows.recorded).index(step)
+        return self.stats[r:r + 1], self.step_stats[r:r + 1]
 
     @property
     def skipped(self) -> list:
@@ -372,6 +424,18 @@ class Watch:
         return list(self._detector.anomalies)
 
     @property
+    def found_nonfinite(self) -> dict:
+        """w.nonfinite among the rows already on the host (no transfer: the live view reads it)."""
+        return dict(self._detector.stretches)
+
+    @property
+    def nonfinite(self) -> dict:
+        """Onset step of each non-finite stretch (its one anomaly in w.anomalies) -> the recorded steps after it that
+        were non-finite too (counted, not listed; detect.py)."""
+        self._flush()
+        return dict(self._detector.stretches)
+
+    @property
     def kept(self) -> list:
         """Steps whose full Trace w.trace(k) returns now."""
         self._flush()
@@ -456,6 +520,7 @@ class Watch:
                 "step_stats": self.step_stats, "steps": torch.tensor(self.steps, dtype=torch.int64),
                 "per_sample": ps, "anomalies": [tuple(a) for a in self.anomalies],
                 "notes": [str(n) for n in self.notes], "skipped": list(self.skipped), "seen": int(self.seen),
+                "nonfinite": {int(k): int(v) for k, v in self.nonfinite.items()},
                 "dropped": self.dropped_traces,
                 "traces": None if self._flight is None else [(k, self.trace(k).to_data()) for k in self.kept]}
         saved.write(path, "watch", tree)  # a loaded watch saves the same way (watch/saved.py's SavedWatch)

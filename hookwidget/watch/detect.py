@@ -3,7 +3,14 @@
 The step's scalars (its loss and global gradient norm: non-finite, or a spike) can be judged on their own, as soon
 as the step ends (`judge`): the flight recorder decides from them and from one flag (any non-finite count in the
 row) which step to keep, while the rows go on moving to the host in batches; `check` lists the verdicts when the
-row arrives, in the same order as if both were made then."""
+row arrives, in the same order as if both were made then.
+
+A run that turns non-finite stays so (NaN weights make every later loss, δ and .grad NaN): one anomaly names the
+onset (where it arose: the first layer whose δ is non-finite in backward order, else whose input is in forward
+order, else whose .grad is, else the loss; the reason lists each), and the recorded steps after it that are
+non-finite too are counted (`stretches`: onset -> count), not listed; the flight recorder keeps the onset's Trace,
+not theirs. A finite step ends the stretch; a later non-finite step is a new onset. A step a GradScaler skipped is
+listed on its own, as before (the scaler handled it)."""
 
 from __future__ import annotations
 
@@ -38,9 +45,14 @@ class Detector:
         self._early: dict = {}  # step -> its scalars' verdicts (judge), until check() lists them
         self._count_index: dict = {}  # device -> the count columns' indices (judge_on_device)
         self._history = {"loss": deque(maxlen=window), "grad_norm": deque(maxlen=window)}
+        self.stretches: dict = {}  # onset step of a non-finite stretch -> non-finite recorded steps after it
+        self._onset = None  # the onset of the stretch running now
+        self._quiet: deque = deque(maxlen=64)  # recent steps counted into a stretch: no Trace to keep
 
     def rank(self, step: int) -> int | None:
         """None where nothing flagged the step, else what a kept Trace of it is worth (NONFINITE, ASKED, WARNING)."""
+        if step in self._quiet:
+            return None
         early = self._early.get(step)
         ranks = [self._ranks[step]] if step in self._ranks else []
         if early is not None:
@@ -58,6 +70,12 @@ class Detector:
         loss, gnorm, *counts = torch.cat([step_row, row.index_select(1, index).flatten()]).tolist()
         self.judge(step, loss if has_loss else None, gnorm)
         return any(c > 0 for c in counts)  # NaN (not counted) is not > 0
+
+    def forget(self, steps: list) -> None:
+        """Early verdicts on `steps`, whose rows are to be added up into one (the values they added to the spike
+        history stay: a spike is judged against `window` steps)."""
+        for k in steps:
+            self._early.pop(k, None)
 
     def judged(self, step: int) -> bool:
         """Whether the step's scalars were judged ahead of its row (judge), not yet listed by check."""
@@ -97,16 +115,25 @@ class Detector:
         if step not in self._early:
             self.judge(step, loss if has_loss else None, gnorm)
         bad_loss, spikes = self._early.pop(step)
-        for where, reason in bad_loss:
-            self._add(step, where, reason)
-        if (row.numpy()[:, _COUNTS] > 0).any():  # else (the usual case) nothing to locate (NaN: not counted)
-            self._first_bad(step, row, order, ("delta_nan", "delta_inf"), "δ (output gradient) non-finite: the first "
-                            "layer in backward order whose δ is; every layer the gradient reached before it had a "
-                            "finite δ")
-            self._first_bad(step, row, a_order, ("a_nonfinite",), "input activation non-finite: the first layer in "
-                            "forward order whose input is")
-            self._first_bad(step, row, order, ("grad_nan", "grad_inf"), ".grad non-finite (first such layer in "
-                            "backward order)")
+        counts = bool((row.numpy()[:, _COUNTS] > 0).any())  # else (the usual case) nothing to locate (NaN: not counted)
+        if skipped is not None or not (bad_loss or counts):
+            for where, reason in bad_loss:
+                self._add(step, where, reason)
+            if counts:
+                for where, reason in self._located(row, order, a_order):
+                    self._add(step, where, reason)
+            if skipped is None:
+                self._onset = None
+        elif self._onset is not None:  # the stretch goes on: counted
+            self.stretches[self._onset] += 1
+            self._quiet.append(step)
+        else:  # the onset: one anomaly, where it arose
+            found = self._located(row, order, a_order) if counts else []
+            where = found[0][0] if found else "loss"
+            parts = [reason for _, reason in bad_loss] + [f"{layer}: {reason}" for layer, reason in found]
+            self._add(step, where, "non-finite from here on (the later non-finite steps are counted: w.nonfinite) | "
+                      + " | ".join(parts))
+            self._onset, self.stretches[step] = step, 0
         for where, reason in spikes:
             self._add(step, where, reason, WARNING)
         if skipped is not None:
@@ -121,12 +148,23 @@ class Detector:
             if self.keep(step, stats):
                 self._add(step, "keep", "user predicate keep(step, stats) returned True", ASKED)
 
-    def _first_bad(self, step: int, row: torch.Tensor, order: dict, cols: tuple, reason: str) -> None:
+    def _located(self, row: torch.Tensor, order: dict, a_order: dict) -> list:
+        """(layer, reason) of the first non-finite δ (backward order), input (forward order) and .grad."""
+        found = [self._first_bad(row, order, ("delta_nan", "delta_inf"), "δ (output gradient) non-finite: the first "
+                                 "layer in backward order whose δ is; every layer the gradient reached before it had "
+                                 "a finite δ"),
+                 self._first_bad(row, a_order, ("a_nonfinite",), "input activation non-finite: the first layer in "
+                                 "forward order whose input is"),
+                 self._first_bad(row, order, ("grad_nan", "grad_inf"), ".grad non-finite (first such layer in "
+                                 "backward order)")]
+        return [f for f in found if f is not None]
+
+    def _first_bad(self, row: torch.Tensor, order: dict, cols: tuple, reason: str):
         bad = sum(row[:, S[c]].nan_to_num(0.0) for c in cols) > 0
         where = bad.nonzero().flatten().tolist()
         if not where:
-            return
+            return None
         first = min(where, key=lambda i: (order.get(i, math.inf), i))
         counts = ", ".join(f"{c.split('_')[1]} {int(row[first, S[c]])}" for c in cols)
         more = f"; {len(where)} layers in all" if len(where) > 1 else ""
-        self._add(step, self.layer_names[first], reason + (f" ({counts})" if counts else "") + more)
+        return self.layer_names[first], reason + (f" ({counts})" if counts else "") + more

@@ -96,6 +96,17 @@ class FlightRecorder:
         self.kept[step] = later.assemble()
         self._ranks[step] = r
 
+    def rekey(self, old: list, new: int) -> None:
+        """Steps `old` are now part of step `new` (the first optimizer step that accumulated them): their
+        recording, the latest, is the new step's (a Trace is of the step's last backward pass)."""
+        if self.latest is not None and self.latest[0] in old:
+            self.latest = (new, self.latest[1])
+        for k in old:
+            if k in self.kept:
+                self.kept[new] = self.kept.pop(k)
+                if k in self._ranks:
+                    self._ranks[new] = self._ranks.pop(k)
+
     def steps(self) -> list:
         return sorted(set(self.kept) | ({self.latest[0]} if self.latest is not None else set()))
 

@@ -32,6 +32,7 @@ class HostRows:
         self._blocks = 0  # leading chunks that are merged blocks already
         self.ps_chunks: list = []  # per_sample=True: (recorded steps, 2) on the host
         self.skipped: list = []  # steps whose optimizer step the GradScaler skipped (found inf/NaN)
+        self.micro: dict = {}  # an optimizer step of several passes -> (their indices, (P, L, K) rows, (P, 2))
         self._cache = None
         self._due = time.monotonic() + FLUSH_SECONDS
 
@@ -69,9 +70,13 @@ class HostRows:
         ps = [torch.stack([s.ps for s in take]).flatten()] if self.per_sample else []
         lrs = _device_lrs(take)  # learning rates a scheduler keeps on device: in the same transfer
         dev = take[0].row.device
+        grouped = [s for s in take if s.micro is not None]  # optimizer steps: their passes' rows come along
+        micro = [t.to(dev).flatten() for s in grouped for t in s.micro]
         both = torch.cat([torch.stack([s.row for s in take]).flatten(),
                           torch.stack([s.step_row for s in take]).flatten(), *ps, *scales,
-                          *([torch.stack([v.to(dev, F64) for v in lrs])] if lrs else [])]).cpu()  # one transfer
+                          *([torch.stack([v.to(dev, F64) for v in lrs])] if lrs else []), *micro]).cpu()  # one transfer
+        if micro:
+            both = self._micro(grouped, both)
         if lrs:
             _read_lrs(take, both[-len(lrs):].tolist())
             both = both[:-len(lrs)]
@@ -105,6 +110,21 @@ class HostRows:
             self.detector.check(s.index, rows[r], step_rows[r], s.order, s.a_order, s.has_loss, skipped=skip)
         maxima = self.ps_chunks[-1] if self.per_sample else None  # this chunk's per-sample maxima (n, 2)
         self.tell("rows", rows, step_rows, [s.index for s in take], maxima)
+
+    def _micro(self, grouped: list, both: torch.Tensor) -> torch.Tensor:
+        """Keep the passes' rows of the optimizer steps `grouped` from the end of `both`; the rest of it."""
+        K = len(STAT_NAMES)
+        at = both.numel() - sum(s.micro[0].numel() + s.micro[1].numel() for s in grouped)
+        tail, both = both[at:], both[:at]
+        off = 0
+        for s in grouped:
+            P = s.micro[0].shape[0]
+            rows = tail[off:off + P * self.L * K].view(P, self.L, K)
+            off += P * self.L * K
+            self.micro[s.index] = (list(s.passes), rows, tail[off:off + 2 * P].view(P, 2))
+            off += 2 * P
+            s.micro = None
+        return both
 
     def _merge(self) -> None:
         """The chunks after the last block but the newest (its latest step's update ratio may still be written

@@ -20,8 +20,8 @@ from hookwidget.watch.detect import Anomaly
 class _Found:
     """The anomalies, where the views read them on a live watch (its detector)."""
 
-    def __init__(self, anomalies: list):
-        self.anomalies = anomalies
+    def __init__(self, anomalies: list, stretches: dict):
+        self.anomalies, self.stretches = anomalies, stretches
 
 
 class _Kept:
@@ -40,14 +40,16 @@ class SavedWatch:
     active, closed = False, True
 
     def __init__(self, source, meta: dict, stats, step_stats, steps, per_sample, anomalies: list, notes: list,
-                 skipped: list, traces: dict | None, dropped: int = 0, seen: int | None = None):
+                 skipped: list, traces: dict | None, dropped: int = 0, seen: int | None = None,
+                 nonfinite: dict | None = None):
         self.source = str(source)
         self.layer_names, self.stat_names = list(meta["layers"]), tuple(meta["stat_names"])
         self.step_stat_names, self.every = tuple(meta["step_stat_names"]), int(meta["every"])
         self.stats, self.step_stats, self.steps = stats, step_stats, [int(k) for k in steps]
         self._per_sample, self.notes, self.skipped = per_sample, list(notes), [int(k) for k in skipped]
         self.tracks_per_sample = per_sample is not None
-        self._detector = _Found([Anomaly(int(k), str(where), str(why)) for k, where, why in anomalies])
+        self._detector = _Found([Anomaly(int(k), str(where), str(why)) for k, where, why in anomalies],
+                                {int(k): int(v) for k, v in (nonfinite or {}).items()})
         self._flight = None if traces is None else _Kept(traces, dropped)
         self.flight_recorder = traces is not None
         self.seen = len(self.steps) if seen is None else int(seen)  # backward passes the watch saw
@@ -58,7 +60,8 @@ class SavedWatch:
         traces = None if tree["traces"] is None else {k: Trace.from_data(t, source) for k, t in tree["traces"]}
         meta = {k: tree[k] for k in ("layers", "stat_names", "step_stat_names", "every")}
         return cls(source, meta, tree["stats"], tree["step_stats"], tree["steps"].tolist(), tree["per_sample"],
-                   tree["anomalies"], tree["notes"], tree["skipped"], traces, tree["dropped"], tree["seen"])
+                   tree["anomalies"], tree["notes"], tree["skipped"], traces, tree["dropped"], tree["seen"],
+                   tree.get("nonfinite"))
 
     @classmethod
     def from_log(cls, log_dir) -> SavedWatch:
@@ -90,6 +93,13 @@ class SavedWatch:
         return list(self._detector.anomalies)
 
     found_anomalies = anomalies
+
+    @property
+    def nonfinite(self) -> dict:
+        """Onset step of each non-finite stretch -> the non-finite steps counted after it (a log_dir keeps none)."""
+        return dict(self._detector.stretches)
+
+    found_nonfinite = nonfinite
 
     def listen(self, fn) -> None:
         """Never told: the rows are all here (the views listen to a live watch)."""

@@ -73,6 +73,18 @@ describe("view", () => {
   let el;
   beforeEach(() => { document.body.innerHTML = ""; el = document.createElement("div"); document.body.append(el); });
 
+  it("shows the count of non-finite steps after a stretch's onset, as Python counted them", () => {
+    const store = createStore(META);
+    const view = createWatchView({ store, el, openTrace: async () => ({ ok: true }) });
+    store.apply(...rows(0, 2, { anomalies: [[2, EVIL, "non-finite from here on"]], nonfinite: [[2, 0]] }));
+    view.redraw();
+    expect(el.querySelector('[data-testid="watch-nonfinite-after"]')).toBeNull();
+    store.apply(...rows(2, 3, { a_start: 1, anomalies: [], nonfinite: [[2, 3]] }));
+    view.redraw();
+    expect(store.nonfinite.get(2)).toBe(3);
+    expect(el.querySelector('li[data-step="2"] [data-testid="watch-nonfinite-after"]').textContent).toBe(" · then 3 more non-finite steps");
+  });
+
   it("shows layer names as text, the counts, latest values and kept steps; grows with new rows", () => {
     const store = createStore(META);
     const opened = [];

@@ -10,7 +10,7 @@ import { createWatchView } from "./view.js";
 /** A store filled from the page's data (the same "rows" message the kernel sends, with base64 buffers). */
 export function storeFromData(data) {
   const store = createStore(data.meta);
-  store.apply({ type: "rows", start: 0, count: data.steps.length, steps: data.steps, a_start: 0, anomalies: data.anomalies,
+  store.apply({ type: "rows", start: 0, count: data.steps.length, steps: data.steps, a_start: 0, anomalies: data.anomalies, nonfinite: data.nonfinite || [],
     kept: data.kept, dropped: data.dropped, total_steps: null, state: data.state }, [base64ToBytes(data.stats), base64ToBytes(data.step_stats)]);
   return store;
 }

@@ -11,6 +11,8 @@ export function createStore(meta) {
   const listeners = new Set();
   const store = {
     meta, L, K, n: 0, have: 0, steps, anomalies: [], kept: [], dropped: 0, totalSteps: null, state: "open",
+    /** Onset step of each non-finite stretch -> the non-finite steps counted after it (Python's w.nonfinite). */
+    nonfinite: new Map(),
     /** Statistic k of layer l at row r (NaN where not received). */
     value: (r, l, k) => (present[r] ? data[(r * L + l) * K + k] : NaN),
     /** Per-step statistic j (0 loss, 1 global gradient norm) at row r. */
@@ -34,6 +36,7 @@ export function createStore(meta) {
       const a0 = msg.a_start | 0, list = Array.isArray(msg.anomalies) ? msg.anomalies : [];
       if (a0 <= store.anomalies.length) store.anomalies.splice(a0, store.anomalies.length - a0, ...list);
       else gap = true;
+      if (Array.isArray(msg.nonfinite)) store.nonfinite = new Map(msg.nonfinite.map(([k, v]) => [k, v]));
       if (Array.isArray(msg.kept)) store.kept = msg.kept;
       if (typeof msg.dropped === "number") store.dropped = msg.dropped;
       if (msg.total_steps !== undefined) store.totalSteps = msg.total_steps;

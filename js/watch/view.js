@@ -390,7 +390,10 @@ export function createWatchView({ store, el, nonce, openTrace, readonly = false 
     const item = ([step, where, reason]) => {
       const lead = seen.has(step) ? null : leads.get(step);
       seen.add(step);
-      return h("li", { "data-step": String(step) }, h("span", { text: `step ${fmt(step)} · ${where}: ${reason}` }), lead ? leadButton(lead) : null);
+      const after = store.nonfinite.get(step);
+      return h("li", { "data-step": String(step) }, h("span", { text: `step ${fmt(step)} · ${where}: ${reason}` }),
+        after ? h("span", { class: "hw-w-dim", "data-testid": "watch-nonfinite-after", text: ` · then ${fmt(after)} more non-finite step${after === 1 ? "" : "s"}` }) : null,
+        lead ? leadButton(lead) : null);
     };
     anoms.replaceChildren(h("summary", { "data-testid": "watch-first-lead", text: `${fmt(list.length)} anomal${list.length === 1 ? "y" : "ies"}${list.length ? ` (first at step ${fmt(list[0][0])}${first ? ` · lead: ${first.text}` : ""})` : ""}` }),
       h("ul", { class: "hw-w-anoms" }, ...shown.map(item),
