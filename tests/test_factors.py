@@ -237,3 +237,53 @@ def test_summary_capture_says_how_to_get_per_sample_norms():
     assert set(t.per_sample_left_out) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     with pytest.raises(ValueError, match=r"capture='summary' keeps statistics, not \(a, δ\): trace with"):
         t.per_sample_grad_norms()
+
+
+def _loop_norms(model, loss_of, idx, skip=()):
+    out = []
+    for b in range(idx.shape[0]):
+        model.zero_grad()
+        loss_of(idx[b:b + 1]).backward()
+        out.append(torch.cat([p.grad.flatten() for n, p in model.named_parameters() if n not in skip]).norm())
+    return torch.stack(out)
+
+
+def test_a_weight_also_read_outside_its_layers_calls_is_left_out_with_a_note():
+    """A tied head written as F.linear(h, self.wte.weight) in the model's own forward: the embedding's exact rule
+    covers only the lookup. Per-sample norms counted the lookup's part alone, silently (36.15 for 36.49); the
+    weight is now checked against the .grad its step made, left out, and named."""
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.fc = nn.Embedding(20, 8), nn.Linear(8, 8)
+
+        def forward(self, i):
+            return nn.functional.linear(torch.tanh(self.fc(self.wte(i))), self.wte.weight)
+
+    model, idx = M(), torch.randint(0, 20, (3, 5))
+
+    def loss_of(i):
+        return nn.functional.cross_entropy(model(i).flatten(0, 1), i.flatten(), reduction="sum")
+
+    t = hw.trace(lambda: loss_of(idx).backward())
+    assert "used outside their calls too" in t.per_sample_left_out["wte.weight"]
+    assert torch.allclose(t.per_sample_grad_norms(), _loop_norms(model, loss_of, idx, skip={"wte.weight"}),
+                          rtol=1e-5)
+
+
+def test_a_tied_weight_whose_other_layer_is_excluded_is_left_out_with_a_note():
+    """exclude= drops the embedding of a tied pair: the head's factors alone are not the weight's gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Tanh(), nn.Linear(8, 20, bias=False))
+    model[2].weight = model[0].weight
+
+    def loss_of(i):
+        return nn.functional.cross_entropy(model(i).flatten(0, 1), i.flatten(), reduction="sum")
+
+    idx = torch.randint(0, 20, (3, 5))
+    t = hw.trace(lambda: loss_of(idx).backward(), exclude=["0"])
+    assert "0.weight" in t.per_sample_left_out or "2.weight" in t.per_sample_left_out
+    with pytest.raises(ValueError):
+        t.per_sample_grad_norms()  # nothing else has parameters: no norms, said in one line

@@ -34,7 +34,7 @@ from hookwidget.analysis.facts import (
     step_grad,
     step_indices,
 )
-from hookwidget.analysis.generic import factors_add_up, generic_rows
+from hookwidget.analysis.generic import factors_add_up, generic_rows, projectable
 from hookwidget.layers import factors as fx
 from hookwidget.layers import generic
 from hookwidget.record.notes import refusal
@@ -134,10 +134,17 @@ def per_sample_norms(trace, name: str | None, step: int | None) -> torch.Tensor:
     if name is not None:
         check_batched(trace, name, step)
     rows = []
+    counted = False
     for k in steps:
         names = [name] if name is not None else [n for n in factor_layers(trace, k) if n not in unbatched(trace, k)]
         if names:
-            rows.append(_norm_sq(trace, names, k))
+            sq = _norm_sq(trace, names, k)
+            counted |= isinstance(sq, torch.Tensor)
+            rows.append(sq)
+    if rows and not counted:
+        gaps = left_out(trace) if name is None else {}
+        raise ValueError(f"no parameter is left for per-sample norms: {'; '.join(f'{p}: {r}' for p, r in gaps.items())}"
+                         if gaps else f"no parameter of {name!r} is whole in per-sample norms (t.per_sample_left_out)")
     if not rows:
         if trace.session.options.capture == "summary":
             raise ValueError("capture='summary' keeps statistics, not (a, δ): trace with capture='norms' (or 'full') "
@@ -197,19 +204,23 @@ def coverage_gap(trace, p, k: int, reasons: dict, factors_of) -> str | None:
     ok = [h for h, r in reasons.items() if r is None]
     if not ok:
         return "; ".join(bad) or "no layer holds it"
-    if not bad and not any(fx.is_generic(trace.layers[h].module) for h in ok):
-        return None
+    exact = not bad and not any(fx.is_generic(trace.layers[h].module) for h in ok)
     key = ("factors complete", id(p), k, tuple(ok))  # the record does not change: decided once per trace
     if key not in trace.facts:
         try:
             fs = factors_of(ok)
         except ValueError:  # a covered holder's a or δ was not kept in that step
             fs = []
-        trace.facts[key] = bool(fs) and _complete(trace, p, fs, k)
+        made = step_grad(trace, p, k) if fs else None
+        if exact and (made is None or not projectable(fs, made)):
+            trace.facts[key] = True  # exact rules on every holder; checked below only where the check is cheap
+        else:  # a parameter also used outside its holders' calls (F.linear(x, emb.weight) in a parent) fails here
+            trace.facts[key] = bool(fs) and _complete(trace, p, fs, k)
     if trace.facts[key]:
         return None
-    return "; ".join(bad) or (f"its .grad in step {k} is more than what {', '.join(ok)} give (it is used outside "
-                              "their calls too)")
+    return "; ".join(bad) or (f"its .grad in step {k} is more than what {', '.join(ok)} give: it is used outside "
+                              "their calls too (read directly, as F.linear(x, emb.weight) in a parent's forward, or "
+                              "by a layer left out of the trace); tie it to a module that is traced to count it")
 
 
 def _complete(trace, p, fs: list, k: int) -> bool:
