@@ -19,7 +19,14 @@ import torch
 
 from hookwidget._torch.layers import is_conv
 from hookwidget.capture import rows
-from hookwidget.layers.batch_first import declared_batch_dim, elementwise, feature_dims, generic_rule
+from hookwidget.layers.batch_first import (
+    declared_batch_dim,
+    elementwise,
+    feature_dims,
+    generic_rule,
+    stated_outputs,
+    states_own,
+)
 from hookwidget.record.calls import Call
 from hookwidget.record.notes import Note
 
@@ -37,17 +44,27 @@ class Samples:
         self.moved = None  # (old, new) batch size where a module's batch_first moved the pass's batch dim (_reroot)
         self._start = None  # the outermost call as it started: (call, args, kwargs, a)
         self._pass = None  # [module, call, input, output] of the pass's calls, where a module may move the batch dim
+        self._outer = None  # the running pass's outermost call
+        self._how = None  # where the pass's batch came from: "declared", "convention" (dim 0, batch_first), "stated"
+        self._placed: list = []  # the pass's placed calls, while its batch rests on the convention alone (_restate)
 
     def clear(self) -> None:
         """A new forward pass, or the trace ends: the roots and the memo hold the last pass's tensors and nodes."""
         self.roots.clear()
         self._proofs.clear()
-        self._start = self._pass = None
+        self._start = self._pass = self._outer = self._how = None
+        self._placed = []
 
-    def start(self, module, call: Call, args, kwargs, a) -> None:
-        """An outermost call: its inputs are the pass's roots along the batch dimension (call.batch: its size)."""
+    def start(self, module, call: Call, args, kwargs, a, stated: int | None = None) -> None:
+        """An outermost call: its inputs are the pass's roots along the batch dimension (call.batch: its size).
+        Where its input states its samples (stated: a PackedSequence, bags by offsets), that count is the pass's
+        batch, and its tensors are roots only along a declared batch_dim (hx's batch is not in dim 0)."""
         self.clear()
         self.batch = None
+        self._outer = call
+        if stated is not None:
+            self._stated_start(module, call, args, kwargs, stated)
+            return
         if a is None or not a.dim():
             return
         own = declared_batch_dim(module)
@@ -56,8 +73,59 @@ class Samples:
         if d >= a.dim():
             return  # no batch dimension in this input (an unbatched call): nothing is placed
         self._seed(call, args, kwargs, a, d)
+        self._how = "declared" if self.declared is not None else "convention"
         if self.declared is None and own is None and _declares(module):
             self._start, self._pass = (call, args, kwargs, a), []
+
+    def _stated_start(self, module, call: Call, args, kwargs, n: int) -> None:
+        self.batch, self.dim, self._how = n, None, "stated"
+        call.stated = n
+        if not states_own(module):  # the model's batch; a stating layer called alone keeps its count to itself
+            call.batch = n
+        d = self.declared
+        if d is not None:
+            for t in _tensors(args, kwargs):
+                if t.dim() > d and t.shape[d] == n:
+                    self.roots.add(t, d)
+
+    def stated(self, module, call: Call, args, kwargs, n: int) -> None:
+        """A call inside the pass whose input states its n samples (a PackedSequence, bags by offsets): a proven
+        count. Where the pass has no batch yet (its model input had no tensor to follow), n is the pass's batch;
+        where the pass's batch rests on the convention alone (dim 0 of a model input, no declaration) and this call
+        reads that very input as its bags (model(text, offsets): the 1-d text has no batch dim), n replaces it and
+        the calls placed under it are placed no more; otherwise n must be the pass's batch, else its outputs are
+        no roots (per_sample refuses the call, saying so: analysis/generic._stated)."""
+        call.stated = n
+        if self.batch is None:
+            self._restate(n)
+        elif n != self.batch and self._how == "convention" and self._reads_root(args, kwargs):
+            self._restate(n)
+
+    def _reads_root(self, args, kwargs) -> bool:
+        x = args[0] if args else (kwargs or {}).get("input")
+        return isinstance(x, torch.Tensor) and x.dim() == 1 and self.dim_of(x) == 0
+
+    def _restate(self, n: int) -> None:
+        old = self.batch
+        self.roots.clear()
+        self._proofs.clear()
+        for c in self._placed:
+            c.sample_dim = c.folded_from = None
+        self._placed, self._pass, self._start = [], None, None
+        self.batch, self.dim, self._how = n, None, "stated"
+        outer = self._outer
+        if outer is not None:
+            outer.sample_dim, outer.batch = None, n
+            self.moved = (old, n)
+
+    def stated_output(self, module, call: Call, output) -> None:
+        """The outputs of a stating call whose layout is known for sure (stated_outputs) become roots, where its
+        count is the pass's batch."""
+        if call.stated is None or call.stated != self.batch:
+            return
+        for t, d in stated_outputs(module, output):
+            if (t.grad_fn is not None or not t.requires_grad) and t.shape[d] == self.batch:
+                self.roots.add(t, d)
 
     def _seed(self, call: Call, args, kwargs, a, d: int) -> None:
         self.batch, self.dim = a.shape[d], d
@@ -86,6 +154,8 @@ class Samples:
         d = self.dim_of(a)
         if d is not None:
             call.sample_dim = d
+            if self._how == "convention":
+                self._placed.append(call)
             declared = declared_batch_dim(module)
             if declared is not None and declared != d and B > 1 and not self._reroot(a, declared):
                 self.contradicted.append((module, d, declared))
@@ -93,6 +163,8 @@ class Samples:
                 self._pass = None  # the first module to declare its batch dim settled the pass's: no more kept
             return
         self._fold(call, a)
+        if call.folded_from is not None and self._how == "convention":
+            self._placed.append(call)
 
     def _fold(self, call: Call, a) -> None:
         B = self.batch
