@@ -16,7 +16,9 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch import nn
 
+from hookwidget._torch.autograd import output_shape
 from hookwidget._torch.layers import is_conv
 from hookwidget.capture import rows
 from hookwidget.layers.batch_first import (
@@ -27,6 +29,7 @@ from hookwidget.layers.batch_first import (
     stated_outputs,
     states_own,
 )
+from hookwidget.layers.generic import call_nodes
 from hookwidget.record.calls import Call
 from hookwidget.record.notes import Note
 
@@ -118,14 +121,22 @@ class Samples:
             outer.sample_dim, outer.batch = None, n
             self.moved = (old, n)
 
-    def stated_output(self, module, call: Call, output) -> None:
+    def stated_output(self, module, call: Call, args, kwargs, output) -> None:
         """The outputs of a stating call whose layout is known for sure (stated_outputs) become roots, where its
-        count is the pass's batch."""
+        count is the pass's batch; for an EmbeddingBag with a forward of its own, the embedding_bag op it ran on the
+        call's own indices and offsets (_bag_nodes): its output holds the bags along dim 0, whatever that forward
+        does after it (rows.py follows that)."""
         if call.stated is None or call.stated != self.batch:
             return
-        for t, d in stated_outputs(module, output):
+        found = stated_outputs(module, output)
+        for t, d in found:
             if (t.grad_fn is not None or not t.requires_grad) and t.shape[d] == self.batch:
                 self.roots.add(t, d)
+        if not found and isinstance(module, nn.EmbeddingBag):
+            for node in _bag_nodes(call, args, kwargs, output):
+                if (output_shape(node, 0) or ())[:1] == (self.batch,):
+                    self.roots.nodes[(node, 0)] = 0
+                    self.roots._node_set.add(node)
 
     def _seed(self, call: Call, args, kwargs, a, d: int) -> None:
         self.batch, self.dim = a.shape[d], d
@@ -332,6 +343,22 @@ def _declares(module) -> bool:
     if found is None:
         found = _DECLARES[module] = any(declared_batch_dim(m) is not None for m in module.modules())
     return found
+
+
+def _bag_nodes(call: Call, args, kwargs, output) -> list:
+    """The embedding_bag ops among the call's own (autograd sequence numbers from its start on, found from its
+    output's node down) whose saved indices and offsets are the call's own tensors (by identity)."""
+    out = output if isinstance(output, torch.Tensor) else None
+    if out is None or out.grad_fn is None:
+        return []
+    ids = args[0] if args else (kwargs or {}).get("input")
+    offsets = args[1] if args and len(args) > 1 else (kwargs or {}).get("offsets")
+    nodes = call_nodes(out.grad_fn, call.seq_start, _BAG_NODES) or ()
+    return [n for n in nodes if type(n).__name__ == "EmbeddingBagBackward0"
+            and getattr(n, "_saved_indices", None) is ids and getattr(n, "_saved_offsets", None) is offsets]
+
+
+_BAG_NODES = 64  # nodes of a bag's own forward looked through
 
 
 def _tensors(args, kwargs):

@@ -328,7 +328,7 @@ class Tracer:
             rec = self._new_record(module)
         call = self._close_call(module, rec, inputs, kwargs)
         if call.stated is not None and not call.recomputed:  # its outputs whose samples' place is known: roots
-            self.run.samples.stated_output(module, call, output)
+            self.run.samples.stated_output(module, call, inputs, kwargs, output)
         if self.backward_hooks:
             rec.awaiting_backward.append(call)
         out = first_tensor(output)
