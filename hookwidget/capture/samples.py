@@ -49,14 +49,14 @@ class Samples:
         self._pass = None  # [module, call, input, output] of the pass's calls, where a module may move the batch dim
         self._outer = None  # the running pass's outermost call
         self._how = None  # where the pass's batch came from: "declared", "convention" (dim 0, batch_first), "stated"
-        self._placed: list = []  # the pass's placed calls, while its batch rests on the convention alone (_restate)
+        self._placed = None  # the pass's placed calls, while its batch rests on the convention alone and the model
+        # holds an EmbeddingBag (_restate), else None
 
     def clear(self) -> None:
         """A new forward pass, or the trace ends: the roots and the memo hold the last pass's tensors and nodes."""
         self.roots.clear()
         self._proofs.clear()
-        self._start = self._pass = self._outer = self._how = None
-        self._placed = []
+        self._start = self._pass = self._outer = self._how = self._placed = None
 
     def start(self, module, call: Call, args, kwargs, a, stated: int | None = None) -> None:
         """An outermost call: its inputs are the pass's roots along the batch dimension (call.batch: its size).
@@ -77,6 +77,8 @@ class Samples:
             return  # no batch dimension in this input (an unbatched call): nothing is placed
         self._seed(call, args, kwargs, a, d)
         self._how = "declared" if self.declared is not None else "convention"
+        if self._how == "convention" and _holds_bags(module):
+            self._placed = []
         if self.declared is None and own is None and _declares(module):
             self._start, self._pass = (call, args, kwargs, a), []
 
@@ -101,7 +103,8 @@ class Samples:
         call.stated = n
         if self.batch is None:
             self._restate(n)
-        elif n != self.batch and self._how == "convention" and self._reads_root(args, kwargs):
+        elif n != self.batch and self._how == "convention" and isinstance(module, nn.EmbeddingBag) and \
+                self._reads_root(args, kwargs):
             self._restate(n)
 
     def _reads_root(self, args, kwargs) -> bool:
@@ -112,9 +115,9 @@ class Samples:
         old = self.batch
         self.roots.clear()
         self._proofs.clear()
-        for c in self._placed:
+        for c in self._placed or ():
             c.sample_dim = c.folded_from = None
-        self._placed, self._pass, self._start = [], None, None
+        self._placed = self._pass = self._start = None
         self.batch, self.dim, self._how = n, None, "stated"
         outer = self._outer
         if outer is not None:
@@ -165,7 +168,7 @@ class Samples:
         d = self.dim_of(a)
         if d is not None:
             call.sample_dim = d
-            if self._how == "convention":
+            if self._placed is not None:
                 self._placed.append(call)
             declared = declared_batch_dim(module)
             if declared is not None and declared != d and B > 1 and not self._reroot(a, declared):
@@ -174,7 +177,7 @@ class Samples:
                 self._pass = None  # the first module to declare its batch dim settled the pass's: no more kept
             return
         self._fold(call, a)
-        if call.folded_from is not None and self._how == "convention":
+        if call.folded_from is not None and self._placed is not None:
             self._placed.append(call)
 
     def _fold(self, call: Call, a) -> None:
@@ -342,6 +345,18 @@ def _declares(module) -> bool:
     found = _DECLARES.get(module)
     if found is None:
         found = _DECLARES[module] = any(declared_batch_dim(m) is not None for m in module.modules())
+    return found
+
+
+_BAGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _holds_bags(module) -> bool:
+    """Whether the model holds an nn.EmbeddingBag, which may read its 1-d input as bags (_restate). Asked once per
+    model."""
+    found = _BAGS.get(module)
+    if found is None:
+        found = _BAGS[module] = any(isinstance(m, nn.EmbeddingBag) for m in module.modules())
     return found
 
 
