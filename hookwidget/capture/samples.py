@@ -9,6 +9,13 @@ sample-major instead (rows.sample_major: call.folded_from). A placed call's outp
 through the graph where its input reaches it, else by what the layer declares (a token layer, Linear or Embedding,
 keeps its input's leading dims; a convolution its batch; an RNN or attention its batch_first). Proofs share one
 memo per forward pass (the graph does not change under them), so each node is visited once per dimension.
+
+A call whose input states its samples (a PackedSequence: batch_sizes[0] sequences; an EmbeddingBag's 1-d input with
+offsets: one sample per bag; layers/batch_first.stated_samples) is a proven source: call.stated. Its count is the
+pass's batch where no tensor root gave one (a model called on a PackedSequence), or where the pass's batch rested on
+the convention alone and the bag reads that very input as its bags (model(text, offsets)); otherwise it must equal
+the pass's batch (per_sample refuses it else, saying so). Where it does, its outputs whose layout is known for sure
+become roots: an RNN's h_n and c_n (dim 1, torch's own forward, in the user's order), an EmbeddingBag's bags (dim 0).
 """
 
 from __future__ import annotations
