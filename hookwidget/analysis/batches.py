@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 from hookwidget._torch.layers import is_conv
 from hookwidget.analysis.facts import allclose_grad, own_trainable, owned_params, step_indices
 from hookwidget.layers import factors as fx
-from hookwidget.layers.batch_first import samples_first
+from hookwidget.layers.batch_first import samples_first, states_own
 from hookwidget.record.notes import refusal
 
 
@@ -196,10 +196,24 @@ def unplaced_reason(trace, name: str, k: int) -> str:
     if call is not None and call.sample_dim is not None:
         return (f"{got} holds the {B} samples in dim {call.sample_dim}, where its {type(layer.module).__name__} "
                 "rule needs them first; call it with the batch first")
+    stating = _stating(trace, k)
+    if stating:
+        return (f"{got} holds none of the {B} samples of the model's input in a proven dim (a matching size is no "
+                f"proof): the samples that {', '.join(stating[:3])} state (sequences of a PackedSequence, bags given "
+                "by offsets) are followed from an nn.EmbeddingBag's bags (dim 0) and a recurrent layer's h_n and c_n "
+                "(dim 1, torch's own forward) only, not through a recurrent forward of a module's own nor "
+                "pad_packed_sequence's output; to make it provable, compute its input from those (the final state "
+                "h_n, say), or give the recurrent layer torch's own forward")
     return (f"{got} holds none of the {B} samples of the model's input in a proven dim (a matching size is no "
             "proof): a table called on positions has its gradient summed over the batch already; to make it "
             "provable, feed it the model's input through views or graph ops, or declare the input's batch dim: "
             "hw.trace(..., batch_dim=N)")
+
+
+def _stating(trace, k: int) -> list[str]:
+    """The layers of step k called on arguments that state their samples (call.stated: capture/samples.py)."""
+    return [n for n, layer in trace.layers.items() if states_own(layer.module)
+            and any(c.step == k and c.stated is not None for c in layer.calls)]
 
 
 def check_samples(trace, step: int | None) -> None:

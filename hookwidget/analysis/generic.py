@@ -119,11 +119,12 @@ def _stated_counts(trace, k: int) -> Counter:
 def _misplaced(trace, name: str, module, calls) -> str | None:
     """Why the generic rule cannot take these calls' samples where it takes them (dim 0 of its input, or the
     module's batch_first), or None: capture proved them elsewhere, or nowhere (a call whose (1, ...) output is
-    added to the batch gets each sample's δ instead: batches.broadcast_delta)."""
+    added to the batch gets each sample's δ instead: batches.broadcast_delta). A call whose arguments state its
+    samples (a PackedSequence, bags by offsets: call.stated) is not placed by a dim: _stated checks its count."""
     want = declared_batch_dim(module) or 0
     for c in calls:
-        if c.sample_dim == want or c.sample_dim is None and c.in_shape is None or batches.broadcast_delta(trace, c) \
-                is not None:
+        if c.stated is not None or c.sample_dim == want or c.sample_dim is None and c.in_shape is None or \
+                batches.broadcast_delta(trace, c) is not None:
             continue
         if c.sample_dim is None:
             return batches.unplaced_reason(trace, name, c.step)

@@ -24,7 +24,7 @@ def drop_recomputed_calls(modules: dict, notes: list) -> None:
             kept = [c for c in rec.calls if c.delta is not None or c.delta_summary is not None]
             firsts = [c for c in rec.calls if not c.recomputed and all(c is not k for k in kept)]
             for first, rerun in zip(firsts, [c for c in kept if c.recomputed]):  # in order: where its samples are
-                rerun.sample_dim, rerun.folded_from = first.sample_dim, first.folded_from
+                rerun.sample_dim, rerun.folded_from, rerun.stated = first.sample_dim, first.folded_from, first.stated
                 rerun.in_shape = first.in_shape
             if kept and len(kept) < len(rec.calls):
                 names.append(rec.module)

@@ -9,6 +9,13 @@ sample-major instead (rows.sample_major: call.folded_from). A placed call's outp
 through the graph where its input reaches it, else by what the layer declares (a token layer, Linear or Embedding,
 keeps its input's leading dims; a convolution its batch; an RNN or attention its batch_first). Proofs share one
 memo per forward pass (the graph does not change under them), so each node is visited once per dimension.
+
+A call whose input states its samples (a PackedSequence: batch_sizes[0] sequences; an EmbeddingBag's 1-d input with
+offsets: one sample per bag; layers/batch_first.stated_samples) is a proven source: call.stated. Its count is the
+pass's batch where no tensor root gave one (a model called on a PackedSequence), or where the pass's batch rested on
+the convention alone and the bag reads that very input as its bags (model(text, offsets)); otherwise it must equal
+the pass's batch (per_sample refuses it else, saying so). Where it does, its outputs whose layout is known for sure
+become roots: an RNN's h_n and c_n (dim 1, torch's own forward, in the user's order), an EmbeddingBag's bags (dim 0).
 """
 
 from __future__ import annotations
@@ -16,10 +23,20 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch import nn
 
+from hookwidget._torch.autograd import output_shape
 from hookwidget._torch.layers import is_conv
 from hookwidget.capture import rows
-from hookwidget.layers.batch_first import declared_batch_dim, elementwise, feature_dims, generic_rule
+from hookwidget.layers.batch_first import (
+    declared_batch_dim,
+    elementwise,
+    feature_dims,
+    generic_rule,
+    stated_outputs,
+    states_own,
+)
+from hookwidget.layers.generic import call_nodes
 from hookwidget.record.calls import Call
 from hookwidget.record.notes import Note
 
@@ -37,17 +54,27 @@ class Samples:
         self.moved = None  # (old, new) batch size where a module's batch_first moved the pass's batch dim (_reroot)
         self._start = None  # the outermost call as it started: (call, args, kwargs, a)
         self._pass = None  # [module, call, input, output] of the pass's calls, where a module may move the batch dim
+        self._outer = None  # the running pass's outermost call
+        self._how = None  # where the pass's batch came from: "declared", "convention" (dim 0, batch_first), "stated"
+        self._placed = None  # the pass's placed calls, while its batch rests on the convention alone and the model
+        # holds an EmbeddingBag (_restate), else None
 
     def clear(self) -> None:
         """A new forward pass, or the trace ends: the roots and the memo hold the last pass's tensors and nodes."""
         self.roots.clear()
         self._proofs.clear()
-        self._start = self._pass = None
+        self._start = self._pass = self._outer = self._how = self._placed = None
 
-    def start(self, module, call: Call, args, kwargs, a) -> None:
-        """An outermost call: its inputs are the pass's roots along the batch dimension (call.batch: its size)."""
+    def start(self, module, call: Call, args, kwargs, a, stated: int | None = None) -> None:
+        """An outermost call: its inputs are the pass's roots along the batch dimension (call.batch: its size).
+        Where its input states its samples (stated: a PackedSequence, bags by offsets), that count is the pass's
+        batch, and its tensors are roots only along a declared batch_dim (hx's batch is not in dim 0)."""
         self.clear()
         self.batch = None
+        self._outer = call
+        if stated is not None:
+            self._stated_start(module, call, args, kwargs, stated)
+            return
         if a is None or not a.dim():
             return
         own = declared_batch_dim(module)
@@ -56,8 +83,70 @@ class Samples:
         if d >= a.dim():
             return  # no batch dimension in this input (an unbatched call): nothing is placed
         self._seed(call, args, kwargs, a, d)
+        self._how = "declared" if self.declared is not None else "convention"
+        if self._how == "convention" and _holds_bags(module):
+            self._placed = []
         if self.declared is None and own is None and _declares(module):
             self._start, self._pass = (call, args, kwargs, a), []
+
+    def _stated_start(self, module, call: Call, args, kwargs, n: int) -> None:
+        self.batch, self.dim, self._how = n, None, "stated"
+        call.stated = n
+        if not states_own(module):  # the model's batch; a stating layer called alone keeps its count to itself
+            call.batch = n
+        d = self.declared
+        if d is not None:
+            for t in _tensors(args, kwargs):
+                if t.dim() > d and t.shape[d] == n:
+                    self.roots.add(t, d)
+
+    def stated(self, module, call: Call, args, kwargs, n: int) -> None:
+        """A call inside the pass whose input states its n samples (a PackedSequence, bags by offsets): a proven
+        count. Where the pass has no batch yet (its model input had no tensor to follow), n is the pass's batch;
+        where the pass's batch rests on the convention alone (dim 0 of a model input, no declaration) and this call
+        reads that very input as its bags (model(text, offsets): the 1-d text has no batch dim), n replaces it and
+        the calls placed under it are placed no more; otherwise n must be the pass's batch, else its outputs are
+        no roots (per_sample refuses the call, saying so: analysis/generic._stated)."""
+        call.stated = n
+        if self.batch is None:
+            self._restate(n)
+        elif n != self.batch and self._how == "convention" and isinstance(module, nn.EmbeddingBag) and \
+                self._reads_root(args, kwargs):
+            self._restate(n)
+
+    def _reads_root(self, args, kwargs) -> bool:
+        x = args[0] if args else (kwargs or {}).get("input")
+        return isinstance(x, torch.Tensor) and x.dim() == 1 and self.dim_of(x) == 0
+
+    def _restate(self, n: int) -> None:
+        old = self.batch
+        self.roots.clear()
+        self._proofs.clear()
+        for c in self._placed or ():
+            c.sample_dim = c.folded_from = None
+        self._placed = self._pass = self._start = None
+        self.batch, self.dim, self._how = n, None, "stated"
+        outer = self._outer
+        if outer is not None:
+            outer.sample_dim, outer.batch = None, n
+            self.moved = (old, n)
+
+    def stated_output(self, module, call: Call, args, kwargs, output) -> None:
+        """The outputs of a stating call whose layout is known for sure (stated_outputs) become roots, where its
+        count is the pass's batch; for an EmbeddingBag with a forward of its own, the embedding_bag op it ran on the
+        call's own indices and offsets (_bag_nodes): its output holds the bags along dim 0, whatever that forward
+        does after it (rows.py follows that)."""
+        if call.stated is None or call.stated != self.batch:
+            return
+        found = stated_outputs(module, output)
+        for t, d in found:
+            if (t.grad_fn is not None or not t.requires_grad) and t.shape[d] == self.batch:
+                self.roots.add(t, d)
+        if not found and isinstance(module, nn.EmbeddingBag):
+            for node in _bag_nodes(call, args, kwargs, output):
+                if (output_shape(node, 0) or ())[:1] == (self.batch,):
+                    self.roots.nodes[(node, 0)] = 0
+                    self.roots._node_set.add(node)
 
     def _seed(self, call: Call, args, kwargs, a, d: int) -> None:
         self.batch, self.dim = a.shape[d], d
@@ -86,6 +175,8 @@ class Samples:
         d = self.dim_of(a)
         if d is not None:
             call.sample_dim = d
+            if self._placed is not None:
+                self._placed.append(call)
             declared = declared_batch_dim(module)
             if declared is not None and declared != d and B > 1 and not self._reroot(a, declared):
                 self.contradicted.append((module, d, declared))
@@ -93,6 +184,8 @@ class Samples:
                 self._pass = None  # the first module to declare its batch dim settled the pass's: no more kept
             return
         self._fold(call, a)
+        if call.folded_from is not None and self._placed is not None:
+            self._placed.append(call)
 
     def _fold(self, call: Call, a) -> None:
         B = self.batch
@@ -260,6 +353,34 @@ def _declares(module) -> bool:
     if found is None:
         found = _DECLARES[module] = any(declared_batch_dim(m) is not None for m in module.modules())
     return found
+
+
+_BAGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _holds_bags(module) -> bool:
+    """Whether the model holds an nn.EmbeddingBag, which may read its 1-d input as bags (_restate). Asked once per
+    model."""
+    found = _BAGS.get(module)
+    if found is None:
+        found = _BAGS[module] = any(isinstance(m, nn.EmbeddingBag) for m in module.modules())
+    return found
+
+
+def _bag_nodes(call: Call, args, kwargs, output) -> list:
+    """The embedding_bag ops among the call's own (autograd sequence numbers from its start on, found from its
+    output's node down) whose saved indices and offsets are the call's own tensors (by identity)."""
+    out = output if isinstance(output, torch.Tensor) else None
+    if out is None or out.grad_fn is None:
+        return []
+    ids = args[0] if args else (kwargs or {}).get("input")
+    offsets = args[1] if args and len(args) > 1 else (kwargs or {}).get("offsets")
+    nodes = call_nodes(out.grad_fn, call.seq_start, _BAG_NODES) or ()
+    return [n for n in nodes if type(n).__name__ == "EmbeddingBagBackward0"
+            and getattr(n, "_saved_indices", None) is ids and getattr(n, "_saved_offsets", None) is offsets]
+
+
+_BAG_NODES = 64  # nodes of a bag's own forward looked through
 
 
 def _tensors(args, kwargs):

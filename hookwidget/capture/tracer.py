@@ -50,6 +50,7 @@ from hookwidget.capture.recording import Recording
 from hookwidget.capture.tensors import first_tensor, hook_output, intervene
 from hookwidget.layers import factors as fx
 from hookwidget.layers import registry
+from hookwidget.layers.batch_first import stated_samples
 from hookwidget.options import DEFAULT_BUDGET_MB
 from hookwidget.record.calls import Call, ModuleRecord, Records, StepRecord
 
@@ -292,15 +293,20 @@ class Tracer:
         if call.recomputed:
             pass  # a forward that backward reruns (checkpointing): its calls take the first forward's places (finish)
         elif run.open == 0:
-            samples.start(module, call, inputs, kwargs, a)
+            samples.start(module, call, inputs, kwargs, a, stated_samples(module, inputs, kwargs))
             if call.batch is not None:
                 run.batches[call.batch] += 1
-        elif a is not None:
-            samples.place(module, call, a)  # where its samples are: see per_sample
+        else:
+            stated = stated_samples(module, inputs, kwargs)  # a PackedSequence, bags by offsets: their count
+            if stated is not None:
+                samples.stated(module, call, inputs, kwargs, stated)
+            elif a is not None:
+                samples.place(module, call, a)  # where its samples are: see per_sample
             if samples.moved is not None:  # a module's batch_first moved the pass's batch dim: its size with it
                 old, new = samples.moved
                 samples.moved = None
-                run.batches[old] -= 1
+                if old is not None:
+                    run.batches[old] -= 1
                 run.batches[new] += 1
         if rec.generic and torch.is_grad_enabled() and run.generic.keep_call(module, call, inputs, kwargs):
             kept = call.inputs
@@ -321,6 +327,8 @@ class Tracer:
                 return None
             rec = self._new_record(module)
         call = self._close_call(module, rec, inputs, kwargs)
+        if call.stated is not None and not call.recomputed:  # its outputs whose samples' place is known: roots
+            self.run.samples.stated_output(module, call, inputs, kwargs, output)
         if self.backward_hooks:
             rec.awaiting_backward.append(call)
         out = first_tensor(output)
@@ -351,7 +359,11 @@ class Tracer:
         elif not inputs and kwargs and self.targets is None:  # keywords only, which no global pre-hook sees
             a = first_tensor(kwargs)
             if a is not None and not call.recomputed:
-                self.run.samples.place(module, call, a)
+                stated = stated_samples(module, inputs, kwargs)
+                if stated is not None:
+                    self.run.samples.stated(module, call, inputs, kwargs, stated)
+                else:
+                    self.run.samples.place(module, call, a)
                 self._keep_input(rec, call, a)
         return call
 

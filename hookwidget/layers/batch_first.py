@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from hookwidget.layers import registry
 
@@ -83,3 +85,44 @@ def samples_first(call, module: nn.Module):
 def generic_rule(module: nn.Module) -> bool:
     """Whether the generic torch.func rule serves the module: it takes each sample as dim 0 of its input and output."""
     return registry.is_generic(module)
+
+
+def stated_samples(module: nn.Module, args, kwargs) -> int | None:
+    """How many samples the call's input states itself, or None: a PackedSequence (its first argument, to any
+    module) holds batch_sizes[0] sequences; an nn.EmbeddingBag called on a 1-d input with 1-d offsets, one bag per
+    offset (one fewer with include_last_offset). A count read from what the arguments mean, never from a size that
+    matches. A few isinstance checks per call: the hot path."""
+    x = args[0] if args else kwargs.get("input") if kwargs else None
+    if isinstance(x, PackedSequence):
+        return int(x.batch_sizes[0]) if len(x.batch_sizes) else 0
+    if isinstance(module, nn.EmbeddingBag) and isinstance(x, torch.Tensor) and x.dim() == 1:
+        offsets = args[1] if args and len(args) > 1 else kwargs.get("offsets") if kwargs else None
+        if isinstance(offsets, torch.Tensor) and offsets.dim() == 1:
+            return max(len(offsets) - bool(module.include_last_offset), 0)
+    return None
+
+
+_RNN_FORWARDS = (nn.LSTM.forward, nn.GRU.forward, nn.RNN.forward)
+
+
+def stated_outputs(module: nn.Module, output) -> list:
+    """(tensor, dim) of a stating call's outputs whose samples' place is known for sure (torch's own forward, not a
+    subclass's): an EmbeddingBag's (n_bags, d), samples along dim 0; an RNN's h_n (and c_n) on a PackedSequence,
+    (layers·dirs, n, H), samples along dim 1 in the user's order (torch's forward puts them back in it by
+    unsorted_indices). Its output PackedSequence is no tensor: what pad_packed_sequence makes of it is not followed
+    (rows.py knows none of its ops), so a layer on it is left out, with a note."""
+    if isinstance(module, nn.EmbeddingBag):
+        if type(module).forward is nn.EmbeddingBag.forward and isinstance(output, torch.Tensor) and output.dim() == 2:
+            return [(output, 0)]
+        return []
+    if isinstance(module, nn.RNNBase) and type(module).forward in _RNN_FORWARDS and isinstance(output, tuple) and \
+            len(output) == 2 and isinstance(output[0], PackedSequence):
+        states = output[1] if isinstance(output[1], tuple) else (output[1],)
+        return [(h, 1) for h in states if isinstance(h, torch.Tensor) and h.dim() == 3]
+    return []
+
+
+def states_own(module: nn.Module) -> bool:
+    """Whether the module is itself a layer whose arguments state its samples (a recurrent layer, an EmbeddingBag):
+    called outermost, its count is its own, for per_sample's check against the step's batch, not the model's."""
+    return isinstance(module, (nn.RNNBase, nn.EmbeddingBag))

@@ -31,6 +31,7 @@ class Call:
     folded_from: int | None = None  # its input is a view of a tensor of this leading dimension ((B, T, d) as (B·T, d))
     batch: int | None = None  # an outermost call (the model's): its first input's size along the batch dim
     sample_dim: int | None = None  # the dim of `a` proven to hold the samples, one each (capture/samples.py)
+    stated: int | None = None  # the samples its arguments state (a PackedSequence's, bags by offsets: samples.py)
     in_shape: tuple | None = field(default=None, repr=False)  # a's shape, for a note where a is not kept
     seq_start: int = field(default=0, repr=False)  # autograd sequence numbers created during the call
     seq_end: int = field(default=0, repr=False)
