@@ -1008,9 +1008,10 @@ def test_layers_returning_a_dict_or_a_dataclass_are_seen():
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_gradient_checkpointing_is_seen_in_full(reentrant):
     """Reentrant checkpointing runs the checkpointed layers' first forward without grad, and again inside backward;
-    non-reentrant recomputes inside backward what the first forward's graph needs. Either way the statistics (and
-    the per-sample maxima) equal the unchecked run's, no note or warning, and the checked run's gradients are the
-    unchecked run's: the watch changes nothing."""
+    non-reentrant recomputes inside backward what the first forward's graph needs. Either way the statistics equal
+    the unchecked run's and the checked run's gradients are the unchecked run's: the watch changes nothing. The
+    per-sample maxima too without reentrance; with it, the block's output is an opaque node no proof of where the
+    samples are passes, so the layer after it is left out of them, with a note (a size match is no proof)."""
     from torch.utils.checkpoint import checkpoint
 
     class Ckpt(nn.Module):
@@ -1041,10 +1042,15 @@ def test_gradient_checkpointing_is_seen_in_full(reentrant):
                     opt.step()
         stats.append(w.stats)
         maxima.append(w.per_sample)
-        assert not [c for c in caught if "hw.watch" in str(c.message)] and not w.notes
+        notes = [*w.notes, *(str(c.message) for c in caught if "hw.watch" in str(c.message))]
+        if reentrant and ckpt:  # the block's output comes from an opaque reentrant node: no proof reaches fc
+            assert len(w.notes) == 1 and "leave out fc" in w.notes[0] and "no proof places" in w.notes[0], notes
+        else:
+            assert not notes, notes
     assert not stats[0].isnan()[..., [STAT_NAMES.index(c) for c in ("delta_norm", "a_rms")]].any()
     torch.testing.assert_close(stats[0], stats[1], equal_nan=True)
-    torch.testing.assert_close(maxima[0], maxima[1], equal_nan=True)
+    if not reentrant:  # reentrant: fc is left out of the per-sample norms (said in the note above)
+        torch.testing.assert_close(maxima[0], maxima[1], equal_nan=True)
     for g, h in zip(grads[:3], grads[3:]):
         torch.testing.assert_close(g, h, rtol=0, atol=0)
 

@@ -311,7 +311,7 @@ def view_dim(t, root, d: int) -> int | None:
     data): same storage; each dim of t of size > 1 has the stride of a distinct dim of root; the one with root's
     batch stride has all B samples, and t starts at sample 0. A copy (a new storage) or a view that merges the
     batch with another dim proves nothing."""
-    if t.device != root.device or t.untyped_storage().data_ptr() != root.untyped_storage().data_ptr():
+    if t.device != root.device or not _same_storage(t, root):
         return None
     rstrides = [s for s, n in zip(root.stride(), root.shape) if n > 1]
     if len(set(rstrides)) != len(rstrides) or root.shape[d] <= 1:
@@ -387,3 +387,12 @@ def _tensors(args, kwargs):
     for v in [*(args or ()), *((kwargs or {}).values())]:
         if isinstance(v, torch.Tensor):
             yield v
+
+
+def _same_storage(t, root) -> bool:
+    """Whether t and root share a storage; a tensor whose storage was freed or is not a plain one (FSDP2 frees an
+    unsharded parameter's between uses; a DTensor, a fake tensor) shares none that can be told."""
+    try:
+        return t.untyped_storage().data_ptr() == root.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
