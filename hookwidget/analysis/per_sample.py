@@ -218,9 +218,10 @@ def coverage_gap(trace, p, k: int, reasons: dict, factors_of) -> str | None:
             trace.facts[key] = bool(fs) and _complete(trace, p, fs, k)
     if trace.facts[key]:
         return None
-    return "; ".join(bad) or (f"its .grad in step {k} is more than what {', '.join(ok)} give: it is used outside "
-                              "their calls too (read directly, as F.linear(x, emb.weight) in a parent's forward, or "
-                              "by a layer left out of the trace); tie it to a module that is traced to count it")
+    return "; ".join(bad) or (f"its .grad in step {k} is more than what {', '.join(ok)} give: its gradient also "
+                              "comes from outside their recorded calls (read directly, as F.linear(x, emb.weight) in "
+                              "a parent's forward; a tied layer left out of the trace; a second backward through a "
+                              "retained graph); use it through traced modules, one backward per forward, to count it")
 
 
 def _complete(trace, p, fs: list, k: int) -> bool:
