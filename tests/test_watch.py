@@ -603,7 +603,7 @@ def test_spikes_and_window():
         opt = torch.optim.SGD(model.parameters(), 1e-3)
         with watch(model, window=window, flight_recorder=False) as w:
             run_loop(model, opt, x, y, 40, scale={30: 1000.0})
-        assert {(s, where) for s, where, _ in w.anomalies} == expect
+        assert {(a.step, a.where) for a in w.anomalies} == expect
     with watch(model, spike=1e9) as w:
         run_loop(model, opt, x, y, 40, scale={30: 1000.0})
     assert w.anomalies == [] and w.kept == [39]

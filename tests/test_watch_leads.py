@@ -83,3 +83,33 @@ def test_only_gradients_jumping_make_a_gradient_lead():
                                      (1e10, "1e10"), (-0.12345, "-0.1235"), (math.nan, "nan")])
 def test_numbers_read_as_the_view_writes_them(v, text):
     assert fmt(v) == text
+
+
+def test_a_live_watch_names_the_lead_in_python_saved_and_loaded_alike(tmp_path):
+    """Issue 42: the lead is part of w.anomalies (not only of the view), and a saved watch reads the same."""
+    import torch
+    from torch import nn
+
+    import hookwidget as hw
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(512, 4)
+    y = x.sum(1, keepdim=True)
+    with hw.watch(model) as w:
+        for step in range(230):
+            if step == 200:
+                opt.param_groups[0]["lr"] = 3.0
+            batch = torch.randint(0, 512, (32,))
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x[batch]), y[batch]).backward()
+            opt.step()
+    first = w.anomalies[0]
+    assert first.step == 201 and first.lead.step == 200 and first.lead.stat == "lr"
+    assert first.lead.text.startswith("step 200: learning rate ×60 (0.05 → 3) in 2 layers (0, 2)")
+    step, where, reason = first  # still the (step, where, reason) tuple it was
+    assert (step, where) == (201, "loss") and first == (201, "loss", reason)
+    w.save(tmp_path / "run.pt")
+    loaded = hw.load(tmp_path / "run.pt")
+    assert [a.lead for a in loaded.anomalies] == [a.lead for a in w.anomalies]

@@ -121,7 +121,7 @@ def _loop(mode, rank, world, watched, out_dir):
     out = {"losses": losses, "grads": grads}
     if w is not None:
         out.update(stats=w.stats, step_stats=w.step_stats, local_stats=w.local_stats,
-                   local_step_stats=w.local_step_stats, steps=w.steps, anomalies=[tuple(a) for a in w.anomalies],
+                   local_step_stats=w.local_step_stats, steps=w.steps, anomalies=[tuple(a[:3]) for a in w.anomalies],
                    kept=w.kept, notes=[str(n) for n in w.notes], scope=w.scope, layer_names=list(w.layer_names),
                    stat_names=list(w.stat_names), log=hw.load(log).stats, local_series=w.series(
                        w.layer_names[-1], "grad_norm", scope="local"))

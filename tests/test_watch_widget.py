@@ -248,7 +248,9 @@ def test_to_html_writes_the_data_with_names_as_text(tmp_path):
     np.testing.assert_array_equal(stats, w.stats.numpy())
     assert np.isnan(stats[-1]).any()
     assert data["steps"] == w.steps and data["kept"] == w.kept
-    assert data["anomalies"] == [[a.step, a.where, a.reason] for a in w.anomalies] and data["anomalies"]
+    assert data["anomalies"]
+    assert [a[:3] for a in data["anomalies"]] == [[a.step, a.where, a.reason] for a in w.anomalies]
+    assert [a[3] and a[3]["text"] for a in data["anomalies"]] == [a.lead and a.lead.text for a in w.anomalies]
     assert set(data["traces"]) == {str(k) for k in w.kept}
     assert data["traces"][str(w.kept[0])]["details"]  # the kept Traces' detail travels too
 

@@ -9,8 +9,9 @@ trainer's step counter at the start is the trainer's step after it (global_step)
 no optimizer step followed (a fit that ended mid-accumulation) belong to no trainer step.
 
 At the trainer's logging cadence the loggers get a handful of keys (LOG_KEYS): the global gradient norm, the
-largest update ratio and its layer (an index into watch.layer_names: loggers take numbers), the anomalies so far
-and the trainer step of the latest; per-layer series only for the statistics asked for in `log_stats`.
+largest update ratio and its layer (an index into watch.layer_names: loggers take numbers), the anomalies so far,
+the trainer step of the latest and of its lead (where its cause shows first); per-layer series only for the
+statistics asked for in `log_stats`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hookwidget.watch import STAT_NAMES
 from hookwidget.watch import watch as open_watch
 
 PREFIX = "hookwidget"  # the loggers' keys: hookwidget/{key}, and hookwidget/{stat}/{layer} for log_stats
-LOG_KEYS = ("grad_norm", "update_ratio_max", "update_ratio_max_layer", "anomalies", "anomaly_step")
+LOG_KEYS = ("grad_norm", "update_ratio_max", "update_ratio_max_layer", "anomalies", "anomaly_step", "anomaly_lead_step")
 
 
 class Fit:
@@ -105,6 +106,10 @@ class Fit:
         if anomalies:
             latest = self.trainer_step(anomalies[-1].step)
             out[f"{PREFIX}/anomaly_step"] = latest if latest is not None else math.nan
+            lead = anomalies[-1].lead  # where its cause shows first (watch/leads.py); its text is in cb.watch.anomalies
+            if lead is not None:
+                at = self.trainer_step(lead.step)
+                out[f"{PREFIX}/anomaly_lead_step"] = at if at is not None else math.nan
         if self.log_stats:
             table = w.stats[r].tolist()
             out.update({f"{PREFIX}/{stat}/{layer}": table[li][w.stat_names.index(stat)]

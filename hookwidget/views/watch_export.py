@@ -13,6 +13,7 @@ import pathlib
 
 from hookwidget.views import payload
 from hookwidget.views.export import details, standalone_page
+from hookwidget.views.watch_widget import anomaly_entry
 
 DETAIL_BUDGET = 24 * 2**20  # bytes of kept Traces' tensor detail inlined, over all of them
 
@@ -46,7 +47,7 @@ def data(watch) -> dict:
         "steps": [int(s) for s in steps],
         "stats": base64.b64encode(stats.double().contiguous().numpy().tobytes()).decode("ascii"),
         "step_stats": base64.b64encode(step_stats.double().contiguous().numpy().tobytes()).decode("ascii"),
-        "anomalies": [[int(a.step), str(a.where), str(a.reason)] for a in watch.anomalies],
+        "anomalies": [anomaly_entry(a) for a in watch.anomalies],
         "nonfinite": [[int(k), int(v)] for k, v in watch.nonfinite.items()],
         "kept": [int(k) for k in watch.kept], "dropped": watch.dropped_traces,
         "state": "open" if watch.active else "closed", "traces": traces,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import pathlib
 import sys
 import time
@@ -148,7 +149,7 @@ class WatchWidget(anywidget.AnyWidget):
         msg = {"type": "rows", "start": start, "count": int(stats.shape[0]),
                "steps": [int(s) for c in chunks for s in c[2]],
                "a_start": a_start,
-               "anomalies": [[int(a.step), str(a.where), str(a.reason)] for a in anomalies[a_start:]],
+               "anomalies": [anomaly_entry(a) for a in anomalies[a_start:]],
                "nonfinite": [[int(k), int(v)] for k, v in (w.found_nonfinite if w is not None else {}).items()],
                "kept": _kept(w), "dropped": w.dropped_traces if w is not None else 0,
                "total_steps": int(getattr(w, "_n", 0)) if w is not None else None, "state": self.state}
@@ -197,6 +198,17 @@ class WatchWidget(anywidget.AnyWidget):
         from hookwidget.views.watch_export import to_html
 
         return to_html(self.watch, path)
+
+
+def anomaly_entry(a) -> list:
+    """[step, where, reason, lead] as the view reads an anomaly: the lead (the watch worked it out: watch/leads.py)
+    as plain JSON, +Inf as the string "inf"; the view computes none of its own."""
+    lead = a.lead
+    if lead is not None:
+        num = lambda v: v if math.isfinite(v) else ("nan" if v != v else "inf" if v > 0 else "-inf")  # noqa: E731
+        lead = {"step": int(lead.step), "stat": lead.stat, "layers": list(lead.layers), "ratio": num(lead.ratio),
+                "base": num(lead.base), "value": num(lead.value), "lr": bool(lead.lr), "text": lead.text}
+    return [int(a.step), str(a.where), str(a.reason), lead]
 
 
 def validate(content) -> dict:

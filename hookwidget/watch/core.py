@@ -21,7 +21,7 @@ from hookwidget.capture.stat_rows import STAT_NAMES, STEP_STAT_NAMES
 from hookwidget.capture.step_stats import STATS, Watched
 from hookwidget.capture.tracer import Tracer
 from hookwidget.options import check_path
-from hookwidget.watch import amp, compiled
+from hookwidget.watch import amp, compiled, leads
 from hookwidget.watch.amp import ScaleTrack
 from hookwidget.watch.detect import Detector
 from hookwidget.watch.flight import FlightRecorder
@@ -288,8 +288,9 @@ class Watch:
 
     @property
     def found_anomalies(self) -> list:
-        """The anomalies found so far among the rows already on the host (w.anomalies moves the rest first)."""
-        return list(self._detector.anomalies)
+        """The anomalies found so far among the rows already on the host (w.anomalies moves the rest first), with
+        their leads from those rows (no transfer: the live view and the exports read this)."""
+        return self._with_leads(list(self._detector.anomalies), *self._rows.host_tables())
 
     @property
     def seen(self) -> int:
@@ -419,9 +420,18 @@ class Watch:
 
     @property
     def anomalies(self) -> list:
-        """(step, where, reason) entries, in step order (see watch() for the rules)."""
+        """Anomaly(step, where, reason, lead) entries, in step order (see watch() for the rules); `lead`: where the
+        cause shows first (watch/leads.py), or None."""
         self._flush()
-        return list(self._detector.anomalies)
+        return self._with_leads(list(self._detector.anomalies), *self._rows.tables())
+
+    def _with_leads(self, anomalies: list, stats, step_stats) -> list:
+        if not anomalies:
+            return anomalies
+        n = stats.shape[0]
+        rows = leads.Rows(stats.numpy(), step_stats.numpy(), list(self._rows.recorded)[:n], self.layer_names,
+                          self.stat_names, self.step_stat_names)
+        return leads.with_leads(anomalies, rows)
 
     @property
     def found_nonfinite(self) -> dict:
@@ -518,7 +528,7 @@ class Watch:
         tree = {"layers": list(self.layer_names), "stat_names": list(self.stat_names),
                 "step_stat_names": list(self.step_stat_names), "every": self.every, "stats": self.stats,
                 "step_stats": self.step_stats, "steps": torch.tensor(self.steps, dtype=torch.int64),
-                "per_sample": ps, "anomalies": [tuple(a) for a in self.anomalies],
+                "per_sample": ps, "anomalies": [tuple(a[:3]) for a in self.anomalies],
                 "notes": [str(n) for n in self.notes], "skipped": list(self.skipped), "seen": int(self.seen),
                 "nonfinite": {int(k): int(v) for k, v in self.nonfinite.items()},
                 "dropped": self.dropped_traces,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import NamedTuple
+from typing import Any
 
 import torch
 
@@ -25,10 +25,25 @@ from hookwidget.capture.stat_rows import STAT_NAMES, S
 _COUNTS = [S[c] for c in ("delta_nan", "delta_inf", "a_nonfinite", "grad_nan", "grad_inf")]
 
 
-class Anomaly(NamedTuple):
-    step: int
-    where: str  # "loss", "grad_norm", a layer name, or "keep" (the user's predicate)
-    reason: str
+class Anomaly(tuple):
+    """(step, where, reason): `where` is "loss", "grad_norm", a layer name, "scaler" or "keep" (the user's predicate).
+    `lead` rides beside the tuple (it takes no part in ==, unpacking or len): where the anomaly's cause shows
+    first (watch/leads.py Lead), worked out from the rows when the anomalies are read, or None."""
+
+    def __new__(cls, step: int, where: str, reason: str, lead: Any = None):
+        self = super().__new__(cls, (step, where, reason))
+        self.lead = lead
+        return self
+
+    def __getnewargs__(self):
+        return (*self, self.lead)
+
+    step = property(lambda self: self[0])
+    where = property(lambda self: self[1])
+    reason = property(lambda self: self[2])
+
+    def __repr__(self) -> str:
+        return f"Anomaly(step={self[0]!r}, where={self[1]!r}, reason={self[2]!r}, lead={self.lead!r})"
 
 
 # What a kept Trace of an anomalous step is worth beside the others (FlightRecorder keeps at most max_kept):
@@ -140,7 +155,7 @@ class Detector:
             for i in range(first + 1, len(self.anomalies)):
                 a = self.anomalies[i]
                 note = " (the GradScaler skipped this step: see where='scaler')"
-                self.anomalies[i] = a._replace(reason=a.reason + note)
+                self.anomalies[i] = Anomaly(a.step, a.where, a.reason + note, a.lead)
             self._ranks[step] = WARNING  # its non-finite values are the scaler's found-inf, which it handled
         if self.keep is not None:
             stats = {n: row[:, i] for i, n in enumerate(STAT_NAMES)}

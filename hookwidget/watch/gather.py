@@ -28,7 +28,7 @@ def gather(w, dst: int = 0, group=None):
         raise RuntimeError("w.gather(): no process group; call it on every rank after "
                            "torch.distributed.init_process_group")
     mine = RankStats(dist.get_rank(), list(w.layer_names), w.steps, w.local_stats, w.local_step_stats,
-                     [tuple(a) for a in w.anomalies], list(w.skipped), list(w.notes))
+                     [tuple(a[:3]) for a in w.anomalies], list(w.skipped), list(w.notes))
     out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     dist.gather_object(mine, out, dst=dst, group=group)
     return out

@@ -138,6 +138,10 @@ class HostRows:
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(stats, step_stats) of every recorded step on the host; the pending ones moved first."""
         self.flush()
+        return self.host_tables()
+
+    def host_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(stats, step_stats) of the steps already on the host: nothing moved (no device sync)."""
         if self._cache is None:
             L, K = self.L, len(STAT_NAMES)
             stats = torch.cat(self.chunks) if self.chunks else torch.zeros(0, L, K, dtype=torch.float64)

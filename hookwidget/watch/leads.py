@@ -59,6 +59,12 @@ class Rows:
         return self.step_stats[:, self.step_stat["grad_norm"]] if layer < 0 else self.stats[:, layer, self.stat[stat]]
 
 
+def with_leads(anomalies: list, rows: Rows) -> list:
+    """The anomalies, each with its lead (a step's anomalies share it); the rows are those on the host."""
+    found = leads(rows, [a.step for a in anomalies])
+    return [type(a)(*a, found.get(a.step)) for a in anomalies]
+
+
 def leads(rows: Rows, anomaly_steps) -> dict:
     """step -> its Lead (or None) for each anomalous step."""
     index = {s: r for r, s in enumerate(rows.steps)}

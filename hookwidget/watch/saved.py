@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from hookwidget.trace import Trace
+from hookwidget.watch import leads
 from hookwidget.watch.core import Watch
 from hookwidget.watch.detect import Anomaly
 
@@ -90,7 +91,13 @@ class SavedWatch:
 
     @property
     def anomalies(self) -> list:
-        return list(self._detector.anomalies)
+        """As the live watch's: each with its lead, worked out from the saved rows the same way."""
+        found = list(self._detector.anomalies)
+        if not found:
+            return found
+        rows = leads.Rows(self.stats.numpy(), self.step_stats.numpy(), self.steps, self.layer_names,
+                          self.stat_names, self.step_stat_names)
+        return leads.with_leads(found, rows)
 
     found_anomalies = anomalies
 

@@ -1,7 +1,7 @@
 import { describe, expect, it } from "vitest";
 import { around, brush, clampView, pan, visible, zoom } from "../watch/axis.js";
-import { departure, leadOf, leadsOf } from "../watch/leads.js";
-import { lrRises, lrText } from "../watch/lr.js";
+import { leadsOf } from "../watch/leads.js";
+import { lrText } from "../watch/lr.js";
 import { overflowAt, stepOverflowAt } from "../watch/overflow.js";
 import { createStore } from "../watch/store.js";
 import { createWatchView } from "../watch/view.js";
@@ -30,60 +30,39 @@ function diverging(n = 300, lr = null) {
     t[2 * r] = r > 200 ? 2 * blow : 1 / (1 + r / 50);
     t[2 * r + 1] = r === 203 ? Infinity : 0.35 * noise() * blow;
   }
+  // the leads as the kernel sends them (hookwidget/watch/leads.py works them out: tests/test_watch_leads.py)
+  const lead = lr
+    ? { step: 200, stat: "lr", layers: ["fc1", "fc2", "fc3"], ratio: 300, base: 0.001, value: 0.3, lr: true, text: "step 200: learning rate ×300 (0.001 → 0.3) in 3 layers (fc1, fc2, …), update ratio ‖ΔW‖/‖W‖ ×300" }
+    : { step: 200, stat: "update_ratio", layers: ["fc1", "fc2", "fc3"], ratio: 300, base: 0.001, value: 0.3, lr: true, text: "step 200: update ratio ‖ΔW‖/‖W‖ ×300 in 3 layers (fc1, fc2, …), gradients in their window: the learning rate (or optimizer) changed" };
   const st = createStore(meta);
   st.apply({ type: "rows", start: 0, count: n, steps: [...Array(n).keys()], a_start: 0,
-    anomalies: [[201, "loss", "spike (×20 its window)"], [202, "fc1", "‖W.grad‖₂ spike"]], kept: [201, 299], dropped: 0, total_steps: n, state: "closed" },
+    anomalies: [[201, "loss", "spike (×20 its window)", lead], [202, "fc1", "‖W.grad‖₂ spike", lead], [203, "fc1", "non-finite", { ...lead, step: 203, stat: "grad_norm", ratio: "inf", text: "step 203: ‖W.grad‖₂ → Inf of fc1" }], [150, "keep", "asked", null]],
+    kept: [201, 299], dropped: 0, total_steps: n, state: "closed" },
   [new DataView(s.buffer), new DataView(t.buffer)]);
   return st;
 }
 
 describe("leads", () => {
-  it("names step 200's update ratio (a learning-rate change) as the lead of the loss spike at 201", () => {
+  it("shows the kernel's lead of each anomaly, mapped to its row; computes none of its own", () => {
     const st = diverging();
-    const lead = leadsOf(st).get(201);
-    expect(lead.step).toBe(200);
-    expect(lead.stat).toBe("update_ratio");
-    expect(lead.lr).toBe(true);
-    expect(lead.layers).toEqual(["fc1", "fc2", "fc3"]);
-    expect(lead.ratio).toBeGreaterThan(200);
-    expect(lead.text).toMatch(/^step 200: update ratio .*×\d+ in 3 layers.*learning rate/);
-    expect(leadsOf(st).get(202).step).toBe(200);
-    expect(leadsOf(st)).toBe(leadsOf(st)); // cached until the rows change
+    const leads = leadsOf(st);
+    expect([leads.get(201).step, leads.get(201).row, leads.get(201).stat, leads.get(201).lr]).toEqual([200, 200, "update_ratio", true]);
+    expect(leads.get(201).text).toMatch(/^step 200: update ratio .*×300 in 3 layers.*learning rate/);
+    expect(leads.get(202).step).toBe(200);
+    expect(leads.get(203).ratio).toBe(Infinity); // "inf" from JSON
+    expect(leads.get(150)).toBe(null);
+    expect(leadsOf(st)).toBe(leads); // cached until the rows change
   });
 
-  it("names the recorded learning rate's rise directly, ahead of the inferred lead", () => {
+  it("reads the recorded learning rate at each step; param groups read by value", () => {
     const st = diverging(300, (r) => (r >= 200 ? 0.3 : 1e-3));
-    const lead = leadsOf(st).get(201);
-    expect([lead.step, lead.stat, lead.lr, lead.direct]).toEqual([200, "lr", true, true]);
-    expect(lead.layers).toEqual(["fc1", "fc2", "fc3"]);
-    expect(lead.ratio).toBeCloseTo(300);
-    expect(lead.text).toMatch(/^step 200: learning rate ×300 \(0\.001 → 0\.3\) in 3 layers \(fc1, fc2, …\), update ratio ‖ΔW‖\/‖W‖ ×\d+$/);
-    expect(leadsOf(st).get(202).step).toBe(200);
+    expect(leadsOf(st).get(201).stat).toBe("lr");
     expect(lrText(st, 199)).toBe("learning rate 0.001");
     expect(lrText(st, 200)).toBe("learning rate 0.3");
-  });
-
-  it("takes a scheduler's decay and a warmup's small steps for no lead; param groups read by value", () => {
-    const decay = diverging(300, (r) => 0.1 * 0.1 ** Math.floor(r / 50) * (r < 10 ? (r + 1) / 10 : 1));
-    expect(lrRises(decay, 100)).toEqual([]);
-    expect(lrRises(decay, 5)).toEqual([]);
-    expect(leadsOf(decay).get(201).stat).toBe("update_ratio"); // the inferred lead, as before
     const groups = diverging(300, (r, l) => (l === 2 ? 0.01 : 0.001) * (r === 190 ? NaN : 1) * (r >= 200 ? 300 : 1));
     expect(lrText(groups, 10)).toBe("learning rates 0.001 (fc1, fc2) · 0.01 (fc3)");
     expect(lrText(groups, 190)).toBe("learning rate: no optimizer step");
-    const lead = leadsOf(groups).get(201);
-    expect(lead.text).toMatch(/^step 200: learning rate ×300 in 3 layers/); // values differ: not listed
     expect(lrText(diverging(), 10)).toBe("(learning rate: not recorded by the watch)");
-    expect(lrRises(diverging(), 200)).toEqual([]);
-  });
-
-  it("finds no lead in a steady run, and a gradient lead where only gradients jump", () => {
-    const st = diverging();
-    expect(leadOf(st, 150)).toBe(null);
-    const get = (r) => (r === 50 ? 40 : 1 + (r % 3) * 0.01);
-    expect(departure(get, 49)).toBe(null);
-    expect(departure(get, 50).ratio).toBeGreaterThan(30);
-    expect(departure(get, 3)).toBe(null); // too few rows before it for a window
   });
 });
 
