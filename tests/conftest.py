@@ -16,6 +16,25 @@ def close_open_watches():
         w.close()
 
 
+@pytest.fixture
+def fresh_shell(tmp_path, monkeypatch):
+    """IPython's test shell with an empty namespace, in a temporary working directory: a README quick start or a
+    docs page runs in it as pasted into a new notebook (magics included)."""
+    from IPython.testing import globalipapp
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    globalipapp.start_ipython()
+    ip = globalipapp.get_ipython()
+    saved = dict(ip.user_ns)
+    ip.user_ns.clear()
+    ip.user_ns.update({k: v for k, v in saved.items() if k.startswith("_") or k in ("In", "Out", "exit", "quit",
+                                                                                      "get_ipython")})
+    yield ip
+    ip.user_ns.clear()
+    ip.user_ns.update(saved)
+
+
 class SeedMLP(nn.Module):
     """Seed 003's two-layer MLP (no bias, ReLU between)."""
 

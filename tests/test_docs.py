@@ -18,7 +18,6 @@ import re
 from pathlib import Path
 
 import pytest
-from IPython.testing import globalipapp
 
 ROOT = Path(__file__).parent.parent
 DOCS = ROOT / "docs"
@@ -67,24 +66,9 @@ def test_skipped_blocks_give_a_reason_and_stay_few():
             assert re.match(r"[^\n]*-->\s*\n```python", rest), (p, "a skip comment not right above ```python")
 
 
-@pytest.fixture
-def shell(tmp_path, monkeypatch):
-    """IPython's test shell with an empty namespace, in a temporary working directory."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-    globalipapp.start_ipython()
-    ip = globalipapp.get_ipython()
-    saved = dict(ip.user_ns)
-    ip.user_ns.clear()
-    ip.user_ns.update({k: v for k, v in saved.items() if k.startswith("_") or k in ("In", "Out", "exit", "quit",
-                                                                                      "get_ipython")})
-    yield ip
-    ip.user_ns.clear()
-    ip.user_ns.update(saved)
-
-
 @pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(DOCS)))
-def test_each_page_runs_in_order_and_prints_what_it_says(page, shell):
+def test_each_page_runs_in_order_and_prints_what_it_says(page, fresh_shell):
+    shell = fresh_shell
     ran = 0
     for b in blocks(page.read_text()):
         if b["lang"] != "python" or b["skip"] is not None:

@@ -8,7 +8,6 @@ import pathlib
 import re
 
 import pytest
-from IPython.testing import globalipapp
 
 ROOT = pathlib.Path(__file__).parent.parent
 README = ROOT / "README.md"
@@ -59,22 +58,9 @@ def quick_starts() -> list[tuple[str, str]]:
     return [(h, b) for h, b in sections(README.read_text()) if h.startswith("Quick start")]
 
 
-@pytest.fixture
-def shell():
-    """IPython's test shell with a namespace of its own: each quick start starts from nothing."""
-    globalipapp.start_ipython()
-    ip = globalipapp.get_ipython()
-    saved = dict(ip.user_ns)
-    ip.user_ns.clear()
-    ip.user_ns.update({k: v for k, v in saved.items() if k.startswith("_") or k in ("In", "Out", "exit", "quit",
-                                                                                      "get_ipython")})
-    yield ip
-    ip.user_ns.clear()
-    ip.user_ns.update(saved)
-
-
 @pytest.mark.parametrize("heading", [h for h, _ in quick_starts()])
-def test_each_quick_start_runs_as_pasted_and_prints_what_it_says(heading, shell):
+def test_each_quick_start_runs_as_pasted_and_prints_what_it_says(heading, fresh_shell):
+    shell = fresh_shell
     body = dict(quick_starts())[heading]
     blocks = list(re.finditer(r"```(\w*)\n(.*?)```", body, flags=re.S))
     assert blocks
