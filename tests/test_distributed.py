@@ -55,6 +55,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 result["registries_same"] = regs.take() == before
                 result["notes"] = t.notes
                 result["weight_grad"] = t.weight_grad("module.0")
+                result["norms"], result["left_out"] = t.per_sample_grad_norms(), t.per_sample_left_out
                 loss = out[0]
             else:
                 loss = _step(ddp, x, y)
@@ -84,6 +85,8 @@ def test_ddp_gloo_two_ranks(tmp_path):
         assert plain["grads"].keys() == traced["grads"].keys()
         assert all(torch.equal(g, traced["grads"][n]) for n, g in plain["grads"].items())
         assert torch.allclose(r["weight_grad"], r["local_grad"], atol=1e-6)
+        assert not r["left_out"]  # the averaged .grad is not the factors' sum: exact rules are not checked against it
+        assert r["norms"].shape == (4,) and torch.isfinite(r["norms"]).all()
         assert any("DistributedDataParallel" in n for n in r["notes"]), r["notes"]
     # after all-reduce both ranks hold the same .grad, and it is not either rank's own
     g0, g1 = (r["traced"]["grads"]["module.0.weight"] for r in results)

@@ -205,6 +205,8 @@ def coverage_gap(trace, p, k: int, reasons: dict, factors_of) -> str | None:
     if not ok:
         return "; ".join(bad) or "no layer holds it"
     exact = not bad and not any(fx.is_generic(trace.layers[h].module) for h in ok)
+    # under DDP the step's .grad is averaged over ranks: not the rank's factors' sum, so not what they are checked by
+    averaged = any(n.id == "ddp" for n in trace.note_records)
     key = ("factors complete", id(p), k, tuple(ok))  # the record does not change: decided once per trace
     if key not in trace.facts:
         try:
@@ -212,7 +214,7 @@ def coverage_gap(trace, p, k: int, reasons: dict, factors_of) -> str | None:
         except ValueError:  # a covered holder's a or δ was not kept in that step
             fs = []
         made = step_grad(trace, p, k) if fs else None
-        if exact and (made is None or not projectable(fs, made)):
+        if exact and (averaged or made is None or not projectable(fs, made)):
             trace.facts[key] = True  # exact rules on every holder; checked below only where the check is cheap
         else:  # a parameter also used outside its holders' calls (F.linear(x, emb.weight) in a parent) fails here
             trace.facts[key] = bool(fs) and _complete(trace, p, fs, k)
