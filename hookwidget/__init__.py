@@ -18,7 +18,18 @@ __all__ = ["KINDS", "InterventionError", "Layer", "Trace", "Watch", "load", "loa
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext hookwidget` registers the %%hooktrace and %%hookwatch cell magics."""
+    """Register the `%%hooktrace` and `%%hookwatch` cell magics: what `%load_ext hookwidget` calls.
+
+    Args:
+
+    - `ipython`: the IPython shell to register them in.
+
+    Example:
+
+    ```python
+    %load_ext hookwidget
+    ```
+    """
     from hookwidget.magic import HookTraceMagics
 
     ipython.register_magics(HookTraceMagics)

@@ -46,17 +46,24 @@ def _boundary(method):
 
 
 class Trace:
-    """What one run showed: layers and their calls, steps, the graph, gradients, notes. Displays as its widget.
+    """What one run of your code showed: layers and their calls, steps, the graph, gradients, notes.
 
-    `record`: the RunRecord (record/run.py), given as it is or as the Pending one of a run still going (`with
-    hw.tracing() as t:`: empty until its block ends). `facts`: analysis's one cache for this trace, made with it
-    (analysis/facts.py).
+    `hw.trace`, `hw.tracing` and `hw.load` make one, and so does a watch's `w.trace(k)`; you do not construct it.
+    In a notebook it displays as its explorer, elsewhere as a text summary.
 
-    A wrong argument of a method raises one line naming it, its value and a valid example: TypeError (not a
-    string, not a Trace), KeyError (no such layer or target: close names first), ValueError (a bad value, a
-    query this trace cannot answer); RuntimeError where the trace cannot do it at all (rerun a hw.tracing block
-    or a step hw.watch kept)."""
+    Raises:
 
+    A wrong argument of a method raises one line naming it, its value and a valid example:
+
+    - `TypeError`: an argument of the wrong type (not a string, not a Trace).
+    - `KeyError`: no such layer or target (the message names close ones first).
+    - `ValueError`: a bad value, or a query this trace cannot answer.
+    - `RuntimeError`: what the trace cannot do at all (rerun a `hw.tracing` block, or a step `hw.watch` kept).
+    """
+
+    # `record`: the RunRecord (record/run.py), given as it is or as the Pending one of a run still going (`with
+    # hw.tracing() as t:`: empty until its block ends). `facts`: analysis's one cache for this trace, made with it
+    # (analysis/facts.py).
     def __init__(self, session, record: RunRecord | Pending, applied=(), baseline: Trace | None = None):
         self.session = session
         self._baseline = baseline  # a rerun's: the first run it is compared with, alive as long as the rerun is
@@ -66,18 +73,24 @@ class Trace:
 
     @property
     def record(self) -> RunRecord:
+        """The run as data: layers, steps, .grad copies, parameters, losses, notes (empty until a `hw.tracing`
+        block ends). The properties below read from it."""
         return self._pending.record
 
     @property
     def options(self) -> dict:
+        """The options this trace ran with that differ from their defaults, by name (e.g. `{"capture": "norms"}`)."""
         return self.session.options.as_dict()
 
     @property
     def layers(self) -> dict[str, Layer]:
+        """Each hooked module's `Layer`, by qualified name: `t.layers["fc1"]` (a missing name's KeyError lists close
+        ones)."""
         return self._pending.record.layers
 
     @property
     def steps(self) -> list[Step]:
+        """Each backward pass the code ran (a `backward()` or `torch.autograd.grad` call), as a `Step`, in order."""
         return self._pending.record.steps
 
     @property
@@ -87,10 +100,12 @@ class Trace:
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
+        """The parameters of the hooked modules (and the leaf tensors backward reached), by qualified name."""
         return self._pending.record.params
 
     @property
     def losses(self) -> list[float]:
+        """The value of each scalar backward started from, over every step, in order (`t.loss` is the last)."""
         return self._pending.record.losses
 
     @property
@@ -105,7 +120,8 @@ class Trace:
 
     @property
     def note_records(self) -> tuple[Note, ...]:
-        """The notes as data (record/notes.py): an id and the fields their text is made of."""
+        """The notes as data: each a `Note` with a stable `id` and the `fields` its text is made of (`t.notes`
+        is their text)."""
         r = self.record
         return r.notes[:r.factor_notes_at] + coverage.decide(self).notes + r.notes[r.factor_notes_at:]
 
@@ -137,6 +153,7 @@ class Trace:
 
     @_boundary
     def layer(self, name: str) -> Layer:
+        """The `Layer` named `name`, as `t.layers[name]`; a missing name raises KeyError naming close ones."""
         return self.layers[check_name("name", name)]  # a missing one: KeyError listing close names (record/run.py)
 
     @_boundary
@@ -156,6 +173,8 @@ class Trace:
 
     @_boundary
     def bias_grad(self, name: str, step: int | None = None) -> torch.Tensor:
+        """b.grad of the layer rebuilt from its factors, as `weight_grad` does for W.grad: what backward pass
+        `step` added to .grad, or, without step=, what every pass added."""
         self._parameterised(name)
         with registry.memo():
             return ps.summed_grad(self, self.layer(name).name, "bias", self._step(step))
@@ -214,6 +233,8 @@ class Trace:
 
     @_boundary
     def remove_hook(self, target: str, kind: str, missing_ok: bool = False) -> None:
+        """Remove the intervention `kind` on `target` that `add_hook` attached, for the next rerun(). KeyError when
+        there is none, unless `missing_ok=True`."""
         self.session.remove_hook(target, kind, missing_ok=missing_ok)
 
     def rerun(self) -> Trace:
@@ -254,12 +275,14 @@ class Trace:
 
     # -- showing it ----------------------------------------------------------------------------
     def widget(self):
+        """The explorer of this trace as a widget: what a notebook shows for `t` (graph, layers, a and δ, hooks)."""
         from hookwidget.views.widget import HookWidget
 
         return HookWidget(self)
 
     @_boundary
     def to_html(self, path) -> None:
+        """Write the explorer of this trace to `path` as one standalone HTML page (it opens without a kernel)."""
         from hookwidget.views.export import to_html
 
         if not isinstance(path, (str, os.PathLike)):
@@ -313,8 +336,10 @@ class Trace:
         saved.write(path, "trace", tree)
 
     def to_data(self) -> dict:
-        """What `save` writes: the record as plain data and tensors (record/saved.py), with the answers that would
-        need the code to work out again. A file that holds several traces (a watch's) nests these."""
+        """What `save` writes, as nested dicts and lists of plain values and tensors: the record, with the answers
+        that would need the code to work out again (`Trace.from_data` reads it back). A file that holds several
+        traces (a watch's) nests these."""
+        # the format: record/saved.py
         from hookwidget.record import saved
 
         if not self.record.done:
@@ -381,9 +406,14 @@ class Trace:
         parameters it answers for), a parameter (t.params), or None (every parameter with an exact per-sample
         rule; .left_out names the rest). step: as per_sample_grads (under accumulation, all micro-batches).
 
-            s = t.shares()
-            s.top(3)              # [(index, share), ...], largest first
-            s.positions[s.top(1)[0][0]]   # where in that sample the step came from"""
+        Example:
+
+        ```python
+        s = t.shares()
+        s.top(3)              # [(index, share), ...], largest first
+        s.positions[s.top(1)[0][0]]   # where in that sample the step came from
+        ```
+        """
         from hookwidget.analysis import attribution
 
         with registry.memo():
@@ -394,8 +424,13 @@ class Trace:
         """(N,) each sample's share ⟨G_b, G⟩ / ‖G‖² of the step's gradient (t.shares(...).samples; what is left
         out: t.shares().left_out). They sum to 1.
 
-            t.sample_shares().argmax()      # the sample that carried most of the step
-            t.sample_shares("fc1")          # of one layer's gradient"""
+        Example:
+
+        ```python
+        t.sample_shares().argmax()      # the sample that carried most of the step
+        t.sample_shares("fc1")          # of one layer's gradient
+        ```
+        """
         return self.shares(name, step).samples
 
     @_boundary
@@ -405,7 +440,12 @@ class Trace:
         summed over the layers that share the sequence's T positions (name=None). What is not on a position
         (layers without a per-position form): t.shares(name).unplaced.
 
-            t.position_shares()[b]          # which tokens of sample b carried the step"""
+        Example:
+
+        ```python
+        t.position_shares()[b]          # which tokens of sample b carried the step
+        ```
+        """
         found = self.shares(name, step)
         if found.positions is None:
             raise ValueError(f"{name or 'the parameters counted'}: no layer applied per position among them (a "
@@ -417,7 +457,12 @@ class Trace:
         """(N, T) ‖G_{b,t}‖, the norm of each position's gradient of a layer applied per position: an outer
         product, so ‖δ_{b,t}‖·‖a_{b,t}‖ exactly (with its bias, over both).
 
-            t.position_norms("h.0.mlp.c_fc")   # (B, T)"""
+        Example:
+
+        ```python
+        t.position_norms("h.0.mlp.c_fc")   # (B, T)
+        ```
+        """
         from hookwidget.analysis import attribution
 
         _reduction_scale(loss_reduction, 1)

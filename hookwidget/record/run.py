@@ -39,6 +39,7 @@ class Layer:
 
     @property
     def type(self) -> str:
+        """The module's class name, e.g. `"Linear"`."""
         return type(self.module).__name__
 
 

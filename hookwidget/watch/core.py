@@ -47,7 +47,13 @@ NOT_CALLED = ("hw.watch: no call of {layers} reached backward in the first recor
 
 
 class Watch:
-    """Hooks on `model` across a training loop; see `hookwidget.watch.watch` for what it records."""
+    """Hooks on a model across a training loop, and what they recorded: statistics per step and layer, anomalies,
+    kept Traces.
+
+    `hw.watch(model, ...)` makes one (its arguments and what it records are documented there). Use it as
+    `with hw.watch(model) as w: ...`, or call `w.close()` when the loop ends. In a notebook it displays as its
+    live explorer.
+    """
 
     def __init__(self, model: nn.Module, every: int = 1, spike: float = 6.0, window: int = 20, keep=None,
                  flight_recorder: bool = True, max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256,
@@ -134,6 +140,8 @@ class Watch:
         self.close()
 
     def open(self) -> Watch:
+        """Put the hooks on (`hw.watch` does it before it returns; `with` does it if they are off) and return the
+        watch. RuntimeError once it is closed: make a new one with `hw.watch(model)`."""
         if self.active:
             return self
         if self.closed:
@@ -186,7 +194,9 @@ class Watch:
         return self._amp.now() if self._amp is not None else None
 
     def saw_scaler(self, scaler) -> None:
-        """A GradScaler.scale() call on the watch's thread (amp.py): unscale by it, unless told scaler=."""
+        """Told by the GradScaler stand-in: a GradScaler.scale() call on the watch's thread; the watch unscales by
+        it, unless told scaler=."""
+        # called by amp.py's stand-in for GradScaler.scale
         if self._amp is None:
             self._amp = ScaleTrack(scaler, explicit=False)
         elif self._amp.scaler is not scaler and not self._amp.explicit and amp.SEVERAL not in self.notes:
@@ -364,10 +374,13 @@ class Watch:
 
     @property
     def loss(self) -> torch.Tensor:
+        """(recorded steps,) float64: the loss of each recorded step, the scalar backward started from
+        (`w.series("loss")`)."""
         return self.step_stats[:, 0]
 
     @property
     def grad_norm(self) -> torch.Tensor:
+        """(recorded steps,) float64: the global gradient norm of each recorded step (`w.series("grad_norm")`)."""
         return self.step_stats[:, 1]
 
     @property
@@ -420,8 +433,9 @@ class Watch:
 
     @property
     def anomalies(self) -> list:
-        """Anomaly(step, where, reason, lead) entries, in step order (see watch() for the rules); `lead`: where the
-        cause shows first (watch/leads.py), or None."""
+        """Anomaly(step, where, reason, lead) entries, in step order (see `hw.watch` for the rules); `lead`: where
+        the cause shows first (a `Lead`), or None."""
+        # leads: watch/leads.py
         self._flush()
         return self._with_leads(list(self._detector.anomalies), *self._rows.tables())
 
