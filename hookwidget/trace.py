@@ -51,6 +51,10 @@ class Trace:
     `hw.trace`, `hw.tracing` and `hw.load` make one, and so does a watch's `w.trace(k)`; you do not construct it.
     In a notebook it displays as its explorer, elsewhere as a text summary.
 
+    Attributes:
+
+    - `applied`: the interventions that were on in this run (`t.interventions`: those on now, for the next rerun).
+
     Raises:
 
     A wrong argument of a method raises one line naming it, its value and a valid example:

@@ -53,6 +53,18 @@ class Watch:
     `hw.watch(model, ...)` makes one (its arguments and what it records are documented there). Use it as
     `with hw.watch(model) as w: ...`, or call `w.close()` when the loop ends. In a notebook it displays as its
     live explorer.
+
+    Attributes:
+
+    - `model`: the watched model.
+    - `layer_names`: the watched layers (each with parameters of its own), in the order of `w.stats`' second axis.
+    - `stat_names`: the statistics along `w.stats`' last axis; `step_stat_names`: along `w.step_stats`' ("loss",
+      "grad_norm").
+    - `notes`: what the watch could not see, and why, one line each.
+    - `every`, `batch`, `max_kept`, `trace_budget_mb`, `flight_recorder`: as given to `hw.watch`
+      (`flight_recorder` is False where the model holds TorchScript modules, which a Trace cannot hook).
+    - `tracks_per_sample`: whether it records per-sample gradient norms (`per_sample=True`).
+    - `closed`: whether `close()` ran.
     """
 
     def __init__(self, model: nn.Module, every: int = 1, spike: float = 6.0, window: int = 20, keep=None,
