@@ -169,8 +169,29 @@ class Trace:
 
     @_boundary
     def weight_grad(self, name: str, step: int | None = None) -> torch.Tensor:
-        """W.grad of the layer rebuilt from its factors: what backward pass `step` added to .grad, or,
-        without step=, what every pass added (one pass, or passes accumulating into .grad)."""
+        """W.grad of the layer rebuilt from its factors a and δ.
+
+        Args:
+
+        - `name`: a layer name (`t.layers`) whose module has a weight.
+        - `step`: the index of one of `t.steps` (negative from the end): what that backward pass added to .grad;
+          None (default): what every pass added (one pass, or passes accumulating into .grad).
+
+        Returns:
+
+        A tensor of the weight's shape.
+
+        Raises:
+
+        - `KeyError`: no such layer (the message names close ones).
+        - `ValueError`: the layer has no parameters, no factor rule, or `step` is out of range.
+
+        Example:
+
+        ```python
+        torch.allclose(t.weight_grad("fc1"), model.fc1.weight.grad)
+        ```
+        """
         self._parameterised(name)
         with registry.memo():
             return ps.summed_grad(self, self.layer(name).name, "weight", self._step(step))
@@ -186,11 +207,27 @@ class Trace:
     @_boundary
     def per_sample_grads(self, name: str, param: str = "weight", loss_reduction: str = "sum",
                          step: int | None = None) -> torch.Tensor:
-        """(N, *param.shape): each sample's contribution to the parameter's .grad; under gradient
-        accumulation N counts the samples of every micro-batch, in order.
+        """Each sample's contribution to the parameter's .grad, as (N, *param.shape).
 
-        They sum to .grad. With a mean-reduced loss pass loss_reduction="mean" to get each
-        sample's own gradient (the contributions times B)."""
+        They sum to .grad. Under gradient accumulation N counts the samples of every micro-batch, in order.
+
+        Args:
+
+        - `name`: a layer name (`t.layers`).
+        - `param`: the layer's parameter, `"weight"` (default) or `"bias"`.
+        - `loss_reduction`: `"sum"` (default): the contributions; `"mean"`: each sample's own gradient under a
+          mean-reduced loss (the contributions times B).
+        - `step`: as `weight_grad`'s.
+
+        Returns:
+
+        A tensor of shape (N, *param.shape).
+
+        Raises:
+
+        - `KeyError`: no such layer.
+        - `ValueError`: a bad `param`, `loss_reduction` or `step`, or a layer without parameters that require grad.
+        """
         _reduction_scale(loss_reduction, 1)
         check_name("param", param, "'weight'")
         self._parameterised(name)
@@ -201,8 +238,19 @@ class Trace:
     @_boundary
     def per_sample_grad_norms(self, name: str | None = None, loss_reduction: str = "sum",
                               step: int | None = None) -> torch.Tensor:
-        """(N,) norms of per-sample gradients over all parameters of one layer, or of every
-        supported layer (name=None). A parameter shared by several layers is counted once."""
+        """The norm of each sample's gradient, as (N,), over one layer's parameters or the whole model's.
+
+        A parameter shared by several layers is counted once.
+
+        Args:
+
+        - `name`: a layer name, or None (default): every supported layer (`t.factor_layers`).
+        - `loss_reduction`, `step`: as `per_sample_grads`'.
+
+        Returns:
+
+        A tensor of shape (N,).
+        """
         _reduction_scale(loss_reduction, 1)
         if name is not None:
             self._trainable(self.layer(name).name)
@@ -232,7 +280,32 @@ class Trace:
     # -- changing it (through the session) -----------------------------------------------------
     @_boundary
     def add_hook(self, target: str, kind: str, **params):
-        """Attach an intervention for the next rerun(); the same kind on the same target is replaced."""
+        """Attach an intervention for the next rerun(); the same kind on the same target is replaced.
+
+        Args:
+
+        - `target`: a layer name (`t.layers`), or a graph node (`"PowBackward0#0"`) for a `grad_*` kind.
+        - `kind`: one of `hw.KINDS` (see Interventions).
+        - `**params`: the kind's parameters, e.g. `factor=0.5` for `"grad_scale"`.
+
+        Returns:
+
+        The intervention attached (it is in `t.interventions`).
+
+        Raises:
+
+        - `TypeError`: a target or kind that is not a string.
+        - `KeyError`: no such target (the message names close ones).
+        - `ValueError`: an unknown kind, a parameter the kind does not take or a bad value of one, or a trace
+          that cannot rerun (a step `hw.watch` kept).
+
+        Example:
+
+        ```python
+        t.add_hook("fc1", "grad_scale", factor=0.5)
+        t.rerun().diff(t)
+        ```
+        """
         return self.session.add_hook(target, kind, **params)
 
     @_boundary

@@ -425,8 +425,31 @@ class Watch:
         return self._spread.local_tables(stats, step_stats) if self._spread is not None else (stats, step_stats)
 
     def series(self, layer: str, stat: str | None = None, scope: str = "global") -> torch.Tensor:
-        """One statistic of one layer over the recorded steps; series("loss") and series("grad_norm")
-        give the per-step ones. scope="local": as this rank held it (a model spread over ranks: see w.scope)."""
+        """One statistic of one layer over the recorded steps, or one of the per-step ones.
+
+        Args:
+
+        - `layer`: a name of `w.layer_names`; or `"loss"` / `"grad_norm"` (the per-step ones, `w.step_stat_names`)
+          with no `stat`.
+        - `stat`: a name of `w.stat_names`.
+        - `scope`: `"global"` (default); `"local"`: as this rank held it (a model spread over ranks: see
+          `w.scope`).
+
+        Returns:
+
+        A float64 tensor of shape (recorded steps,).
+
+        Raises:
+
+        - `KeyError`: no such layer or statistic (the message lists the valid ones).
+        - `ValueError`: a bad `scope`.
+
+        Example:
+
+        ```python
+        w.series("fc1", "grad_norm"), w.series("loss")
+        ```
+        """
         if scope not in MODES:
             raise ValueError(f"series(scope={scope!r}): 'global' (over ranks) or 'local' (this rank's)")
         stats, step_stats = self._local() if scope == "local" else (self.stats, self.step_stats)
@@ -478,7 +501,12 @@ class Watch:
         return self._flight.steps() if self._flight is not None else []
 
     def trace(self, k: int = -1):
-        """The full Trace of kept step k (an anomalous one, one keep= asked for, the latest); k=-1: the latest."""
+        """The full Trace of kept step `k` (an anomalous one, one keep= asked for, the latest); k=-1: the latest.
+
+        Raises:
+
+        - `KeyError`: step `k` is not kept (`w.kept` lists those that are), or the flight recorder is off.
+        """
         if not self.flight_recorder:
             raise KeyError("the flight recorder is off: watch(model, flight_recorder=True) keeps full Traces")
         kept = self.kept
