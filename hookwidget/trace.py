@@ -315,9 +315,27 @@ class Trace:
         self.session.remove_hook(target, kind, missing_ok=missing_ok)
 
     def rerun(self) -> Trace:
-        """Run the same code again with the interventions on, as a what-if: parameters, buffers,
-        optimizer and scheduler state, .grad and every RNG are put back first, and put back as
-        they are now afterwards, so the interventions are the only change and nothing stays changed."""
+        """Run the same code again with the interventions on, as a what-if, and return its Trace.
+
+        Parameters, buffers, optimizer and scheduler state, .grad and every RNG are put back first, and put back as
+        they are now afterwards, so the interventions are the only change and nothing stays changed.
+
+        Returns:
+
+        The `Trace` of the rerun (`.diff()` compares it with the hook-free first run).
+
+        Raises:
+
+        - `RuntimeError`: the trace cannot rerun: a `hw.tracing` block, a step `hw.watch` kept, a loaded trace.
+
+        Example:
+
+        ```python
+        t.add_hook("fc1", "grad_zero")
+        t2 = t.rerun()
+        t2.diff().changed      # the parameters whose gradient the hook changed
+        ```
+        """
         refused = self.session.no_rerun()
         if refused:
             raise RuntimeError(refused)  # raised here: the traceback is the user's line and this one
@@ -326,7 +344,23 @@ class Trace:
     @_boundary
     def diff(self, before: Trace | None = None):
         """What changed from `before` (default: the hook-free first run) to this trace: grads per
-        parameter, loss, δ per layer."""
+        parameter, loss, δ per layer.
+
+        Args:
+
+        - `before`: the Trace to compare with; default: the hook-free first run of this trace's code.
+
+        Returns:
+
+        A `Diff`: `.params` (a change per parameter: norms before and after, relative change, cosine), `.param(name)`,
+        `.changed` (parameters whose gradient changed by more than float noise), `.ranked`, `.loss_before`,
+        `.loss_after`, `.layers` (layer name -> δ norm before and after).
+
+        Raises:
+
+        - `TypeError`: `before` is not a Trace.
+        - `ValueError`: no `before` and no hook-free first run (a `hw.tracing` block), or traces of unrelated runs.
+        """
         from hookwidget.analysis.diff import diff
 
         if before is None and self.session.baseline is None:
@@ -339,7 +373,23 @@ class Trace:
 
     @_boundary
     def health(self, **thresholds):
-        """NaN/Inf, vanishing and exploding gradients per node and per layer."""
+        """NaN/Inf, vanishing and exploding gradients per node and per layer.
+
+        Args:
+
+        - `vanishing`: a layer is vanishing when ‖grad‖ < vanishing·‖W‖ (default 1e-7).
+        - `exploding`: a layer is exploding when ‖grad‖ > exploding·‖W‖ (default 1e3).
+
+        Returns:
+
+        A `Health`: `.layers` (name -> its figures and flags), `.flagged` (name -> flags), `.nonfinite_nodes`
+        (graph nodes with a NaN or Inf gradient, in backward order), `.first_nonfinite_node`.
+
+        Raises:
+
+        - `TypeError`: a threshold other than vanishing= and exploding=.
+        - `ValueError`: a threshold that is not a number > 0.
+        """
         from hookwidget.analysis.health import health
 
         for key, value in thresholds.items():
