@@ -409,7 +409,12 @@ class Trace:
 
     @_boundary
     def to_html(self, path) -> None:
-        """Write the explorer of this trace to `path` as one standalone HTML page (it opens without a kernel)."""
+        """Write the explorer of this trace to `path` as one standalone HTML page (it opens without a kernel).
+
+        Raises:
+
+        - `TypeError`: `path` is not a file path.
+        """
         from hookwidget.views.export import to_html
 
         if not isinstance(path, (str, os.PathLike)):
@@ -445,13 +450,31 @@ class Trace:
 
     # -- keeping it (record/saved.py) ------------------------------------------------------------
     def save(self, path, activations: bool = True) -> None:
-        """Write this trace to `path` as data (tensors, the graph, notes, layers, steps; no code), for
-        `hw.load(path)`: a read-only Trace that answers the same queries, without rerun or hooks.
+        """Write this trace to `path` as data (tensors, the graph, notes, layers, steps; no code), for `hw.load`.
 
-        `activations=False` keeps each layer's a and δ as their statistics, not their values: for a large model
-        (GPT-2 124M at batch 4 × 128, a and δ are about a sixth of the file; its parameters and .grad the rest).
-        The loaded trace shows the graph, every layer's statistics, the steps, .grad, health and the whole model's
-        per-sample gradient norms (taken now); the other factor queries say in one line that it was saved without."""
+        `hw.load(path)` gives a read-only Trace that answers the same queries, without rerun or hooks.
+
+        Args:
+
+        - `path`: the file to write (a str or os.PathLike).
+        - `activations`: True (default) keeps each layer's a and δ; False keeps their statistics, not their
+          values: for a large model (GPT-2 124M at batch 4 × 128, a and δ are about a sixth of the file; its
+          parameters and .grad the rest). The loaded trace then shows the graph, every layer's statistics, the
+          steps, .grad, health and the whole model's per-sample gradient norms (taken now); the other factor
+          queries say in one line that it was saved without.
+
+        Raises:
+
+        - `TypeError`: `path` is not a path, or `activations` is not a bool.
+        - `RuntimeError`: the run is still going (save a `hw.tracing` trace after its block).
+
+        Example:
+
+        ```python
+        t.save("step.pt")
+        hw.load("step.pt").weight_grad("fc1")
+        ```
+        """
         from hookwidget.record import saved
 
         check_path(path, "t.save(path)", "t.save('step.pt')")

@@ -541,15 +541,34 @@ class Watch:
 
     def to_tensorboard(self, log_dir) -> str:
         """Write what was recorded so far as TensorBoard scalars (`{stat}/{layer}`, `step/loss`,
-        `step/grad_norm`; x = step) and the anomalies as text; returns the run's folder."""
+        `step/grad_norm`; x = step) and the anomalies as text.
+
+        Args:
+
+        - `log_dir`: the TensorBoard log directory.
+
+        Returns:
+
+        The run's folder. Needs: pip install hookwidget[tensorboard].
+        """
         from hookwidget.views.tensorboard import write
 
         return write(self, log_dir)
 
     def to_wandb(self, run=None):
-        """Log what was recorded so far to a W&B run (None: the active one, else a new one), the same keys as
-        to_tensorboard against x = `hookwidget_step`, the anomalies as a table; on an open watch the later rows
-        follow from a background thread until close(). Returns the run. Needs: pip install hookwidget[wandb]."""
+        """Log what was recorded so far to a W&B run: the same keys as to_tensorboard against x =
+        `hookwidget_step`, the anomalies as a table.
+
+        On an open watch the later rows follow from a background thread until close().
+
+        Args:
+
+        - `run`: a W&B run; None (default): the active one, else a new one.
+
+        Returns:
+
+        The run. Needs: pip install hookwidget[wandb].
+        """
         from hookwidget.views.wandb import write
 
         return write(self, run)
@@ -571,7 +590,23 @@ class Watch:
 
     def save(self, path) -> None:
         """Write this watch to `path` as data (statistics, steps, names, anomalies, notes, the kept Traces; no
-        code), for `hw.load(path)`: a read-only watch that answers the same queries and shows the same view."""
+        code), for `hw.load(path)`: a read-only watch that answers the same queries and shows the same view.
+
+        Args:
+
+        - `path`: the file to write (a str or os.PathLike).
+
+        Raises:
+
+        - `TypeError`: `path` is not a path.
+
+        Example:
+
+        ```python
+        w.save("run.pt")
+        hw.load("run.pt").series("loss")
+        ```
+        """
         from hookwidget.record import saved
 
         check_path(path, "w.save(path)", "w.save('run.pt')")
