@@ -1,10 +1,12 @@
 """hookwidget: see what PyTorch's hooks see, where gradients go, and what changes when you change them.
 
-    import hookwidget as hw
-    t = hw.trace(step)            # or: with hw.tracing() as t: ...  or the %%hooktrace cell magic
-    t.layers["fc1"].a, t.layers["fc1"].delta, t.weight_grad("fc1"), t.graph
-    t.save("t.pt"); t = hw.load("t.pt")   # a Trace as data: read-only, every query but rerun and hooks
-    with hw.watch(model) as w: train()   # per-layer statistics every step, anomalous steps kept as Traces
+```python
+import hookwidget as hw
+t = hw.trace(step)            # or: with hw.tracing() as t: ...  or the %%hooktrace cell magic
+t.layers["fc1"].a, t.layers["fc1"].delta, t.weight_grad("fc1"), t.graph
+t.save("t.pt"); t = hw.load("t.pt")   # a Trace as data: read-only, every query but rerun and hooks
+with hw.watch(model) as w: train()   # per-layer statistics every step, anomalous steps kept as Traces
+```
 """
 
 from hookwidget.api import load, trace, tracing
@@ -18,7 +20,18 @@ __all__ = ["KINDS", "InterventionError", "Layer", "Trace", "Watch", "load", "loa
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext hookwidget` registers the %%hooktrace and %%hookwatch cell magics."""
+    """Register the `%%hooktrace` and `%%hookwatch` cell magics: what `%load_ext hookwidget` calls.
+
+    Args:
+
+    - `ipython`: the IPython shell to register them in.
+
+    Example:
+
+    ```python
+    %load_ext hookwidget
+    ```
+    """
     from hookwidget.magic import HookTraceMagics
 
     ipython.register_magics(HookTraceMagics)

@@ -109,8 +109,9 @@ class HookTraceMagics(Magics):
 
     @cell_magic
     def hookwatch(self, line: str, cell: str):
-        """%%hookwatch MODEL [-o NAME] [--every N] [--no-flight-recorder]: run a training loop under
-        hw.watch(MODEL); the Watch is bound to NAME (default _hookwatch). See hw.watch? for what it records."""
+        """%%hookwatch MODEL [-o NAME] [--every N] [--no-flight-recorder] [--no-widget]: run a training loop under
+        hw.watch(MODEL); the Watch is bound to NAME (default _hookwatch). See hw.watch? for what it records.
+        """
         return hookwatch_magic(self.shell, line, cell)
 
 
@@ -246,12 +247,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _watch_parser() -> argparse.ArgumentParser:
+    """%%hookwatch's flags, with the help text `%%hookwatch?` and the docs' table of flags show."""
     p = _Parser(prog="%%hookwatch")
-    p.add_argument("model", metavar="MODEL")
-    p.add_argument("-o", "--out", default="_hookwatch", metavar="NAME")
-    p.add_argument("--every", type=int, default=1)
-    p.add_argument("--no-flight-recorder", action="store_true")
-    p.add_argument("--no-widget", action="store_true")
+    p.add_argument("model", metavar="MODEL", help="the name of the nn.Module in your namespace to watch")
+    p.add_argument("-o", "--out", default="_hookwatch", metavar="NAME",
+                   help="bind the Watch to NAME (default _hookwatch)")
+    p.add_argument("--every", type=int, default=1, metavar="N", help="record every N-th step (default 1)")
+    p.add_argument("--no-flight-recorder", action="store_true", help="hw.watch(model, flight_recorder=False): "
+                   "statistics only, no kept Traces")
+    p.add_argument("--no-widget", action="store_true", help="print a text summary instead of the live view")
     return p
 
 
@@ -301,3 +305,9 @@ def _show_watch(w) -> None:
 
 def _usage_error(text: str) -> Exception:
     return UsageError(text)  # IPython prints one line for this exact class
+
+
+# %%hookwatch? lists the flags, as %%hooktrace? does (its help made by magic_arguments)
+if HookTraceMagics.hookwatch.__doc__:  # None under python -OO
+    HookTraceMagics.hookwatch.__doc__ = HookTraceMagics.hookwatch.__doc__.rstrip() + "\n\n        Flags:\n\n" + \
+        "\n".join(f"        {', '.join(a.option_strings) or a.metavar}: {a.help}" for a in _watch_parser()._actions)

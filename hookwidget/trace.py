@@ -46,17 +46,28 @@ def _boundary(method):
 
 
 class Trace:
-    """What one run showed: layers and their calls, steps, the graph, gradients, notes. Displays as its widget.
+    """What one run of your code showed: layers and their calls, steps, the graph, gradients, notes.
 
-    `record`: the RunRecord (record/run.py), given as it is or as the Pending one of a run still going (`with
-    hw.tracing() as t:`: empty until its block ends). `facts`: analysis's one cache for this trace, made with it
-    (analysis/facts.py).
+    `hw.trace`, `hw.tracing` and `hw.load` make one, and so does a watch's `w.trace(k)`; you do not construct it.
+    In a notebook it displays as its explorer, elsewhere as a text summary.
 
-    A wrong argument of a method raises one line naming it, its value and a valid example: TypeError (not a
-    string, not a Trace), KeyError (no such layer or target: close names first), ValueError (a bad value, a
-    query this trace cannot answer); RuntimeError where the trace cannot do it at all (rerun a hw.tracing block
-    or a step hw.watch kept)."""
+    Attributes:
 
+    - `applied`: the interventions that were on in this run (`t.interventions`: those on now, for the next rerun).
+
+    Raises:
+
+    A wrong argument of a method raises one line naming it, its value and a valid example:
+
+    - `TypeError`: an argument of the wrong type (not a string, not a Trace).
+    - `KeyError`: no such layer or target (the message names close ones first).
+    - `ValueError`: a bad value, or a query this trace cannot answer.
+    - `RuntimeError`: what the trace cannot do at all (rerun a `hw.tracing` block, or a step `hw.watch` kept).
+    """
+
+    # `record`: the RunRecord (record/run.py), given as it is or as the Pending one of a run still going (`with
+    # hw.tracing() as t:`: empty until its block ends). `facts`: analysis's one cache for this trace, made with it
+    # (analysis/facts.py).
     def __init__(self, session, record: RunRecord | Pending, applied=(), baseline: Trace | None = None):
         self.session = session
         self._baseline = baseline  # a rerun's: the first run it is compared with, alive as long as the rerun is
@@ -66,18 +77,24 @@ class Trace:
 
     @property
     def record(self) -> RunRecord:
+        """The run as data: layers, steps, .grad copies, parameters, losses, notes (empty until a `hw.tracing`
+        block ends). The properties below read from it."""
         return self._pending.record
 
     @property
     def options(self) -> dict:
+        """The options this trace ran with that differ from their defaults, by name (e.g. `{"capture": "norms"}`)."""
         return self.session.options.as_dict()
 
     @property
     def layers(self) -> dict[str, Layer]:
+        """Each hooked module's `Layer`, by qualified name: `t.layers["fc1"]` (a missing name's KeyError lists close
+        ones)."""
         return self._pending.record.layers
 
     @property
     def steps(self) -> list[Step]:
+        """Each backward pass the code ran (a `backward()` or `torch.autograd.grad` call), as a `Step`, in order."""
         return self._pending.record.steps
 
     @property
@@ -87,10 +104,12 @@ class Trace:
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
+        """The parameters of the hooked modules (and the leaf tensors backward reached), by qualified name."""
         return self._pending.record.params
 
     @property
     def losses(self) -> list[float]:
+        """The value of each scalar backward started from, over every step, in order (`t.loss` is the last)."""
         return self._pending.record.losses
 
     @property
@@ -105,7 +124,8 @@ class Trace:
 
     @property
     def note_records(self) -> tuple[Note, ...]:
-        """The notes as data (record/notes.py): an id and the fields their text is made of."""
+        """The notes as data: each a `Note` with a stable `id` and the `fields` its text is made of (`t.notes`
+        is their text)."""
         r = self.record
         return r.notes[:r.factor_notes_at] + coverage.decide(self).notes + r.notes[r.factor_notes_at:]
 
@@ -137,6 +157,7 @@ class Trace:
 
     @_boundary
     def layer(self, name: str) -> Layer:
+        """The `Layer` named `name`, as `t.layers[name]`; a missing name raises KeyError naming close ones."""
         return self.layers[check_name("name", name)]  # a missing one: KeyError listing close names (record/run.py)
 
     @_boundary
@@ -148,14 +169,37 @@ class Trace:
 
     @_boundary
     def weight_grad(self, name: str, step: int | None = None) -> torch.Tensor:
-        """W.grad of the layer rebuilt from its factors: what backward pass `step` added to .grad, or,
-        without step=, what every pass added (one pass, or passes accumulating into .grad)."""
+        """W.grad of the layer rebuilt from its factors a and δ.
+
+        Args:
+
+        - `name`: a layer name (`t.layers`) whose module has a weight.
+        - `step`: the index of one of `t.steps` (negative from the end): what that backward pass added to .grad;
+          None (default): what every pass added (one pass, or passes accumulating into .grad).
+
+        Returns:
+
+        A tensor of the weight's shape.
+
+        Raises:
+
+        - `KeyError`: no such layer (the message names close ones).
+        - `ValueError`: the layer has no parameters, no factor rule, or `step` is out of range.
+
+        Example:
+
+        ```python
+        torch.allclose(t.weight_grad("fc1"), model.fc1.weight.grad)
+        ```
+        """
         self._parameterised(name)
         with registry.memo():
             return ps.summed_grad(self, self.layer(name).name, "weight", self._step(step))
 
     @_boundary
     def bias_grad(self, name: str, step: int | None = None) -> torch.Tensor:
+        """b.grad of the layer rebuilt from its factors, as `weight_grad` does for W.grad: what backward pass
+        `step` added to .grad, or, without step=, what every pass added."""
         self._parameterised(name)
         with registry.memo():
             return ps.summed_grad(self, self.layer(name).name, "bias", self._step(step))
@@ -163,11 +207,27 @@ class Trace:
     @_boundary
     def per_sample_grads(self, name: str, param: str = "weight", loss_reduction: str = "sum",
                          step: int | None = None) -> torch.Tensor:
-        """(N, *param.shape): each sample's contribution to the parameter's .grad; under gradient
-        accumulation N counts the samples of every micro-batch, in order.
+        """Each sample's contribution to the parameter's .grad, as (N, *param.shape).
 
-        They sum to .grad. With a mean-reduced loss pass loss_reduction="mean" to get each
-        sample's own gradient (the contributions times B)."""
+        They sum to .grad. Under gradient accumulation N counts the samples of every micro-batch, in order.
+
+        Args:
+
+        - `name`: a layer name (`t.layers`).
+        - `param`: the layer's parameter, `"weight"` (default) or `"bias"`.
+        - `loss_reduction`: `"sum"` (default): the contributions; `"mean"`: each sample's own gradient under a
+          mean-reduced loss (the contributions times B).
+        - `step`: as `weight_grad`'s.
+
+        Returns:
+
+        A tensor of shape (N, *param.shape).
+
+        Raises:
+
+        - `KeyError`: no such layer.
+        - `ValueError`: a bad `param`, `loss_reduction` or `step`, or a layer without parameters that require grad.
+        """
         _reduction_scale(loss_reduction, 1)
         check_name("param", param, "'weight'")
         self._parameterised(name)
@@ -178,8 +238,19 @@ class Trace:
     @_boundary
     def per_sample_grad_norms(self, name: str | None = None, loss_reduction: str = "sum",
                               step: int | None = None) -> torch.Tensor:
-        """(N,) norms of per-sample gradients over all parameters of one layer, or of every
-        supported layer (name=None). A parameter shared by several layers is counted once."""
+        """The norm of each sample's gradient, as (N,), over one layer's parameters or the whole model's.
+
+        A parameter shared by several layers is counted once.
+
+        Args:
+
+        - `name`: a layer name, or None (default): every supported layer (`t.factor_layers`).
+        - `loss_reduction`, `step`: as `per_sample_grads`'.
+
+        Returns:
+
+        A tensor of shape (N,).
+        """
         _reduction_scale(loss_reduction, 1)
         if name is not None:
             self._trainable(self.layer(name).name)
@@ -209,17 +280,62 @@ class Trace:
     # -- changing it (through the session) -----------------------------------------------------
     @_boundary
     def add_hook(self, target: str, kind: str, **params):
-        """Attach an intervention for the next rerun(); the same kind on the same target is replaced."""
+        """Attach an intervention for the next rerun(); the same kind on the same target is replaced.
+
+        Args:
+
+        - `target`: a layer name (`t.layers`), or a graph node (`"PowBackward0#0"`) for a `grad_*` kind.
+        - `kind`: one of `hw.KINDS` (see Interventions).
+        - `**params`: the kind's parameters, e.g. `factor=0.5` for `"grad_scale"`.
+
+        Returns:
+
+        The intervention attached (it is in `t.interventions`).
+
+        Raises:
+
+        - `TypeError`: a target or kind that is not a string.
+        - `KeyError`: no such target (the message names close ones).
+        - `ValueError`: an unknown kind, a parameter the kind does not take or a bad value of one, or a trace
+          that cannot rerun (a step `hw.watch` kept).
+
+        Example:
+
+        ```python
+        t.add_hook("fc1", "grad_scale", factor=0.5)
+        t.rerun().diff(t)
+        ```
+        """
         return self.session.add_hook(target, kind, **params)
 
     @_boundary
     def remove_hook(self, target: str, kind: str, missing_ok: bool = False) -> None:
+        """Remove the intervention `kind` on `target` that `add_hook` attached, for the next rerun(). KeyError when
+        there is none, unless `missing_ok=True`."""
         self.session.remove_hook(target, kind, missing_ok=missing_ok)
 
     def rerun(self) -> Trace:
-        """Run the same code again with the interventions on, as a what-if: parameters, buffers,
-        optimizer and scheduler state, .grad and every RNG are put back first, and put back as
-        they are now afterwards, so the interventions are the only change and nothing stays changed."""
+        """Run the same code again with the interventions on, as a what-if, and return its Trace.
+
+        Parameters, buffers, optimizer and scheduler state, .grad and every RNG are put back first, and put back as
+        they are now afterwards, so the interventions are the only change and nothing stays changed.
+
+        Returns:
+
+        The `Trace` of the rerun (`.diff()` compares it with the hook-free first run).
+
+        Raises:
+
+        - `RuntimeError`: the trace cannot rerun: a `hw.tracing` block, a step `hw.watch` kept, a loaded trace.
+
+        Example:
+
+        ```python
+        t.add_hook("fc1", "grad_zero")
+        t2 = t.rerun()
+        t2.diff().changed      # the parameters whose gradient the hook changed
+        ```
+        """
         refused = self.session.no_rerun()
         if refused:
             raise RuntimeError(refused)  # raised here: the traceback is the user's line and this one
@@ -228,7 +344,23 @@ class Trace:
     @_boundary
     def diff(self, before: Trace | None = None):
         """What changed from `before` (default: the hook-free first run) to this trace: grads per
-        parameter, loss, δ per layer."""
+        parameter, loss, δ per layer.
+
+        Args:
+
+        - `before`: the Trace to compare with; default: the hook-free first run of this trace's code.
+
+        Returns:
+
+        A `Diff`: `.params` (a change per parameter: norms before and after, relative change, cosine), `.param(name)`,
+        `.changed` (parameters whose gradient changed by more than float noise), `.ranked`, `.loss_before`,
+        `.loss_after`, `.layers` (layer name -> δ norm before and after).
+
+        Raises:
+
+        - `TypeError`: `before` is not a Trace.
+        - `ValueError`: no `before` and no hook-free first run (a `hw.tracing` block), or traces of unrelated runs.
+        """
         from hookwidget.analysis.diff import diff
 
         if before is None and self.session.baseline is None:
@@ -241,7 +373,23 @@ class Trace:
 
     @_boundary
     def health(self, **thresholds):
-        """NaN/Inf, vanishing and exploding gradients per node and per layer."""
+        """NaN/Inf, vanishing and exploding gradients per node and per layer.
+
+        Args:
+
+        - `vanishing`: a layer is vanishing when ‖grad‖ < vanishing·‖W‖ (default 1e-7).
+        - `exploding`: a layer is exploding when ‖grad‖ > exploding·‖W‖ (default 1e3).
+
+        Returns:
+
+        A `Health`: `.layers` (name -> its figures and flags), `.flagged` (name -> flags), `.nonfinite_nodes`
+        (graph nodes with a NaN or Inf gradient, in backward order), `.first_nonfinite_node`.
+
+        Raises:
+
+        - `TypeError`: a threshold other than vanishing= and exploding=.
+        - `ValueError`: a threshold that is not a number > 0.
+        """
         from hookwidget.analysis.health import health
 
         for key, value in thresholds.items():
@@ -254,12 +402,19 @@ class Trace:
 
     # -- showing it ----------------------------------------------------------------------------
     def widget(self):
+        """The explorer of this trace as a widget: what a notebook shows for `t` (graph, layers, a and δ, hooks)."""
         from hookwidget.views.widget import HookWidget
 
         return HookWidget(self)
 
     @_boundary
     def to_html(self, path) -> None:
+        """Write the explorer of this trace to `path` as one standalone HTML page (it opens without a kernel).
+
+        Raises:
+
+        - `TypeError`: `path` is not a file path.
+        """
         from hookwidget.views.export import to_html
 
         if not isinstance(path, (str, os.PathLike)):
@@ -295,13 +450,31 @@ class Trace:
 
     # -- keeping it (record/saved.py) ------------------------------------------------------------
     def save(self, path, activations: bool = True) -> None:
-        """Write this trace to `path` as data (tensors, the graph, notes, layers, steps; no code), for
-        `hw.load(path)`: a read-only Trace that answers the same queries, without rerun or hooks.
+        """Write this trace to `path` as data (tensors, the graph, notes, layers, steps; no code), for `hw.load`.
 
-        `activations=False` keeps each layer's a and δ as their statistics, not their values: for a large model
-        (GPT-2 124M at batch 4 × 128, a and δ are about a sixth of the file; its parameters and .grad the rest).
-        The loaded trace shows the graph, every layer's statistics, the steps, .grad, health and the whole model's
-        per-sample gradient norms (taken now); the other factor queries say in one line that it was saved without."""
+        `hw.load(path)` gives a read-only Trace that answers the same queries, without rerun or hooks.
+
+        Args:
+
+        - `path`: the file to write (a str or os.PathLike).
+        - `activations`: True (default) keeps each layer's a and δ; False keeps their statistics, not their
+          values: for a large model (GPT-2 124M at batch 4 × 128, a and δ are about a sixth of the file; its
+          parameters and .grad the rest). The loaded trace then shows the graph, every layer's statistics, the
+          steps, .grad, health and the whole model's per-sample gradient norms (taken now); the other factor
+          queries say in one line that it was saved without.
+
+        Raises:
+
+        - `TypeError`: `path` is not a path, or `activations` is not a bool.
+        - `RuntimeError`: the run is still going (save a `hw.tracing` trace after its block).
+
+        Example:
+
+        ```python
+        t.save("step.pt")
+        hw.load("step.pt").weight_grad("fc1")
+        ```
+        """
         from hookwidget.record import saved
 
         check_path(path, "t.save(path)", "t.save('step.pt')")
@@ -313,8 +486,10 @@ class Trace:
         saved.write(path, "trace", tree)
 
     def to_data(self) -> dict:
-        """What `save` writes: the record as plain data and tensors (record/saved.py), with the answers that would
-        need the code to work out again. A file that holds several traces (a watch's) nests these."""
+        """What `save` writes, as nested dicts and lists of plain values and tensors: the record, with the answers
+        that would need the code to work out again (`Trace.from_data` reads it back). A file that holds several
+        traces (a watch's) nests these."""
+        # the format: record/saved.py
         from hookwidget.record import saved
 
         if not self.record.done:
@@ -381,9 +556,14 @@ class Trace:
         parameters it answers for), a parameter (t.params), or None (every parameter with an exact per-sample
         rule; .left_out names the rest). step: as per_sample_grads (under accumulation, all micro-batches).
 
-            s = t.shares()
-            s.top(3)              # [(index, share), ...], largest first
-            s.positions[s.top(1)[0][0]]   # where in that sample the step came from"""
+        Example:
+
+        ```python
+        s = t.shares()
+        s.top(3)              # [(index, share), ...], largest first
+        s.positions[s.top(1)[0][0]]   # where in that sample the step came from
+        ```
+        """
         from hookwidget.analysis import attribution
 
         with registry.memo():
@@ -394,8 +574,13 @@ class Trace:
         """(N,) each sample's share ⟨G_b, G⟩ / ‖G‖² of the step's gradient (t.shares(...).samples; what is left
         out: t.shares().left_out). They sum to 1.
 
-            t.sample_shares().argmax()      # the sample that carried most of the step
-            t.sample_shares("fc1")          # of one layer's gradient"""
+        Example:
+
+        ```python
+        t.sample_shares().argmax()      # the sample that carried most of the step
+        t.sample_shares("fc1")          # of one layer's gradient
+        ```
+        """
         return self.shares(name, step).samples
 
     @_boundary
@@ -405,7 +590,12 @@ class Trace:
         summed over the layers that share the sequence's T positions (name=None). What is not on a position
         (layers without a per-position form): t.shares(name).unplaced.
 
-            t.position_shares()[b]          # which tokens of sample b carried the step"""
+        Example:
+
+        ```python
+        t.position_shares()[b]          # which tokens of sample b carried the step
+        ```
+        """
         found = self.shares(name, step)
         if found.positions is None:
             raise ValueError(f"{name or 'the parameters counted'}: no layer applied per position among them (a "
@@ -417,7 +607,12 @@ class Trace:
         """(N, T) ‖G_{b,t}‖, the norm of each position's gradient of a layer applied per position: an outer
         product, so ‖δ_{b,t}‖·‖a_{b,t}‖ exactly (with its bias, over both).
 
-            t.position_norms("h.0.mlp.c_fc")   # (B, T)"""
+        Example:
+
+        ```python
+        t.position_norms("h.0.mlp.c_fc")   # (B, T)
+        ```
+        """
         from hookwidget.analysis import attribution
 
         _reduction_scale(loss_reduction, 1)

@@ -89,7 +89,8 @@ GENERATED = re.compile(r"^<!-- generated: ([\w-]+) -->$", re.M)
 
 def _generated(name: str) -> str:
     """A table made from the code at build time, so that the reference cannot drift from it: the intervention
-    kinds (hw.KINDS) and the magics' flags (their argparse parsers, whose help text %%hooktrace? shows too)."""
+    kinds (hw.KINDS) and the magics' flags (their argparse parsers in magic.py, whose help texts %%hooktrace? and
+    %%hookwatch? show too)."""
     if name == "intervention-kinds":
         from hookwidget import KINDS
 
@@ -111,13 +112,9 @@ def _generated(name: str) -> str:
                 flag = ", ".join(f"`{o}{meta}`" for o in action.option_strings)
             else:
                 continue
-            text = (action.help or "").replace("|", "\\|") or {
-                "out": "bind the Watch to NAME (default _hookwatch)", "every": "record every N-th step (default 1)",
-                "no_flight_recorder": "hw.watch(model, flight_recorder=False)",
-                "no_widget": "print a text summary instead of the live view",
-                "model": "the name of the nn.Module in your namespace to watch"}.get(action.dest)
-            if text is None:  # a new flag without help: say so rather than print an empty cell
-                raise ValueError(f"docs: %%hookwatch's {action.dest} has no help text")
+            if not action.help:  # a new flag without help: say so rather than print an empty cell
+                raise ValueError(f"docs: {parser.prog}'s {action.dest} has no help text (give it help= in magic.py)")
+            text = action.help.replace("|", "\\|")
             rows.append(f"| {flag} | {text} |")
         return "\n".join(["| flag | meaning |", "|---|---|", *rows])
     raise ValueError(f"docs: no generated table named {name!r}")

@@ -51,9 +51,38 @@ def _callers(frame, depth: int = 8):
 
 
 class HookwidgetCallback(TrainerCallback, Watching):
-    """See the module docstring. `log_stats`: statistics forwarded per layer to the logs (default none, e.g.
-    log_stats=("grad_norm", "update_ratio")); the other keyword arguments go to hw.watch (every, spike, window, keep,
-    flight_recorder, max_kept, per_sample, ...)."""
+    """A Hugging Face `Trainer` callback: the model watched for the whole fit, its series in the Trainer's own logs.
+
+    The watch opens at on_train_begin and closes at on_train_end, and whatever ends the fit early. Steps are the
+    Trainer's: each row of `cb.watch.stats` is one optimizer step, its gradient_accumulation_steps micro-batches
+    added up (‖W.grad‖ of the gradient the step used, after clipping; the loss as the Trainer logs it);
+    `cb.optimizer_steps()` gives its state.global_step, `cb.micro_batches[s]` the backward passes step `s` held.
+    At the Trainer's logging cadence (on_log, logging_steps) the logs gain a handful of keys: hookwidget/grad_norm
+    (global; the Trainer's own grad_norm is the norm before clipping, this one the one the optimizer used),
+    hookwidget/update_ratio_max and hookwidget/update_ratio_max_layer (an index into cb.watch.layer_names),
+    hookwidget/anomalies (so far) and hookwidget/anomaly_step (the latest one's); per layer,
+    `hookwidget/{stat}/{layer}` only for the stats in `log_stats`. The callback moves itself first in the
+    Trainer's callback list, so the report_to integrations (W&B, TensorBoard, MLflow, ...) log those keys too;
+    so does state.log_history.
+
+    Args:
+
+    - `log_stats`: statistics forwarded per layer to the logs (default none), e.g.
+      `log_stats=("grad_norm", "update_ratio")`.
+    - `**watch_kwargs`: the arguments of `hw.watch` (every, spike, window, keep, flight_recorder, max_kept,
+      per_sample, ...).
+
+    Example:
+
+    ```python
+    from hookwidget.integrations.transformers import HookwidgetCallback   # pip install hookwidget[transformers]
+
+    cb = HookwidgetCallback(every=1, log_stats=("grad_norm",))
+    Trainer(model, args, train_dataset=ds, callbacks=[cb]).train()
+    cb.watch                  # the Watch: live view, w.series, w.trace(k), w.anomalies
+    ```
+    """
+    # how the callback finds the Trainer and guards an exception: the module docstring
 
     def __init__(self, log_stats=(), **watch_kwargs):
         self._fit = Fit(watch_kwargs, log_stats)

@@ -21,7 +21,16 @@ from hookwidget.stats import TensorSummary
 
 @dataclass
 class Layer:
-    """One module that was called: its qualified name and one Call per forward call, in order."""
+    """One module that was called: its qualified name and one Call per forward call, in order.
+
+    Attributes:
+
+    - `name`: the module's qualified name in the model, e.g. `"blocks.0.attn"`.
+    - `module`: the `nn.Module` itself.
+    - `calls`: one `Call` per forward call, in order: its input activation `a`, the gradient `delta` (δ) with
+      respect to its output, `output_shape`, their statistics `a_summary` and `delta_summary` where the memory
+      budget kept no copy, `grad_input` (backward_hooks=True), and the `step` (backward pass) that brought its δ.
+    """
 
     name: str
     module: nn.Module = field(repr=False)
@@ -39,6 +48,7 @@ class Layer:
 
     @property
     def type(self) -> str:
+        """The module's class name, e.g. `"Linear"`."""
         return type(self.module).__name__
 
 

@@ -28,39 +28,84 @@ __all__ = ["STAT_NAMES", "STEP_STAT_NAMES", "Anomaly", "Watch", "watch"]
 def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None, flight_recorder: bool = True,
           max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256, scaler=None,
           tensorboard=None, per_sample: bool = False, log_dir=None, ranks: str = "global") -> Watch:
-    """Watch `model` across a training loop: `with hw.watch(model) as w: ...`, or `w = hw.watch(model)`
-    ... `w.close()` (the hooks go on when watch() returns). They stay on across steps and are removed
-    by close() / the end of the `with` block, whatever happened (exceptions, KeyboardInterrupt); the
-    statistics and kept Traces stay readable afterwards. Observing changes nothing: losses,
-    every .grad and the RNG stream are bitwise those of the loop without the watch. Watching a model
-    (or a layer of it) that an open watch already watches warns once (both would record, each at its cost).
+    """Watch `model` across a training loop: statistics per step and layer, anomalies, Traces of the bad steps.
 
-    A step is what the optimizer steps on. In a plain loop (backward, optimizer.step) that is one `backward()` call
-    (torch.autograd.grad calls are not steps and are not counted). Where an optimizer steps after several backward
-    passes (gradient accumulation: the first such optimizer step tells the watch, as do the callbacks, which call
-    w.count_optimizer_steps() before the fit) or runs backward inside optimizer.step(closure) (Lightning, L-BFGS,
-    SAM), a step is one optimizer step and its row adds up its backward passes exactly (capture/opt_steps.py):
+    Use it as `with hw.watch(model) as w: ...`, or `w = hw.watch(model)` ... `w.close()` (the hooks go on when
+    watch() returns). They stay on across steps and are removed by close() / the end of the `with` block, whatever
+    happened (exceptions, KeyboardInterrupt); the statistics and kept Traces stay readable afterwards. Observing
+    changes nothing: losses, every .grad and the RNG stream are bitwise those of the loop without the watch.
+    Watching a model (or a layer of it) that an open watch already watches warns once (both would record, each at
+    its cost).
+
+    Args:
+
+    - `model`: the `nn.Module` to watch: every layer with parameters of its own.
+    - `every`: record every N-th step (0, every, 2·every, ...); default 1.
+    - `spike`: a loss or global gradient norm above mean + spike·std of the previous `window` recorded steps is an
+      anomaly; default 6.0.
+    - `window`: how many recorded steps a spike is judged against; default 20.
+    - `keep`: `keep(step, stats) -> bool`, a step you want flagged and kept (see Anomalies); default None.
+    - `flight_recorder`: keep full Traces of anomalous steps and of the latest one (see Flight recorder); default
+      True.
+    - `max_kept`: at most this many anomalous steps' Traces; default 8.
+    - `batch`: recorded steps moved to the host at a time; default 64.
+    - `trace_budget_mb`: megabytes of a and δ per kept Trace; default 256.
+    - `scaler`: the GradScaler the loop uses (default: the first one whose scale() the loop calls).
+    - `tensorboard`: a log directory to write scalars to as the run goes.
+    - `per_sample`: also record each step's largest per-sample gradient norm; default False.
+    - `log_dir`: a folder to append the statistics to as the run goes (see Keeping it).
+    - `ranks`: `"global"` (figures over the ranks of a process group, the default) or `"local"` (this rank's).
+
+    Returns:
+
+    The `Watch`, its hooks on.
+
+    Raises:
+
+    One line naming the first wrong argument, its value and a valid example:
+
+    - `TypeError`: `model` is not an `nn.Module`, `keep` is not callable, `scaler` is not a GradScaler.
+    - `ValueError`: any other argument with a bad value (e.g. `every=0`).
+
+    Example:
+
+    ```python
+    with hw.watch(model) as w:
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+    w.series("fc1", "grad_norm"), w.anomalies, w.trace()   # the latest step's full Trace
+    ```
+
+    **Steps.** A step is what the optimizer steps on. In a plain loop (backward, optimizer.step) that is one
+    `backward()` call (torch.autograd.grad calls are not steps and are not counted). Where an optimizer steps after
+    several backward passes (gradient accumulation: the first such optimizer step tells the watch, as do the
+    callbacks, which call w.count_optimizer_steps() before the fit) or runs backward inside optimizer.step(closure)
+    (Lightning, L-BFGS, SAM), a step is one optimizer step and its row adds up its backward passes exactly:
     grad_norm is ‖W.grad‖ as the optimizer's step used it (accumulated, clipped), the loss the sum of the passes'
     losses (the trainer's loss: each micro-batch's is divided by the accumulation steps; of repeated closure calls
     the first), δ and a statistics over all its passes. w.micro_batches says which backward passes each step held
     and w.micro(step) gives their own rows; w.seen counts backward passes. A pass that begins with .grad unset
     (zero_grad) and no optimizer step since the passes before (a GradScaler skipped it) starts a new step.
-    Every `every`-th step (0, every, 2·every, ...) is recorded: for each layer with parameters of its
-    own (w.layer_names), the statistics of w.stat_names:
-      delta_norm, delta_max  ‖δ‖₂ and max|δ| of the gradient w.r.t. its output (all its calls that
-                             backward reached, together)
-      a_rms, a_zero_frac     RMS of its input activation, and the fraction of its entries that are 0
-      a_nonfinite            the number of its NaN or Inf entries
-      grad_norm, weight_norm ‖W.grad‖₂ (all its own parameters together, as .grad is when backward
-                             ends; an optimizer step's: as its step used it) and ‖W‖₂ then (before the step)
-      update_ratio           ‖ΔW‖₂/‖W‖₂ of the step's optimizer step(s) (NaN: none), ‖W‖
-                             being weight_norm; it costs one copy of the optimizer's parameters (a
-                             buffer reused across steps), taken before the step with torch._foreach ops
-      delta_nan, delta_inf, grad_nan, grad_inf   NaN and Inf counts of δ and of .grad
-      lr                     the learning rate of the param group holding the layer's weight, at that
-                             optimizer step (NaN: none); read without a sync (a device tensor LR moves
-                             to the host with the row)
-    and per step the loss (the scalar backward started from) and the global gradient norm
+
+    **Statistics.** Every `every`-th step (0, every, 2·every, ...) is recorded: for each layer with parameters of
+    its own (w.layer_names), the statistics of w.stat_names:
+
+    - `delta_norm`, `delta_max`: ‖δ‖₂ and max|δ| of the gradient w.r.t. its output (all its calls that backward
+      reached, together);
+    - `a_rms`, `a_zero_frac`: RMS of its input activation, and the fraction of its entries that are 0;
+    - `a_nonfinite`: the number of its NaN or Inf entries;
+    - `grad_norm`, `weight_norm`: ‖W.grad‖₂ (all its own parameters together, as .grad is when backward ends; an
+      optimizer step's: as its step used it) and ‖W‖₂ then (before the step);
+    - `update_ratio`: ‖ΔW‖₂/‖W‖₂ of the step's optimizer step(s) (NaN: none), ‖W‖ being weight_norm; it costs one
+      copy of the optimizer's parameters (a buffer reused across steps), taken before the step with torch._foreach
+      ops;
+    - `delta_nan`, `delta_inf`, `grad_nan`, `grad_inf`: NaN and Inf counts of δ and of .grad;
+    - `lr`: the learning rate of the param group holding the layer's weight, at that optimizer step (NaN: none);
+      read without a sync (a device tensor LR moves to the host with the row).
+
+    Per step, also the loss (the scalar backward started from) and the global gradient norm
     (w.step_stats, w.loss, w.grad_norm). NaN means "not measured" (the layer was not reached).
     Statistics are reduced on the model's device and moved to the host `batch` steps at a time, or
     when read: no host sync per hook or per step (with the flight recorder on: one small one per step,
@@ -69,26 +114,27 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     w.stats is (recorded steps × layers × statistics), float64;
     w.steps the step index of each row; w.series("fc1", "grad_norm"), w.series("loss").
 
-    w.anomalies: (step, where, reason) for a recorded step with (a run that turns non-finite gives one anomaly
-    for its onset, where = the layer where it arose, the reason listing each of the kinds below with its first
-    layer; the non-finite steps right after it are counted in w.nonfinite, {onset: count}, not listed; the
-    flight recorder keeps the onset's Trace)
-      - a non-finite loss (where="loss");
-      - a non-finite δ (where = the first layer in backward order, the order in which gradients
-        reached the layers' outputs, whose δ has a NaN or Inf: every layer reached before it had a
-        finite δ, so the non-finite value arose in the backward of what lies between its output and
-        the layers reached before it, or in the loss);
-      - a non-finite input activation (where = the first layer in forward order whose input is);
-      - a non-finite .grad (where = the first such layer in backward order);
-      - a spike: loss or global gradient norm above mean + spike·std of the previous `window`
-        recorded steps' finite values (std at least 1e-6·|mean|; judged once `window` are there);
-      - keep(step, stats) returning True (stats: stat name -> (layers,) tensor, plus "loss" and
-        "global_grad_norm" floats); where="keep".
+    **Anomalies.** w.anomalies: (step, where, reason) for a recorded step with (a run that turns non-finite gives
+    one anomaly for its onset, where = the layer where it arose, the reason listing each of the kinds below with its
+    first layer; the non-finite steps right after it are counted in w.nonfinite, {onset: count}, not listed; the
+    flight recorder keeps the onset's Trace):
+
+    - a non-finite loss (where="loss");
+    - a non-finite δ (where = the first layer in backward order, the order in which gradients
+      reached the layers' outputs, whose δ has a NaN or Inf: every layer reached before it had a
+      finite δ, so the non-finite value arose in the backward of what lies between its output and
+      the layers reached before it, or in the loss);
+    - a non-finite input activation (where = the first layer in forward order whose input is);
+    - a non-finite .grad (where = the first such layer in backward order);
+    - a spike: loss or global gradient norm above mean + spike·std of the previous `window`
+      recorded steps' finite values (std at least 1e-6·|mean|; judged once `window` are there);
+    - keep(step, stats) returning True (stats: stat name -> (layers,) tensor, plus "loss" and
+      "global_grad_norm" floats); where="keep".
 
     Anomalies are judged on recorded steps only (every=N thins them too).
 
-    per_sample=True: per recorded step also the largest per-sample gradient norm and which sample it was
-    (w.per_sample: (steps, 2), [norm, index in the batch]; w.series("per_sample_max"),
+    **Per-sample norms.** per_sample=True: per recorded step also the largest per-sample gradient norm and which
+    sample it was (w.per_sample: (steps, 2), [norm, index in the batch]; w.series("per_sample_max"),
     w.series("per_sample_argmax")). A sample's gradient is its contribution to .grad (a mean-reduced loss's
     1/B included), its norm taken over every layer with an exact (a, δ) rule: ghost norms (Linear: two
     Gram products per layer, the per-sample gradients never built where that is cheaper), computed while
@@ -99,7 +145,7 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     the layers sharing a parameter with one), layers whose input does not lead with the batch (a position
     embedding).
 
-    Flight recorder (flight_recorder=True): a full recording (capture="full", as hw.trace does) runs
+    **Flight recorder** (flight_recorder=True): a full recording (capture="full", as hw.trace does) runs
     from the end of backward k-1 (or the opening of the watch) to the end of backward k, so the Trace
     of step k holds the optimizer step and zero_grad that followed step k-1, the forward of step k
     and its backward (t.steps[-1], its .grad, its graph); where a step is an optimizer step of several backward
@@ -120,13 +166,14 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     plus its .grad copies, on the model's device. Off, the watch keeps only the statistics: layers x 12
     float64 per recorded step.
 
-    In a notebook, `w` as a cell's last line (or display(w), or %%hookwatch) shows the live explorer: a
+    **In a notebook**, `w` as a cell's last line (or display(w), or %%hookwatch) shows the live explorer: a
     layers × steps heatmap of one statistic, sparklines, the loss and global gradient norm, anomalies
     marked; shown before the loop, it grows while the loop runs (new rows at most every 0.5 s, from
     rows already on the host: no extra device sync). A kept step opens in the trace explorer.
     w.to_html(path) writes the same view as one standalone page.
 
-    Where real training runs:
+    **Where real training runs:**
+
     - torch.compile: install the watch, then compile (w = hw.watch(model); cmodel = torch.compile(model)).
       In compiled code the watch's forward hook is traced into the graph (no graph break, no Python at run
       time): each layer's output passes through an identity whose backward leaves the statistics of δ and
@@ -167,7 +214,7 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
       `step/grad_norm`, x = step; the anomalies as text at close); w.to_tensorboard(log_dir) writes what
       was recorded so far. Needs the extra: pip install hookwidget[tensorboard].
 
-    Keeping it: w.save(path) writes the watch as data (statistics, anomalies, notes, kept Traces; no code);
+    **Keeping it:** w.save(path) writes the watch as data (statistics, anomalies, notes, kept Traces; no code);
     hw.load(path) reads it back read-only (every query above, the view, w.trace(k) as loaded Traces).
     log_dir=d appends the statistics to d as the run goes, from a background thread as rows reach the host (no
     sync of its own): numbered numpy shards d/rows-NNNNNN.npz (steps, stats, step_stats, the anomalies of those
@@ -175,6 +222,7 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     d/watch.json (names, notes). hw.load(d) reads it up to the last complete shard, even after the process was
     killed; numpy reads it without hookwidget: np.load("d/rows-000000.npz")["stats"]. d must hold no log yet.
     """
+    # a step of several backward passes (accumulation, a closure) is added up in capture/opt_steps.py
     check_arguments(model=model, every=every, spike=spike, window=window, keep=keep, flight_recorder=flight_recorder,
                     max_kept=max_kept, batch=batch, trace_budget_mb=trace_budget_mb, scaler=scaler,
                     tensorboard=tensorboard, per_sample=per_sample, log_dir=log_dir, ranks=ranks)

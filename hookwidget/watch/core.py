@@ -47,7 +47,25 @@ NOT_CALLED = ("hw.watch: no call of {layers} reached backward in the first recor
 
 
 class Watch:
-    """Hooks on `model` across a training loop; see `hookwidget.watch.watch` for what it records."""
+    """Hooks on a model across a training loop, and what they recorded: statistics per step and layer, anomalies,
+    kept Traces.
+
+    `hw.watch(model, ...)` makes one (its arguments and what it records are documented there). Use it as
+    `with hw.watch(model) as w: ...`, or call `w.close()` when the loop ends. In a notebook it displays as its
+    live explorer.
+
+    Attributes:
+
+    - `model`: the watched model.
+    - `layer_names`: the watched layers (each with parameters of its own), in the order of `w.stats`' second axis.
+    - `stat_names`: the statistics along `w.stats`' last axis; `step_stat_names`: along `w.step_stats`' ("loss",
+      "grad_norm").
+    - `notes`: what the watch could not see, and why, one line each.
+    - `every`, `batch`, `max_kept`, `trace_budget_mb`, `flight_recorder`: as given to `hw.watch`
+      (`flight_recorder` is False where the model holds TorchScript modules, which a Trace cannot hook).
+    - `tracks_per_sample`: whether it records per-sample gradient norms (`per_sample=True`).
+    - `closed`: whether `close()` ran.
+    """
 
     def __init__(self, model: nn.Module, every: int = 1, spike: float = 6.0, window: int = 20, keep=None,
                  flight_recorder: bool = True, max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256,
@@ -134,6 +152,8 @@ class Watch:
         self.close()
 
     def open(self) -> Watch:
+        """Put the hooks on (`hw.watch` does it before it returns; `with` does it if they are off) and return the
+        watch. RuntimeError once it is closed: make a new one with `hw.watch(model)`."""
         if self.active:
             return self
         if self.closed:
@@ -186,7 +206,9 @@ class Watch:
         return self._amp.now() if self._amp is not None else None
 
     def saw_scaler(self, scaler) -> None:
-        """A GradScaler.scale() call on the watch's thread (amp.py): unscale by it, unless told scaler=."""
+        """Told by the GradScaler stand-in: a GradScaler.scale() call on the watch's thread; the watch unscales by
+        it, unless told scaler=."""
+        # called by amp.py's stand-in for GradScaler.scale
         if self._amp is None:
             self._amp = ScaleTrack(scaler, explicit=False)
         elif self._amp.scaler is not scaler and not self._amp.explicit and amp.SEVERAL not in self.notes:
@@ -364,10 +386,13 @@ class Watch:
 
     @property
     def loss(self) -> torch.Tensor:
+        """(recorded steps,) float64: the loss of each recorded step, the scalar backward started from
+        (`w.series("loss")`)."""
         return self.step_stats[:, 0]
 
     @property
     def grad_norm(self) -> torch.Tensor:
+        """(recorded steps,) float64: the global gradient norm of each recorded step (`w.series("grad_norm")`)."""
         return self.step_stats[:, 1]
 
     @property
@@ -400,8 +425,31 @@ class Watch:
         return self._spread.local_tables(stats, step_stats) if self._spread is not None else (stats, step_stats)
 
     def series(self, layer: str, stat: str | None = None, scope: str = "global") -> torch.Tensor:
-        """One statistic of one layer over the recorded steps; series("loss") and series("grad_norm")
-        give the per-step ones. scope="local": as this rank held it (a model spread over ranks: see w.scope)."""
+        """One statistic of one layer over the recorded steps, or one of the per-step ones.
+
+        Args:
+
+        - `layer`: a name of `w.layer_names`; or `"loss"` / `"grad_norm"` (the per-step ones, `w.step_stat_names`)
+          with no `stat`.
+        - `stat`: a name of `w.stat_names`.
+        - `scope`: `"global"` (default); `"local"`: as this rank held it (a model spread over ranks: see
+          `w.scope`).
+
+        Returns:
+
+        A float64 tensor of shape (recorded steps,).
+
+        Raises:
+
+        - `KeyError`: no such layer or statistic (the message lists the valid ones).
+        - `ValueError`: a bad `scope`.
+
+        Example:
+
+        ```python
+        w.series("fc1", "grad_norm"), w.series("loss")
+        ```
+        """
         if scope not in MODES:
             raise ValueError(f"series(scope={scope!r}): 'global' (over ranks) or 'local' (this rank's)")
         stats, step_stats = self._local() if scope == "local" else (self.stats, self.step_stats)
@@ -420,8 +468,9 @@ class Watch:
 
     @property
     def anomalies(self) -> list:
-        """Anomaly(step, where, reason, lead) entries, in step order (see watch() for the rules); `lead`: where the
-        cause shows first (watch/leads.py), or None."""
+        """Anomaly(step, where, reason, lead) entries, in step order (see `hw.watch` for the rules); `lead`: where
+        the cause shows first (a `Lead`), or None."""
+        # leads: watch/leads.py
         self._flush()
         return self._with_leads(list(self._detector.anomalies), *self._rows.tables())
 
@@ -452,7 +501,12 @@ class Watch:
         return self._flight.steps() if self._flight is not None else []
 
     def trace(self, k: int = -1):
-        """The full Trace of kept step k (an anomalous one, one keep= asked for, the latest); k=-1: the latest."""
+        """The full Trace of kept step `k` (an anomalous one, one keep= asked for, the latest); k=-1: the latest.
+
+        Raises:
+
+        - `KeyError`: step `k` is not kept (`w.kept` lists those that are), or the flight recorder is off.
+        """
         if not self.flight_recorder:
             raise KeyError("the flight recorder is off: watch(model, flight_recorder=True) keeps full Traces")
         kept = self.kept
@@ -487,15 +541,34 @@ class Watch:
 
     def to_tensorboard(self, log_dir) -> str:
         """Write what was recorded so far as TensorBoard scalars (`{stat}/{layer}`, `step/loss`,
-        `step/grad_norm`; x = step) and the anomalies as text; returns the run's folder."""
+        `step/grad_norm`; x = step) and the anomalies as text.
+
+        Args:
+
+        - `log_dir`: the TensorBoard log directory.
+
+        Returns:
+
+        The run's folder. Needs: pip install hookwidget[tensorboard].
+        """
         from hookwidget.views.tensorboard import write
 
         return write(self, log_dir)
 
     def to_wandb(self, run=None):
-        """Log what was recorded so far to a W&B run (None: the active one, else a new one), the same keys as
-        to_tensorboard against x = `hookwidget_step`, the anomalies as a table; on an open watch the later rows
-        follow from a background thread until close(). Returns the run. Needs: pip install hookwidget[wandb]."""
+        """Log what was recorded so far to a W&B run: the same keys as to_tensorboard against x =
+        `hookwidget_step`, the anomalies as a table.
+
+        On an open watch the later rows follow from a background thread until close().
+
+        Args:
+
+        - `run`: a W&B run; None (default): the active one, else a new one.
+
+        Returns:
+
+        The run. Needs: pip install hookwidget[wandb].
+        """
         from hookwidget.views.wandb import write
 
         return write(self, run)
@@ -517,7 +590,23 @@ class Watch:
 
     def save(self, path) -> None:
         """Write this watch to `path` as data (statistics, steps, names, anomalies, notes, the kept Traces; no
-        code), for `hw.load(path)`: a read-only watch that answers the same queries and shows the same view."""
+        code), for `hw.load(path)`: a read-only watch that answers the same queries and shows the same view.
+
+        Args:
+
+        - `path`: the file to write (a str or os.PathLike).
+
+        Raises:
+
+        - `TypeError`: `path` is not a path.
+
+        Example:
+
+        ```python
+        w.save("run.pt")
+        hw.load("run.pt").series("loss")
+        ```
+        """
         from hookwidget.record import saved
 
         check_path(path, "w.save(path)", "w.save('run.pt')")

@@ -26,9 +26,19 @@ _COUNTS = [S[c] for c in ("delta_nan", "delta_inf", "a_nonfinite", "grad_nan", "
 
 
 class Anomaly(tuple):
-    """(step, where, reason): `where` is "loss", "grad_norm", a layer name, "scaler" or "keep" (the user's predicate).
-    `lead` rides beside the tuple (it takes no part in ==, unpacking or len): where the anomaly's cause shows
-    first (watch/leads.py Lead), worked out from the rows when the anomalies are read, or None."""
+    """A step the watch flagged, as the tuple `(step, where, reason)`, with its `lead` beside it.
+
+    - `step`: the recorded step.
+    - `where`: `"loss"`, `"grad_norm"`, a layer name, `"scaler"` or `"keep"` (the user's predicate).
+    - `reason`: one line saying what was found.
+    - `lead`: where the anomaly's cause shows first, worked out from the rows when the anomalies are read, or
+      None. It rides beside the tuple (it takes no part in ==, unpacking or len). Its fields: `step`; `stat`, the
+      statistic ("lr", "update_ratio", "grad_norm", "a_rms", or "step_grad_norm" for the global gradient norm);
+      `layers`, where it left its window ([] for the global norm); `ratio`, how far (median over those layers;
+      inf for a jump to +Inf); `base` and `value`, its window's level and its value there; `lr`, a learning-rate
+      (or optimizer) change; `text`, the one line the view and the logs show.
+    """
+    # the lead: watch/leads.py's Lead
 
     def __new__(cls, step: int, where: str, reason: str, lead: Any = None):
         self = super().__new__(cls, (step, where, reason))
