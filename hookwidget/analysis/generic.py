@@ -17,7 +17,7 @@ import torch
 from hookwidget.analysis import batches, facts
 from hookwidget.analysis.facts import Refusal
 from hookwidget.layers import factors as fx
-from hookwidget.layers import generic
+from hookwidget.layers import freivalds, generic
 from hookwidget.layers.batch_first import declared_batch_dim
 
 
@@ -244,43 +244,20 @@ def _adds_up(g, want: torch.Tensor) -> bool:
 
 
 def factors_add_up(fs: list, want: torch.Tensor) -> bool:
-    """Whether the factors' summed gradients add up to `want`. Outer and one-hot factors are compared along two
-    random directions per side (Freivalds: uᵀ(Σ_bt δ_bt x_btᵀ)v against uᵀ want v, O(BT(o + i)) instead of the
-    O(BT·o·i) of the sum itself and no full-size comparison: GPT-2's tied head is 38M floats), with a tolerance
-    scaled to the magnitudes that enter it; other factors are summed and compared whole. δ and x are projected
-    in their own dtype (a float32 product's rounding, ~1e-6 of the scale, is far inside the 3e-5 tolerance; a
-    float64 copy of δ cost more than the check) and everything after in float64."""
+    """Whether the factors' summed gradients add up to `want`: along random directions where every factor allows
+    it (layers/freivalds.py: no rebuilt gradient, no full-size comparison), else summed and compared whole."""
     if not projectable(fs, want):
         return facts.allclose_grad(sum(_summed(f) for f in fs), want)
-    gen = torch.Generator(device=want.device).manual_seed(0)
-    W = want.double()
-    U = torch.randn(W.shape[0], 2, generator=gen, device=W.device, dtype=W.dtype)
-    V = torch.randn(W.shape[1], 2, generator=gen, device=W.device, dtype=W.dtype)
+    U, V = freivalds.directions(tuple(want.shape), want.device)
     got = scale = 0
     for f in fs:
-        if f.kind == "outer":  # rows of δ times rows of x
-            du, xv = (f.D @ U.to(f.D.dtype)).double(), (f.X @ V.to(f.X.dtype)).double()  # (B, T, 2)
-        else:  # one-hot: δ_bt added to row x_bt of the table
-            du, xv = U[f.X], (f.D @ V.to(f.D.dtype)).double()
-        got = got + (du * xv).sum((0, 1))
-        scale = scale + (du.abs() * xv.abs()).sum((0, 1))
-    ref = ((U.T @ W) * V.T).sum(1)
-    scale = scale + ((U.abs().T @ W.abs()) * V.abs().T).sum(1)
-    return bool(((got - ref).abs() <= 3e-5 * scale + 1e-30).all())
+        g, s = freivalds.of_factor(f, U, V)
+        got, scale = got + g, scale + s
+    ref, bound = freivalds.of_grad(want, U, V)
+    return freivalds.agree(got, ref, scale + bound)
 
 
 def projectable(fs: list, want: torch.Tensor) -> bool:
     """Whether factors_add_up checks these factors along random directions (cheap) rather than whole."""
-    if want.dim() != 2 or want.is_sparse or want.dtype not in (torch.float32, torch.float64):
-        return False
-    for f in fs:
-        if not (isinstance(f, fx.Factor) and f.D.dim() == 3 and f._X is not None and f.D.dtype == want.dtype):
-            return False
-        if f.kind == "outer" and not (f.X.dtype == want.dtype and tuple(want.shape) == (f.D.shape[-1], f.X.shape[-1])):
-            return False
-        if f.kind == "onehot" and not (f.X.dim() == 2 and not f.X.is_floating_point()
-                                       and tuple(want.shape) == (f.rows, f.D.shape[-1])):
-            return False
-        if f.kind not in ("outer", "onehot"):
-            return False
-    return True
+    return not want.is_sparse and all(isinstance(f, fx.Factor) and freivalds.projectable(f, tuple(want.shape),
+                                                                                         want.dtype) for f in fs)

@@ -301,6 +301,11 @@ def _layer_reason(trace, name: str, k: int, unbatched_names, norms_mode: bool) -
     reason = fx.unsupported_reason(module)
     if reason:
         return reason
+    if norms_mode:  # why capture left it out, where it said (a loaded trace keeps the decision, not the reasons)
+        said = next((left[module] for _, left in trace.record.norms if isinstance(left, dict) and left.get(module)),
+                    None)
+        if said:
+            return said
     if name in unbatched_names:
         return unplaced_reason(trace, name, k)
     if not fx.is_generic(module):

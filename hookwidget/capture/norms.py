@@ -25,13 +25,17 @@ from hookwidget._torch.layers import is_conv
 from hookwidget._torch.modules import own_parameters
 from hookwidget._torch.tensors import version
 from hookwidget.layers import factors as fx
-from hookwidget.layers import generic, shared
+from hookwidget.layers import freivalds, generic, shared
 from hookwidget.layers.batch_first import samples_first
+
+INCOMPLETE = ("its .grad holds more than its calls gave (checked along random directions as the step ended): its "
+              "gradient also comes from outside its recorded calls (read directly, as F.linear(x, emb.weight) in a "
+              "parent's forward; a tied layer left out of the trace); use it through traced modules to count it")
 
 
 class StreamingNorms:
     def __init__(self):
-        self._sq: dict = {}  # this step: leading dimension -> list of (B,) squared norms, summed once at its end
+        self._sq: dict = {}  # this step: leading dimension -> list of (module, (B,) squared norms), summed at its end
         self._layers: dict = {}  # this step: leading dimension -> modules counted in it
         self._steps: list = []  # per finished step: (squared norms, modules left out)
         self._shared: dict = {}  # parameter -> list of (module, Factor)
@@ -40,11 +44,15 @@ class StreamingNorms:
         self._readers: Counter | None = None  # input key -> Linear layers reading that input (q, k, v: 3)
         self._grams: dict = {}  # input key -> [input, X Xᵀ, readers still to come]
         self._open: dict = {}  # this step: module -> its calls whose input is kept, not yet counted
-        self._left: list = []  # this step: modules whose norms could not be counted (see end_step)
+        self._left: dict = {}  # this step: modules whose norms could not be counted (see end_step) -> why, or None
         self._awaiting: dict = {}  # this step: (module, id(checkpoint frame)) -> its calls awaiting their input
         self._waiting: set = set()  # ids of those calls
         self._no_grad: set = set()  # this step: ids of calls whose output needs no gradient (no_delta)
         self._modules: dict = {}  # the tracer's records, as on_delta last got them
+        # this step, per parameter one module answers for alone: its .grad before the step and its counted factors,
+        # projected along random directions (layers/freivalds.py), to check at the step's end that they are all of
+        # the gradient the step made (a weight also read outside its layer's calls is not counted by part)
+        self._checks: dict = {}  # id(p) -> _Check
 
     def wants(self, module) -> bool:
         w = self._wants.get(module)
@@ -100,7 +108,11 @@ class StreamingNorms:
 
     def begin_step(self) -> None:
         """Backward begins: the inputs of calls whose output needed no gradient are let go (their reruns bring
-        their own); a trace that ends without backward keeps them, to show."""
+        their own); a trace that ends without backward keeps them, to show. The .grad of the parameters the step
+        may count is projected now: what the step adds is checked against its factors as it ends."""
+        self._checks = {} if _reduced_over_ranks() else {
+            id(p): _Check(p) for m in self._open for p in own_parameters(m).values()
+            if p is not None and p.requires_grad and p.dim() == 2}
         for calls in self._open.values():
             for c in calls:
                 if id(c) in self._no_grad:
@@ -125,7 +137,7 @@ class StreamingNorms:
             pending = self._pending(module)
             got = [c for c in pending if c.delta is not None]  # a first forward no rerun stood in for: none
             if any(c.a is None for c in got):  # a δ whose input checkpointing's rerun never gave: not countable
-                self._left.append(module)
+                self._left.setdefault(module, None)
             elif got:
                 self._consume(module, got, modules)
             for c in calls:
@@ -137,10 +149,15 @@ class StreamingNorms:
                 try:
                     self._add(pairs[0][0], fx.shared_norm_sq([f for _, f in pairs]))
                 except ValueError:  # a tied head reduced at token ids its embedding's calls did not end with
-                    self._left += [m for m, _ in pairs]
+                    self._left.update((m, None) for m, _ in pairs)
+        for check in self._checks.values():
+            if check.modules and not check.whole():  # its .grad holds more than its layer's calls gave
+                for m in check.modules:
+                    self._drop(m)
+        self._checks = {}
         self._steps.append(self._step_result(model_batch))
         self._sq, self._layers, self._shared, self._readers, self._grams = {}, {}, {}, None, {}
-        self._open, self._left, self._awaiting, self._waiting, self._no_grad = {}, [], {}, set(), set()
+        self._open, self._left, self._awaiting, self._waiting, self._no_grad = {}, {}, {}, set(), set()
 
     def _consume(self, module, calls, modules) -> None:
         if self._owners is None:
@@ -150,7 +167,7 @@ class StreamingNorms:
         elif all(_placed(c, module) for c in calls):
             self._count(module, calls, modules)
         else:  # no proof says where its samples are: not counted, and named (per_sample.left_out)
-            self._left.append(module)
+            self._left.setdefault(module, None)
         for c in calls:
             c.a = c.delta = None
             if c.bdelta is not None:
@@ -171,6 +188,10 @@ class StreamingNorms:
                 self._shared.setdefault(p, []).append((module, part))
             else:
                 own.append(f)
+        for f in own:
+            check = self._checks.get(id(getattr(module, f.param)))
+            if check is not None:
+                check.add(module, f)
         w = next((f for f in own if f.param == "weight"), None)
         b = next((f for f in own if f.param == "bias"), None)
         both = fx.per_sample_norm_sq_with_bias(w, b, x_gram) if w is not None and b is not None else None
@@ -224,9 +245,19 @@ class StreamingNorms:
 
         return x_gram
 
+    def _drop(self, module) -> None:
+        """The module's norms taken out of this step's, and the module named as left out."""
+        for b, parts in self._sq.items():
+            self._sq[b] = [(m, sq) for m, sq in parts if m is not module]
+        for b, ms in self._layers.items():
+            self._layers[b] = [m for m in ms if m is not module]
+        self._sq = {b: parts for b, parts in self._sq.items() if parts}
+        self._layers = {b: ms for b, ms in self._layers.items() if ms}
+        self._left[module] = INCOMPLETE
+
     def _add(self, module, sq: torch.Tensor) -> None:
         b = sq.shape[0]
-        self._sq.setdefault(b, []).append(sq)
+        self._sq.setdefault(b, []).append((module, sq))
         self._layers.setdefault(b, []).append(module)
 
     def _step_result(self, model_batch: int | None):
@@ -234,12 +265,12 @@ class StreamingNorms:
         and the modules left out: those whose samples no proof placed (a position table, rows folded another way),
         and any whose rows are not the batch's."""
         if not self._sq or model_batch not in self._sq:
-            return None, [m for ms in self._layers.values() for m in ms] + self._left
-        left_out = [m for b, ms in self._layers.items() if b != model_batch for m in ms] + self._left
-        return _summed(self._sq[model_batch]), left_out
+            return None, {**dict.fromkeys(m for ms in self._layers.values() for m in ms), **self._left}
+        left_out = {**dict.fromkeys(m for b, ms in self._layers.items() if b != model_batch for m in ms), **self._left}
+        return _summed([sq for _, sq in self._sq[model_batch]]), left_out
 
     def result(self) -> list:
-        """Per step: (squared norms or None, modules left out)."""
+        """Per step: (squared norms or None, modules left out -> why, None where no proof placed their samples)."""
         return list(self._steps)
 
 
@@ -322,3 +353,40 @@ def _owners(modules: dict) -> Counter:
             own = [p for p in own if id(p) in answered]
         out.update(id(p) for p in own)
     return out
+
+
+class _Check:
+    """One parameter's step: its .grad before (projected), its factors as they are counted (projected), compared
+    when the step ends with what its .grad became. A factor that cannot be projected stops the check (trusted, as
+    an exact rule is)."""
+
+    def __init__(self, p):
+        self.p, self.modules, self.open = p, [], True
+        self.U, self.V = freivalds.directions(tuple(p.shape), p.device)
+        self.before = freivalds.of_grad(p.grad, self.U, self.V) if p.grad is not None else None
+        self.got = self.scale = 0
+
+    def add(self, module, f) -> None:
+        if not self.open or not freivalds.projectable(f, tuple(self.p.shape), self.p.dtype):
+            self.open = False
+            return
+        g, s = freivalds.of_factor(f, self.U, self.V)
+        self.got, self.scale = self.got + g, self.scale + s
+        if module not in self.modules:
+            self.modules.append(module)
+
+    def whole(self) -> bool:
+        g = self.p.grad
+        if not self.open or g is None or g.is_sparse or g.dtype != self.p.dtype:
+            return True  # nothing to compare with: trusted
+        ref, bound = freivalds.of_grad(g, self.U, self.V)
+        if self.before is not None:
+            ref, bound = ref - self.before[0], bound + self.before[1]
+        return freivalds.agree(self.got, ref, self.scale + bound)
+
+
+def _reduced_over_ranks() -> bool:
+    """Whether .grad may be averaged over ranks after backward (DDP): then it is not this rank's factors' sum."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
