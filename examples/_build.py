@@ -1045,9 +1045,9 @@ NB04 = [
             self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
 
         def forward(self, idx):
-            B, T = idx.shape
-            # positions expanded to (B, T): per-sample gradients need the batch dimension first
-            pos = self.pos(torch.arange(T).expand(B, T))
+            # a position table on arange(T), added to every sample: hookwidget takes each sample's rows of its
+            # gradient from that add (an (T, d) table expanded to (B, T) beforehand proves no sample's rows)
+            pos = self.pos(torch.arange(idx.shape[1]))
             return self.head(self.ln_f(self.blocks(self.tok(idx) + pos)))
 
 
