@@ -156,3 +156,35 @@ def test_without_set_stance_one_line_says_what_to_do_and_it_works(compiled, monk
     followed = hw.trace(step_of(model, model, x, y))  # model(x), not cmodel(x)
     assert list(followed.layers) == ["Sequential", "0", "1", "2"] and followed.notes == []
     assert followed.loss == eager.loss
+
+
+def test_two_traces_in_two_threads_ending_in_either_order_put_the_stance_back(compiled):
+    """The stance is one for the process: trace A begins, trace B begins, A ends, B ends. Each putting back what
+    it found left force_eager on for good (B had found A's), and every compiled model after ran eagerly."""
+    import threading
+
+    model, cmodel, x, y, backend = compiled
+    a_began, b_began, a_ended = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        with hw.tracing():
+            cmodel(x).sum().backward()
+            a_began.set()
+            b_began.wait(30)
+        a_ended.set()
+
+    def b():
+        a_began.wait(30)
+        with hw.tracing():
+            cmodel(x).sum().backward()
+            b_began.set()
+            a_ended.wait(30)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert backend.graphs == 0  # both ran eagerly
+    cmodel(x)
+    assert backend.graphs == 1  # and the stance is the one before them: the model compiles again

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import warnings
 
 import torch
@@ -45,16 +46,30 @@ def can_run_eagerly() -> bool:
 @contextlib.contextmanager
 def eagerly():
     """Compiled code (torch.compile'd modules and functions) runs eagerly in the block where this torch can
-    (can_run_eagerly); the stance before it is put back however the block ends."""
+    (can_run_eagerly); the stance before it is put back however the block ends. The stance is one for the
+    process: blocks that overlap (traces in two threads, ending in either order) share one force_eager, set by
+    the first to begin and taken back by the last to end (each putting back what it found would leave the
+    first one's force_eager in place)."""
     if not can_run_eagerly():
         yield
         return
     # one filter added and taken out again: warnings.catch_warnings would also undo the filters the code sets
     warnings.filterwarnings("ignore", message=_WRAPPER_WARNING, category=UserWarning)
     entry = warnings.filters[0]
+    with _EAGER_LOCK:
+        if not _EAGER:
+            _EAGER.append(torch.compiler.set_stance("force_eager"))  # set now; its __exit__ puts back the one before
+        _EAGER.append(None)
     try:
-        with torch.compiler.set_stance("force_eager"):
-            yield
+        yield
     finally:
+        with _EAGER_LOCK:
+            _EAGER.pop()
+            if len(_EAGER) == 1:
+                _EAGER.pop().__exit__(None, None, None)
         with contextlib.suppress(ValueError):
             warnings.filters.remove(entry)
+
+
+_EAGER: list = []  # while blocks run eagerly: the stance setter, then one entry per running block
+_EAGER_LOCK = threading.Lock()
