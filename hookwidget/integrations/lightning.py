@@ -34,7 +34,8 @@ class HookwidgetCallback(Callback, Watching):
     `cb.micro_batches[s]` the backward passes step `s` held. Every `log_every_n_steps` optimizer steps a handful of
     keys go to every logger of the Trainer (trainer.loggers), at x = trainer.global_step: hookwidget/grad_norm
     (global), hookwidget/update_ratio_max and hookwidget/update_ratio_max_layer (an index into
-    cb.watch.layer_names), hookwidget/anomalies (so far) and hookwidget/anomaly_step (the latest one's); per layer,
+    cb.watch.layer_names), hookwidget/anomalies (so far), hookwidget/anomaly_step (the latest one's) and
+    hookwidget/anomaly_lead_step (where its cause shows first); per layer,
     `hookwidget/{stat}/{layer}` only for the stats in `log_stats`.
 
     Args:

@@ -60,7 +60,8 @@ class HookwidgetCallback(TrainerCallback, Watching):
     At the Trainer's logging cadence (on_log, logging_steps) the logs gain a handful of keys: hookwidget/grad_norm
     (global; the Trainer's own grad_norm is the norm before clipping, this one the one the optimizer used),
     hookwidget/update_ratio_max and hookwidget/update_ratio_max_layer (an index into cb.watch.layer_names),
-    hookwidget/anomalies (so far) and hookwidget/anomaly_step (the latest one's); per layer,
+    hookwidget/anomalies (so far), hookwidget/anomaly_step (the latest one's) and
+    hookwidget/anomaly_lead_step (where its cause shows first); per layer,
     `hookwidget/{stat}/{layer}` only for the stats in `log_stats`. The callback moves itself first in the
     Trainer's callback list, so the report_to integrations (W&B, TensorBoard, MLflow, ...) log those keys too;
     so does state.log_history.

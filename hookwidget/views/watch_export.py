@@ -12,8 +12,8 @@ import base64
 import pathlib
 
 from hookwidget.views import payload
+from hookwidget.views.anomalies import anomaly_entry
 from hookwidget.views.export import details, standalone_page
-from hookwidget.views.watch_widget import anomaly_entry
 
 DETAIL_BUDGET = 24 * 2**20  # bytes of kept Traces' tensor detail inlined, over all of them
 

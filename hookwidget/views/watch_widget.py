@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import pathlib
 import sys
 import time
@@ -23,6 +22,7 @@ import anywidget
 import torch
 import traitlets
 
+from hookwidget.views.anomalies import anomaly_entry
 from hookwidget.views.widget import HookWidget, MessageError, _one_line, check_envelope, reply_id, request_keys
 
 log = logging.getLogger("hookwidget")
@@ -198,17 +198,6 @@ class WatchWidget(anywidget.AnyWidget):
         from hookwidget.views.watch_export import to_html
 
         return to_html(self.watch, path)
-
-
-def anomaly_entry(a) -> list:
-    """[step, where, reason, lead] as the view reads an anomaly: the lead (the watch worked it out: watch/leads.py)
-    as plain JSON, +Inf as the string "inf"; the view computes none of its own."""
-    lead = a.lead
-    if lead is not None:
-        num = lambda v: v if math.isfinite(v) else ("nan" if v != v else "inf" if v > 0 else "-inf")  # noqa: E731
-        lead = {"step": int(lead.step), "stat": lead.stat, "layers": list(lead.layers), "ratio": num(lead.ratio),
-                "base": num(lead.base), "value": num(lead.value), "lr": bool(lead.lr), "text": lead.text}
-    return [int(a.step), str(a.where), str(a.reason), lead]
 
 
 def validate(content) -> dict:
