@@ -11,6 +11,8 @@ the step's .grad) and by capture="norms" (factors projected as they stream, befo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 TOLERANCE = 3e-5  # of the magnitudes that enter the products
@@ -29,7 +31,13 @@ def projectable(f, shape: tuple, dtype: torch.dtype) -> bool:
 
 
 def directions(shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(U, V): two float64 directions per side of a gradient of this shape, the same for the same shape."""
+    """(U, V): two float64 directions per side of a gradient of this shape, the same for the same shape (made once
+    per shape and device: capture="norms" asks for them every step, for every parameter)."""
+    return _directions(tuple(shape), torch.device(device))
+
+
+@functools.lru_cache(maxsize=512)
+def _directions(shape: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(0)
     U = torch.randn(shape[0], 2, generator=gen, device=device, dtype=torch.float64)
     V = torch.randn(shape[1], 2, generator=gen, device=device, dtype=torch.float64)
