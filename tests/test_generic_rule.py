@@ -482,18 +482,18 @@ def test_norms_that_take_their_affine_parameters_whole_get_rows_from_one_backwar
     """F.layer_norm, F.group_norm, F.batch_norm and F.instance_norm want weight and bias in their own shape, and a
     layer scale views its parameter (1, C, 1, 1): the generic rule splits the affine part off, or lays the copies out
     the same way (affine.py), instead of vmapping the forward; a frozen bias, and a 2-D normalised shape, included."""
-    from hookwidget.layers import generic
+    from hookwidget.layers import batch_copies, generic
 
-    batch_copies, failed = generic._batch_copies, []
+    copies, failed = batch_copies._batch_copies, []
 
     def watched(module, *args, **kwargs):
         try:
-            return batch_copies(module, *args, **kwargs)
+            return copies(module, *args, **kwargs)
         except Exception as e:  # the affine split did not apply: the forward would be vmapped instead
             failed.append(f"{type(module).__name__}: {e}")
             raise
 
-    monkeypatch.setattr(generic, "_batch_copies", watched)
+    monkeypatch.setattr(batch_copies, "_batch_copies", watched)
     from hookwidget.layers import affine_nodes  # (which answers first where it can: see the next test)
 
     monkeypatch.setattr(generic, "FAST_RULES", [(a, r) for a, r in generic.FAST_RULES
@@ -582,10 +582,10 @@ def test_an_affine_module_with_a_forward_of_its_own_gets_rows_from_its_own_backw
     product's (or sum's) node gives the other factor and its gradient (affine_nodes.py), through a view or a constant
     added (x̂ ⊙ (1 + w)). No rerun. A frozen bias and a weight-only norm included; a norm called twice, w², and batch
     statistics (which mix samples) go the other ways."""
-    from hookwidget.layers import affine_nodes, generic
+    from hookwidget.layers import affine_nodes, batch_copies, generic
 
     served, reran = [], []
-    rows, copies = affine_nodes.affine_rows, generic._batch_copies
+    rows, copies = affine_nodes.affine_rows, batch_copies._batch_copies
 
     def watched_rows(module, *args, **kwargs):
         out = rows(module, *args, **kwargs)
@@ -597,7 +597,7 @@ def test_an_affine_module_with_a_forward_of_its_own_gets_rows_from_its_own_backw
         return copies(module, *args, **kwargs)
 
     monkeypatch.setattr(generic, "FAST_RULES", [(a, watched_rows if r is rows else r) for a, r in generic.FAST_RULES])
-    monkeypatch.setattr(generic, "_batch_copies", watched_copies)
+    monkeypatch.setattr(batch_copies, "_batch_copies", watched_copies)
     torch.manual_seed(0)
     bn = BatchNormAct2d(4)
     bn.running_mean.uniform_(-1, 1)

@@ -336,7 +336,7 @@ class Tokens(nn.Module):
 @pytest.mark.parametrize("how", ["broadcast", "alpha", "index", "sum"])
 @pytest.mark.parametrize("capture", ["full", "norms"])
 def test_a_models_own_parameters_added_to_the_batch(how, capture):
-    """The broadcast rule (generic.broadcast_params) serves ViT's class token and position embedding from the
+    """The broadcast rule (batch_copies.broadcast_params) serves ViT's class token and position embedding from the
     gradient capture kept where they meet the batch (an expand, an add: no rerun of the model); where the forward
     indexes or reduces them, or adds them scaled, it is refused and the vmap rule answers, exactly."""
     torch.manual_seed(0)

@@ -247,12 +247,12 @@ class LayerNorm2d(nn.LayerNorm):
 def test_vector_parameters_of_generic_modules_are_exact(make, from_nodes, monkeypatch):
     """A module's own vector parameters: rows from the call's own backward nodes where each is a factor of a product
     (as it is, viewed, or plus a constant: gemma's 1 + w) or one of a norm's affine pair (layers/affine_nodes.py);
-    else (flipped, or with that rule off) from layers/generic.vector_params: B copies broadcast against the output
+    else (flipped, or with that rule off) from layers/batch_copies.vector_params: B copies broadcast against the output
     (one backward), or the forward vmapped over samples and copies (layernorm2d), checked against a sample rerun
     alone; where the forward does not use them elementwise (flipped) the vmap rule answers. Either way the norms
     equal torch.func's."""
     from hookwidget.analysis import generic as checked
-    from hookwidget.layers import affine_nodes, generic
+    from hookwidget.layers import affine_nodes, batch_copies, generic
 
     if not from_nodes:
         monkeypatch.setattr(generic, "FAST_RULES", [(a, r) for a, r in generic.FAST_RULES
@@ -272,7 +272,7 @@ def test_vector_parameters_of_generic_modules_are_exact(make, from_nodes, monkey
         model.zero_grad()
         loss(model(x), y).backward()
 
-    assert generic.has_vector_params(norm)
+    assert batch_copies.has_vector_params(norm)
     served = []
     rule = checked._fast_rule_rows
 

@@ -22,7 +22,7 @@ from hookwidget._torch.modules import own_parameters
 from hookwidget._torch.pytree import tree_flatten, tree_unflatten
 from hookwidget._torch.tensors import version
 from hookwidget.capture.tensors import _copy, hook_output, slot_get, slot_set
-from hookwidget.layers import generic
+from hookwidget.layers import batch_copies, generic
 from hookwidget.record.calls import Call
 
 BROADCASTS_MAX = 1024  # calls per step whose (1, ...) output may be added to a batch (see _hook_broadcasts)
@@ -48,7 +48,7 @@ class GenericCapture:
             return False
         call.inputs, call.params = kept, params
         call.training = tuple(m.training for m in module.modules())
-        if generic.has_broadcast_params(module) and len(self._joins) < BROADCASTS_MAX:
+        if batch_copies.has_broadcast_params(module) and len(self._joins) < BROADCASTS_MAX:
             self._joins.append((module, call))
         return True
 
@@ -174,7 +174,7 @@ class GenericCapture:
     def _hook_joins(self, walk) -> None:
         """A model's own (1, ...) parameter (ViT's class token, position embedding) joins the batch at an expand or
         an add: the gradient arriving there has each sample's gradient of it in its rows. A pre-hook on each such
-        node keeps them (call.join_rows, summed over the nodes); generic.broadcast_params uses them in place of a
+        node keeps them (call.join_rows, summed over the nodes); batch_copies.broadcast_params uses them in place of a
         rerun of the model, checked as its rows are (they must add up to .grad, and one sample to its own vjp)."""
         joins, self._joins = self._joins, []
         wanted = {id(p): (call, n, tuple(p.shape)) for module, call in joins for n, p in own_parameters(module).items()

@@ -5,6 +5,10 @@ the cross terms of a parameter several layers hold (tied weights).
 
 Floor: above _torch, which is all of hookwidget it imports (torch internals only through it)."""
 
+# first: its fast rules are tried before those of one module type (the order of generic.FAST_RULES; affine_nodes
+# puts its own before them)
+from hookwidget.layers import batch_copies  # noqa: F401  # isort: skip
+
 from hookwidget.layers import (  # noqa: F401  (each registers its specs)
     affine_nodes,
     attention,

@@ -1,4 +1,4 @@
-"""A norm's affine parameters as per-sample copies, for the generic rule's rerun (generic.vector_params).
+"""A norm's affine parameters as per-sample copies, for the generic rule's rerun (batch_copies.vector_params).
 
 F.layer_norm, F.group_norm, F.batch_norm and F.instance_norm take their weight and bias in the parameter's own
 shape, so the copies that vector_params passes instead, one per sample ((B, 1, ..., *shape), broadcast against the

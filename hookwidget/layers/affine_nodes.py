@@ -12,7 +12,7 @@ reach the output in one of two ways, found in the backward nodes the call made:
   The product's node holds the other factor; per sample, p.grad_b = Σ δ ⊙ other (a scale) or Σ δ (a shift) over
   the dimensions p is broadcast along.
 δ is the gradient arriving at that node (before an activation that may follow), kept by a hook. That replaces
-generic.vector_params' rerun of the forward and its backward by a product and a sum.
+batch_copies.vector_params' rerun of the forward and its backward by a product and a sum.
 
 affine_capture takes the parts at the end of the call (nothing where the graph shows neither way); affine_rows turns
 them into rows, or raises NotApplicable and vector_params answers. Checked as every fast rule is (analysis/generic.py:

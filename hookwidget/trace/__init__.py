@@ -4,48 +4,43 @@ methods that delegate to analysis/ and a display (views/, imported when first sh
 How to run it again (the code, options, hooks, what-if reruns) lives in the Session (session.py)
 that every Trace points to; `t.add_hook`, `t.rerun()` and `t.interventions` go through it, so a
 trace, its reruns and the explorer agree on which hooks are on.
+
+Beside it: arguments.py checks a method's arguments (one line from the method the user called), shares.py holds
+the attribution queries (`t.shares` and its family, a base class of Trace), keeping.py turns a Trace into data
+and back (`t.save`, `hw.load`).
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import numbers
 import os
 
 import networkx as nx
 import torch
 
-from hookwidget.analysis import coverage, facts
+from hookwidget.analysis import coverage
 from hookwidget.analysis import per_sample as ps
-from hookwidget.analysis.facts import Facts, Refusal
-from hookwidget.analysis.generic import generic_rows
+from hookwidget.analysis.facts import Facts
 from hookwidget.layers import factors as fx
 from hookwidget.layers import registry
-from hookwidget.options import check_name, check_path, shown, suggest
+from hookwidget.options import check_name, check_path, shown
 from hookwidget.record.notes import Note, render
 from hookwidget.record.run import Layer, Pending, RunRecord, Step
+from hookwidget.trace import keeping
+from hookwidget.trace.arguments import (
+    boundary,
+    check_step,
+    parameterised,
+    positive,
+    reduction_scale,
+    trainable,
+    with_weight,
+)
+from hookwidget.trace.shares import ShareQueries
 
 __all__ = ["Layer", "Step", "Trace"]
 
-ARGUMENT_ERRORS = (ValueError, KeyError, TypeError)  # what a wrong argument of a Trace method raises: one line
 
-
-def _boundary(method):
-    """A wrong argument raises from the method the user called, whatever checked it: the traceback is their line
-    and this one, not the 5-7 frames of analysis/ and session.py that found it (the message names the fix)."""
-
-    @functools.wraps(method)
-    def entry(*args, **kwargs):
-        try:
-            return method(*args, **kwargs)
-        except ARGUMENT_ERRORS as e:
-            raise e.with_traceback(None) from None
-
-    return entry
-
-
-class Trace:
+class Trace(ShareQueries):
     """What one run of your code showed: layers and their calls, steps, the graph, gradients, notes.
 
     `hw.trace`, `hw.tracing` and `hw.load` make one, and so does a watch's `w.trace(k)`; you do not construct it.
@@ -155,19 +150,19 @@ class Trace:
         """The value of the last scalar that backward started from, if any."""
         return self.losses[-1] if self.losses else None
 
-    @_boundary
+    @boundary
     def layer(self, name: str) -> Layer:
         """The `Layer` named `name`, as `t.layers[name]`; a missing name raises KeyError naming close ones."""
         return self.layers[check_name("name", name)]  # a missing one: KeyError listing close names (record/run.py)
 
-    @_boundary
+    @boundary
     def supports(self, name: str) -> bool:
         """Whether this layer's parameter gradients rebuild: an exact (a, δ) rule, or the generic torch.func
         rule where it passed its check."""
         with registry.memo():
             return ps.supports(self, name)
 
-    @_boundary
+    @boundary
     def weight_grad(self, name: str, step: int | None = None) -> torch.Tensor:
         """W.grad of the layer rebuilt from its factors a and δ.
 
@@ -192,19 +187,19 @@ class Trace:
         torch.allclose(t.weight_grad("fc1"), model.fc1.weight.grad)
         ```
         """
-        self._parameterised(name)
+        parameterised(self, name)
         with registry.memo():
-            return ps.summed_grad(self, self.layer(name).name, "weight", self._step(step))
+            return ps.summed_grad(self, self.layer(name).name, "weight", check_step(self, step))
 
-    @_boundary
+    @boundary
     def bias_grad(self, name: str, step: int | None = None) -> torch.Tensor:
         """b.grad of the layer rebuilt from its factors, as `weight_grad` does for W.grad: what backward pass
         `step` added to .grad, or, without step=, what every pass added."""
-        self._parameterised(name)
+        parameterised(self, name)
         with registry.memo():
-            return ps.summed_grad(self, self.layer(name).name, "bias", self._step(step))
+            return ps.summed_grad(self, self.layer(name).name, "bias", check_step(self, step))
 
-    @_boundary
+    @boundary
     def per_sample_grads(self, name: str, param: str = "weight", loss_reduction: str = "sum",
                          step: int | None = None) -> torch.Tensor:
         """Each sample's contribution to the parameter's .grad, as (N, *param.shape).
@@ -228,14 +223,14 @@ class Trace:
         - `KeyError`: no such layer.
         - `ValueError`: a bad `param`, `loss_reduction` or `step`, or a layer without parameters that require grad.
         """
-        _reduction_scale(loss_reduction, 1)
+        reduction_scale(loss_reduction, 1)
         check_name("param", param, "'weight'")
-        self._parameterised(name)
+        parameterised(self, name)
         with registry.memo():
-            g = ps.per_sample_grad(self, self.layer(name).name, param, self._step(step))
-        return g * _reduction_scale(loss_reduction, g.shape[0])
+            g = ps.per_sample_grad(self, self.layer(name).name, param, check_step(self, step))
+        return g * reduction_scale(loss_reduction, g.shape[0])
 
-    @_boundary
+    @boundary
     def per_sample_grad_norms(self, name: str | None = None, loss_reduction: str = "sum",
                               step: int | None = None) -> torch.Tensor:
         """The norm of each sample's gradient, as (N,), over one layer's parameters or the whole model's.
@@ -251,12 +246,12 @@ class Trace:
 
         A tensor of shape (N,).
         """
-        _reduction_scale(loss_reduction, 1)
+        reduction_scale(loss_reduction, 1)
         if name is not None:
-            self._trainable(self.layer(name).name)
+            trainable(self, self.layer(name).name)
         with registry.memo():  # a query asks the registry about each layer several times
-            norms = ps.per_sample_norms(self, name, self._step(step))
-        return norms * _reduction_scale(loss_reduction, norms.shape[0])
+            norms = ps.per_sample_norms(self, name, check_step(self, step))
+        return norms * reduction_scale(loss_reduction, norms.shape[0])
 
     @property
     def factor_layers(self) -> list[str]:
@@ -264,21 +259,18 @@ class Trace:
         with registry.memo():
             return ps.factor_layers(self)
 
-    @_boundary
+    @boundary
     def storage(self, name: str) -> dict:
         """Floats needed to store W.grad vs its (a, δ) factors (seed 003's figures)."""
-        if not _has_weight(self.layer(name).module):
-            some = [n for n, layer in self.layers.items() if _has_weight(layer.module)]
-            raise ValueError(f"layer {name!r} ({self.layer(name).type}) has no weight matrix to compare its factors "
-                             f"with; {suggest(name, some, 'layers with one')}")
+        module = with_weight(self, name)
         tokens = 0
         if name in self.factor_layers and not fx.is_generic(self.layer(name).module):
             f = ps.param_factors(self, name, "weight", self.steps[-1].index if not self.accumulates else None)[0]
             tokens = f.D.shape[0] * f.D.shape[1]
-        return fx.storage(self.layer(name).module, tokens)
+        return fx.storage(module, tokens)
 
     # -- changing it (through the session) -----------------------------------------------------
-    @_boundary
+    @boundary
     def add_hook(self, target: str, kind: str, **params):
         """Attach an intervention for the next rerun(); the same kind on the same target is replaced.
 
@@ -308,7 +300,7 @@ class Trace:
         """
         return self.session.add_hook(target, kind, **params)
 
-    @_boundary
+    @boundary
     def remove_hook(self, target: str, kind: str, missing_ok: bool = False) -> None:
         """Remove the intervention `kind` on `target` that `add_hook` attached, for the next rerun(). KeyError when
         there is none, unless `missing_ok=True`."""
@@ -341,7 +333,7 @@ class Trace:
             raise RuntimeError(refused)  # raised here: the traceback is the user's line and this one
         return self.session.rerun()
 
-    @_boundary
+    @boundary
     def diff(self, before: Trace | None = None):
         """What changed from `before` (default: the hook-free first run) to this trace: grads per
         parameter, loss, δ per layer.
@@ -371,7 +363,7 @@ class Trace:
                             "e.g. t.rerun().diff(t)")
         return diff(before if before is not None else self.session.baseline, self)
 
-    @_boundary
+    @boundary
     def health(self, **thresholds):
         """NaN/Inf, vanishing and exploding gradients per node and per layer.
 
@@ -396,7 +388,7 @@ class Trace:
             if key not in ("vanishing", "exploding"):
                 raise TypeError(f"health() takes vanishing= and exploding=, got {shown(key)}; "
                                 "e.g. t.health(exploding=1e4)")
-            if not _positive(value):
+            if not positive(value):
                 raise ValueError(f"health: {key}={shown(value)} must be a number > 0, e.g. {key}=1e-7")
         return health(self, **thresholds)
 
@@ -407,7 +399,7 @@ class Trace:
 
         return HookWidget(self)
 
-    @_boundary
+    @boundary
     def to_html(self, path) -> None:
         """Write the explorer of this trace to `path` as one standalone HTML page (it opens without a kernel).
 
@@ -480,187 +472,18 @@ class Trace:
         check_path(path, "t.save(path)", "t.save('step.pt')")
         if not isinstance(activations, bool):
             raise TypeError(f"t.save(path, activations=...) takes True or False, got {shown(activations, 40)}")
-        tree = self.to_data()
-        if not activations:
-            tree = saved.without_activations(tree, [_norms_sq(self, k) for k in range(len(self.steps))])
-        saved.write(path, "trace", tree)
+        saved.write(path, "trace", keeping.to_tree(self, activations))
 
     def to_data(self) -> dict:
         """What `save` writes, as nested dicts and lists of plain values and tensors: the record, with the answers
         that would need the code to work out again (`Trace.from_data` reads it back). A file that holds several
         traces (a watch's) nests these."""
-        # the format: record/saved.py
-        from hookwidget.record import saved
-
-        if not self.record.done:
-            raise RuntimeError("this trace's run is still going: save it after its `with hw.tracing()` block")
-        return saved.trace_tree(self.record, self.graph, self.options, self.applied, _kept(self),
-                                getattr(self.session, "baseline", None) is self)
+        return keeping.to_tree(self)  # the format: record/saved.py
 
     @classmethod
     def from_data(cls, tree: dict, source) -> Trace:
         """The read-only Trace of what `to_data` gave, read back from the file `source` (`hw.load` reads it)."""
-        from hookwidget.record import saved
-
-        session = saved.ReadOnly(source, tree["options"], tree["applied"])
-        t = cls(session, saved.trace_record(tree), applied=session.applied)
-        session.latest = t
-        if tree["baseline"]:
-            session.baseline = t
-        kept = tree["kept"]
-        t.facts["coverage"] = coverage.Coverage(tuple(kept["notes"]), kept["left_out"])
-        for name, k, rows in kept["rows"]:
-            t.facts[("rows", name, k)] = Refusal(rows) if isinstance(rows, str) else rows
-        return t
+        return keeping.from_tree(cls, tree, source)
 
     def __reduce__(self):
-        from hookwidget.record import saved
-
-        if isinstance(self.session, saved.ReadOnly):  # no live model here: its file already is the copy
-            raise TypeError(f"a Trace loaded with hw.load is not pickled or deep-copied: {self.session.path} holds it; "
-                            f"read it again with hw.load({self.session.path!r}), or write a copy with t.save(path)")
-        raise TypeError("a Trace holds the live model and the code that made it, which pickle and deepcopy do not "
-                        "copy: keep it with t.save(path), read it back with hw.load(path)")
-
-    def _step(self, step):
-        """step=: None or the index of one of t.steps (negative from the end), else one line."""
-        n = len(self.steps)
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or not -n <= step < n):
-            raise ValueError(f"step={shown(step, 30)}: this trace has {n} step(s); pass step=0..{n - 1} or None "
-                             "(t.steps lists them)")
-        return step
-
-    def _parameterised(self, name: str) -> None:
-        """A layer asked for a parameter's gradient has parameters (a ReLU has none: that, not a missing factor
-        rule, is why there is no gradient); else one line naming layers that have some."""
-        module = self.layer(name).module
-        if next(module.parameters(), None) is None:
-            some = [n for n in self.layers if n != name and facts.owned_params(self, n)]
-            raise ValueError(f"layer {name!r} ({self.layer(name).type}) has no parameters, so no gradient to rebuild; "
-                             f"{suggest(name, some, 'layers with some')}")
-
-    def _trainable(self, name: str) -> None:
-        """A layer asked for per-sample gradients holds a parameter that requires grad; else one line naming some."""
-        self._parameterised(name)
-        if not facts.owned_params(self, name):
-            some = [n for n in self.layers if n != name and facts.owned_params(self, n)]
-            raise ValueError(f"layer {name!r} has no trainable parameters (requires_grad=False, e.g. a frozen or LoRA "
-                             f"base layer): no per-sample gradients; {suggest(name, some, 'layers with some')}")
-
-    # -- which samples and positions carried the step (analysis/attribution.py) -----------------
-    @_boundary
-    def shares(self, name: str | None = None, step: int | None = None):
-        """Each sample's share s_b = ⟨G_b, G⟩ / ‖G‖² of the step's gradient G, and each position's, as a Shares
-        (.samples (N,), .positions (N, T), .unplaced, .by_layer, .left_out, .notes, .top(k)). Exact and
-        additive: the samples' shares sum to 1; a negative one pulled against the step. name: a layer (the
-        parameters it answers for), a parameter (t.params), or None (every parameter with an exact per-sample
-        rule; .left_out names the rest). step: as per_sample_grads (under accumulation, all micro-batches).
-
-        Example:
-
-        ```python
-        s = t.shares()
-        s.top(3)              # [(index, share), ...], largest first
-        s.positions[s.top(1)[0][0]]   # where in that sample the step came from
-        ```
-        """
-        from hookwidget.analysis import attribution
-
-        with registry.memo():
-            return attribution.shares(self, name, self._step(step))
-
-    @_boundary
-    def sample_shares(self, name: str | None = None, step: int | None = None) -> torch.Tensor:
-        """(N,) each sample's share ⟨G_b, G⟩ / ‖G‖² of the step's gradient (t.shares(...).samples; what is left
-        out: t.shares().left_out). They sum to 1.
-
-        Example:
-
-        ```python
-        t.sample_shares().argmax()      # the sample that carried most of the step
-        t.sample_shares("fc1")          # of one layer's gradient
-        ```
-        """
-        return self.shares(name, step).samples
-
-    @_boundary
-    def position_shares(self, name: str | None = None, step: int | None = None) -> torch.Tensor:
-        """(N, T) each position's share ⟨G_{b,t}, G⟩ / ‖G‖² of the step's gradient, for one layer applied per
-        position (a Linear on (B, T, d), an Embedding, a convolution's output positions, an LSTM's steps), or
-        summed over the layers that share the sequence's T positions (name=None). What is not on a position
-        (layers without a per-position form): t.shares(name).unplaced.
-
-        Example:
-
-        ```python
-        t.position_shares()[b]          # which tokens of sample b carried the step
-        ```
-        """
-        found = self.shares(name, step)
-        if found.positions is None:
-            raise ValueError(f"{name or 'the parameters counted'}: no layer applied per position among them (a "
-                             "generic-rule or mapped layer has per-sample shares only): use t.sample_shares(name)")
-        return found.positions
-
-    @_boundary
-    def position_norms(self, name: str, step: int | None = None, loss_reduction: str = "sum") -> torch.Tensor:
-        """(N, T) ‖G_{b,t}‖, the norm of each position's gradient of a layer applied per position: an outer
-        product, so ‖δ_{b,t}‖·‖a_{b,t}‖ exactly (with its bias, over both).
-
-        Example:
-
-        ```python
-        t.position_norms("h.0.mlp.c_fc")   # (B, T)
-        ```
-        """
-        from hookwidget.analysis import attribution
-
-        _reduction_scale(loss_reduction, 1)
-        self._trainable(self.layer(name).name)
-        with registry.memo():
-            norms = attribution.position_norms(self, name, self._step(step))
-        return norms * _reduction_scale(loss_reduction, norms.shape[0])
-
-
-# -- helpers -----------------------------------------------------------------------------------
-def _norms_sq(t: Trace, k: int) -> torch.Tensor | None:
-    """Step k's squared per-sample gradient norms over the whole model, or None where it has none."""
-    if t.record.no_factors or t.steps[k].kind != "backward":
-        return None
-    try:
-        return t.per_sample_grad_norms(step=k).square()
-    except ValueError:
-        return None
-
-
-def _kept(t: Trace) -> dict:
-    """What a saved trace keeps of analysis's answers that would need the code again: coverage (its notes, what
-    per-sample norms leave out) and the generic rule's checked rows per layer and step (it reruns the module)."""
-    found = coverage.decide(t)
-    rows = []
-    if not t.record.no_factors:
-        with registry.memo(t.record.answers):
-            for name, layer in t.layers.items():
-                if fx.is_generic(layer.module):
-                    for k in sorted({c.step for c in layer.calls if c.step is not None}):
-                        r = generic_rows(t, name, k)
-                        rows.append((name, k, r.reason if isinstance(r, Refusal) else {
-                            pn: fx.per_sample_grad(g) if isinstance(g, fx.Factor) and g.conv is not None else g
-                            for pn, g in r.items()}))
-    return {"notes": found.notes, "left_out": found.left_out, "rows": rows}
-
-def _positive(value) -> bool:
-    """A finite number > 0 (not a bool; an integer past float's range is not one)."""
-    try:
-        return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < float(value) < math.inf
-    except OverflowError:
-        return False
-
-def _has_weight(module) -> bool:
-    w = getattr(module, "weight", None)
-    return isinstance(w, torch.Tensor) and w.dim() >= 1
-
-def _reduction_scale(loss_reduction: str, batch: int) -> float:
-    if loss_reduction not in ("sum", "mean"):
-        raise ValueError(f"loss_reduction={shown(loss_reduction)}: use 'sum' or 'mean' (the reduction of your loss)")
-    return float(batch) if loss_reduction == "mean" else 1.0
+        raise keeping.not_copied(self)
