@@ -24,7 +24,30 @@ import torch
 
 
 class InterventionError(RuntimeError):
-    """An intervention's function raised or returned what autograd cannot take; the message names the intervention."""
+    """An intervention's function raised or returned what autograd cannot take; the message names the intervention.
+
+    It is raised in the run the intervention is on (`t.rerun()`), when the forward or backward pass calls it, not
+    by `t.add_hook`: what a function returns is known only then. The run's state is put back as for any rerun, and
+    the intervention stays on (`t.interventions`) until `t.remove_hook` takes it off.
+
+    Raised where:
+
+    - `callable` gives a gradient of another shape, dtype or device than the one it replaces;
+    - `out_callable` returns something other than a tensor where the layer returned a tensor;
+    - an `out_*` kind finds no tensor in the layer's output, or cannot rebuild the output's type around it;
+    - the intervention's function raises (that exception is chained as the cause).
+
+    Example:
+
+    ```python
+    t.add_hook("fc2", "callable", fn=lambda g: g[:1])   # the first sample's gradient only: another shape
+    try:
+        t.rerun()
+    except hw.InterventionError as e:
+        print(e)
+    t.remove_hook("fc2", "callable")
+    ```
+    """
 
 
 @dataclass(frozen=True)

@@ -1,29 +1,36 @@
-"""Every Python block in docs/ runs, and prints what the page says it prints.
+"""Every Python block in docs/ runs, and prints what the page says it prints; so does every example the
+reference renders from a docstring.
 
 A page is read as a notebook would run it: its ```python blocks in order, in one IPython shell namespace of its
 own (so `%load_ext hookwidget` and `%%hooktrace` work), in a temporary working directory (pages save files). A
 block followed by the word "prints" and a block has its standard output compared with that block. A block that
 cannot run alone (it needs torchrun, a Trainer's dataset, a marimo runtime) is preceded by `<!-- skip: why -->`;
-the reason is required, and there are few. The offline check of the built site (scripts/build_docs.py) is tested
-here too, on pages made to fail it.
+the reason is required, and there are few. A `::: name` entry (mkdocstrings) runs in its place on the page: the
+python blocks of the docstrings it renders (the object's, and its members' as the entry's options pick them), in
+the namespace the page's blocks above it made: the reference pages set up what their docstrings' examples use.
+The offline check of the built site (scripts/build_docs.py) is tested here too, on pages made to fail it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
+import inspect
 import io
 import os
 import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).parent.parent
 DOCS = ROOT / "docs"
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 SKIP = re.compile(r"<!--\s*skip:\s*(.*?)\s*-->\s*$")
 MOST_SKIPS = 8  # the blocks that cannot run standalone stay few
+ENTRY = re.compile(r"^::: ([\w.]+)[ \t]*\n((?:(?:[ ]{4}.*)?\n)*)", re.M)  # a mkdocstrings entry and its options
 
 
 def blocks(text: str) -> list[dict]:
@@ -42,41 +49,102 @@ def blocks(text: str) -> list[dict]:
 
 
 def pages() -> list[Path]:
-    """The pages with a python block to run (a page whose every block is skipped is in the skip test only)."""
-    return sorted(p for p in DOCS.rglob("*.md")
-                  if any(b["lang"] == "python" and b["skip"] is None for b in blocks(p.read_text())))
+    """The pages with a python block to run, or a docstring's (a page whose every block is skipped is in the skip
+    test only)."""
+    return sorted(p for p in DOCS.rglob("*.md") if ENTRY.search(p.read_text())
+                  or any(b["lang"] == "python" and b["skip"] is None for b in blocks(p.read_text())))
 
 
-def test_blocks_finds_fences_skips_and_expected_output():
-    text = ("intro ```python inline``` is not a fence\n\n```python\nprint(1)\n```\nprints\n```\n1\n```\n"
-            "<!-- skip: needs torchrun -->\n```python\nboom()\n```\n```bash\nls\n```\n")
-    got = blocks(text)
-    assert [(b["lang"], b["skip"], b["prints"]) for b in got] == [
-        ("python", None, "1\n"), ("", None, None), ("python", "needs torchrun", None), ("bash", None, None)]
+def _handler_options() -> dict:
+    """The python handler's options in mkdocs.yml: what an entry without options of its own renders."""
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)  # BaseLoader: no !!python tags
+    for plugin in config["plugins"]:
+        if isinstance(plugin, dict) and "mkdocstrings" in plugin:
+            return plugin["mkdocstrings"]["handlers"]["python"]["options"]
+    return {}
 
 
-def test_skipped_blocks_give_a_reason_and_stay_few():
-    skipped = [(p.relative_to(ROOT), b["line"], b["skip"]) for p in sorted(DOCS.rglob("*.md"))
-               for b in blocks(p.read_text()) if b["skip"] is not None]
-    assert all(len(reason) > 15 for _, _, reason in skipped), skipped
-    assert len(skipped) <= MOST_SKIPS, skipped
-    for p in sorted(DOCS.rglob("*.md")):  # a skip comment must sit right above a python block
-        for m in re.finditer(r"^<!--\s*skip:", p.read_text(), flags=re.M):
-            rest = p.read_text()[m.end():]
-            assert re.match(r"[^\n]*-->\s*\n```python", rest), (p, "a skip comment not right above ```python")
+def _flag(value):
+    """An option as YAML's BaseLoader reads it (strings): true/false to bools, lists kept."""
+    return {"true": True, "false": False}.get(value, value) if isinstance(value, str) else value
+
+
+def _rendered(path: str, options: dict) -> list[tuple[str, str]]:
+    """(qualified name, docstring) of what `::: path` renders: the object, then the members its options pick (a
+    class's own public ones in source order, and inherited_members from hookwidget's own bases), as mkdocstrings
+    picks them (`members`, `filters`, `inherited_members`; regular expressions on the name)."""
+    module, _, attr = path.rpartition(".")
+    try:
+        obj = importlib.import_module(path)
+    except ImportError:
+        obj = getattr(importlib.import_module(module), attr)
+    out = [(path, inspect.getdoc(obj) or "")]
+    if not inspect.isclass(obj):
+        return out
+    merged = _flag(options.get("merge_init_into_class", _handler_options().get("merge_init_into_class", False)))
+    if merged and obj.__init__.__module__.startswith("hookwidget"):  # its docstring follows the class's
+        out.append((f"{path}.__init__", inspect.getdoc(obj.__init__) or ""))
+    members = _flag(options.get("members", True))
+    if members is False:
+        return out
+    names = list(vars(obj))
+    inherited = _flag(options.get("inherited_members", False))
+    for base in obj.__mro__[1:]:
+        if inherited and base.__module__.startswith("hookwidget"):
+            names += [n for n in vars(base) if n not in names and (inherited is True or n in inherited)]
+    filters = options.get("filters", _handler_options().get("filters", []))
+    for name in names:
+        picked = name in members if isinstance(members, list) else all(
+            bool(re.search(f.lstrip("!"), name)) != f.startswith("!") for f in filters)
+        value = inspect.getattr_static(obj, name)
+        value = getattr(value, "__func__", value)  # a classmethod or staticmethod: its function
+        if picked and (inspect.isfunction(value) or isinstance(value, property)):
+            out.append((f"{path}.{name}", inspect.getdoc(value) or ""))
+    return out
+
+
+def runnable(text: str) -> list[dict]:
+    """The page's blocks in order, each `::: name` entry in its place replaced by the python blocks of the
+    docstrings it renders (each with `where`: the page line, or the docstring's object)."""
+    items, at = [], 0
+
+    def page_blocks(start: int, end: int) -> list[dict]:
+        offset = text[:start].count("\n")
+        return [{**b, "line": b["line"] + offset, "where": f"line {b['line'] + offset}"}
+                for b in blocks(text[start:end])]
+
+    for m in ENTRY.finditer(text):
+        items += page_blocks(at, m.start())
+        options = (yaml.safe_load(m.group(2)) or {}).get("options", {}) if m.group(2).strip() else {}
+        for name, doc in _rendered(m.group(1), options):
+            items += [{**b, "where": name} for b in blocks(doc)]
+        at = m.end()
+    return items + page_blocks(at, len(text))
+
+
+def test_an_entry_runs_the_examples_of_the_docstrings_it_renders():
+    text = ("```python\nx = 1\n```\n::: hookwidget.trace.Trace\n    options:\n      members: [weight_grad]\n\n"
+            "```python\ny = 2\n```\n")
+    got = runnable(text)
+    assert [b["where"] for b in got] == ["line 1", "hookwidget.trace.Trace.weight_grad", "line 8"]
+    assert "t.weight_grad(" in got[1]["code"]
+    inherited = _rendered("hookwidget.trace.Trace", {"inherited_members": True})
+    assert "hookwidget.trace.Trace.position_norms" in dict(inherited)  # a base class's method (trace/shares.py)
+    assert "hookwidget.trace.Trace.position_norms" not in dict(_rendered("hookwidget.trace.Trace", {}))
+    assert not any(n.rsplit(".", 1)[1].startswith("_") for n, _ in inherited)  # mkdocs.yml's filters: "!^_"
 
 
 @pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(DOCS)))
 def test_each_page_runs_in_order_and_prints_what_it_says(page, fresh_shell):
     shell = fresh_shell
     ran = 0
-    for b in blocks(page.read_text()):
+    for b in runnable(page.read_text()):
         if b["lang"] != "python" or b["skip"] is not None:
             continue
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             result = shell.run_cell(b["code"], store_history=False)
-        where = f"{page.relative_to(ROOT)}:{b['line']}"
+        where = f"{page.relative_to(ROOT)}: {b['where']}"
         assert result.success, (where, result.error_in_exec or result.error_before_exec)
         if b["prints"] is not None:
             assert out.getvalue().strip() == b["prints"].strip(), where

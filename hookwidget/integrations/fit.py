@@ -118,9 +118,35 @@ class Fit:
 
 
 class Watching:
-    """What both callbacks hand the user (they hold a Fit as `_fit`)."""
+    """What both callbacks give you, and what they log.
+
+    At the trainer's logging cadence its loggers get, at x = the trainer's step: `hookwidget/grad_norm` (the
+    global ‖W.grad‖ of the gradient the optimizer step used), `hookwidget/update_ratio_max` and
+    `hookwidget/update_ratio_max_layer` (an index into `cb.watch.layer_names`: loggers take numbers),
+    `hookwidget/anomalies` (so far), `hookwidget/anomaly_step` (the latest one's) and
+    `hookwidget/anomaly_lead_step` (where its cause shows first); per layer, `hookwidget/{stat}/{layer}` only for
+    the statistics in `log_stats`.
+    """
 
     _fit: Fit
+
+    def __init__(self, log_stats=(), **watch_kwargs):
+        """Check the arguments now (a misspelt one fails here, not mid-fit); the watch opens when the fit starts.
+
+        Args:
+
+        - `log_stats`: statistics forwarded per layer to the loggers (default none), e.g.
+          `log_stats=("grad_norm", "update_ratio")`.
+        - `**watch_kwargs`: the arguments of `hw.watch` (every, spike, window, keep, flight_recorder, max_kept,
+          per_sample, ...).
+
+        Raises:
+
+        - `TypeError`: an argument `hw.watch` does not take.
+        - `ValueError`: a statistic in `log_stats` that the watch does not record.
+        """
+        super().__init__()
+        self._fit = Fit(watch_kwargs, log_stats)
 
     @property
     def watch(self):
@@ -130,11 +156,12 @@ class Watching:
     @property
     def micro_batches(self) -> dict:
         """Optimizer step (the trainer's step counter after it) -> the backward passes it held (0, 1, ... over the
-        fit; watch.micro(k) gives their rows)."""
+        fit; `cb.watch.micro(k)` gives their rows)."""
         return self._fit.micro_batches
 
     def optimizer_steps(self) -> list:
-        """The trainer's optimizer step of each row of watch.stats (None: passes after the last optimizer step)."""
+        """The trainer's optimizer step of each row of `cb.watch.stats` (None: passes after the last optimizer
+        step, in a fit that ended mid-accumulation)."""
         return self._fit.optimizer_steps()
 
     def close(self) -> None:

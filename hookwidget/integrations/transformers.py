@@ -1,23 +1,10 @@
 """A Hugging Face `Trainer` callback: the model watched for the whole fit, its series in the Trainer's own logs.
 
-    cb = HookwidgetCallback()                    # hw.watch's arguments go here: every=, flight_recorder=, ...
-    Trainer(model, args, train_dataset=ds, callbacks=[cb]).train()
-    cb.watch                                     # the Watch: live view, w.series, w.trace(k), w.anomalies
-
-The watch opens at on_train_begin and closes at on_train_end, and whatever ends the fit early: Trainer has no
-exception event, so the callback wraps the instance's `train` (when it is handed to the Trainer's
-constructor: on_init_end; added later with add_callback, the first fit's training_step is wrapped too, and an
-exception outside it leaves the hooks until cb.close()). Steps are the Trainer's: each row of `cb.watch.stats` is
-one optimizer step, its gradient_accumulation_steps micro-batches added up (integrations/fit.py: ‖W.grad‖ of the
-gradient the step used, after clipping; the loss as the Trainer logs it), `cb.optimizer_steps()` its
-state.global_step, `cb.micro_batches[s]` the backward passes step `s` held. At the Trainer's logging cadence
-(on_log, logging_steps) the logs gain a handful of keys: hookwidget/grad_norm (global), hookwidget/update_ratio_max
-and hookwidget/update_ratio_max_layer (an index into cb.watch.layer_names), hookwidget/anomalies (so far) and
-hookwidget/anomaly_step (the latest one's); per layer, `hookwidget/{stat}/{layer}` only for the stats in
-`log_stats`. The callback moves itself first in the Trainer's callback list, so the report_to integrations
-(W&B, TensorBoard, MLflow, ...), which the Trainer puts before the user's callbacks, log those keys too; so does
-state.log_history. (The Trainer's own grad_norm is the norm before clipping; hookwidget/grad_norm the one the
-optimizer used.)
+Trainer has no exception event, so the callback wraps the instance's `train` to close the watch however the fit
+ends (when it is handed to the Trainer's constructor: on_init_end; added later with add_callback, the first fit's
+training_step is wrapped too, and an exception outside it leaves the hooks until cb.close()). It moves itself
+first in the Trainer's callback list because the report_to integrations, which the Trainer puts before the user's
+callbacks, read the logs on_log fills. Steps are counted by integrations/fit.py.
 
 Only the Trainer finds the Trainer: callbacks are not given it, so the callback looks for it (and for the
 CallbackHandler calling it) among its callers' frames, through inspect's public frame API.
@@ -36,7 +23,7 @@ except ImportError:
     raise ImportError("hookwidget.integrations.transformers needs transformers: "
                       "pip install hookwidget[transformers]") from None
 
-from hookwidget.integrations.fit import Fit, Watching
+from hookwidget.integrations.fit import Watching
 
 GUARD = "_hookwidget_guard"  # marks a method this module wrapped
 
@@ -50,43 +37,32 @@ def _callers(frame, depth: int = 8):
         yield frame.f_locals.get("self")
 
 
-class HookwidgetCallback(TrainerCallback, Watching):
+class HookwidgetCallback(Watching, TrainerCallback):
     """A Hugging Face `Trainer` callback: the model watched for the whole fit, its series in the Trainer's own logs.
 
     The watch opens at on_train_begin and closes at on_train_end, and whatever ends the fit early. Steps are the
     Trainer's: each row of `cb.watch.stats` is one optimizer step, its gradient_accumulation_steps micro-batches
     added up (‖W.grad‖ of the gradient the step used, after clipping; the loss as the Trainer logs it);
     `cb.optimizer_steps()` gives its state.global_step, `cb.micro_batches[s]` the backward passes step `s` held.
-    At the Trainer's logging cadence (on_log, logging_steps) the logs gain a handful of keys: hookwidget/grad_norm
-    (global; the Trainer's own grad_norm is the norm before clipping, this one the one the optimizer used),
-    hookwidget/update_ratio_max and hookwidget/update_ratio_max_layer (an index into cb.watch.layer_names),
-    hookwidget/anomalies (so far), hookwidget/anomaly_step (the latest one's) and
-    hookwidget/anomaly_lead_step (where its cause shows first); per layer,
-    `hookwidget/{stat}/{layer}` only for the stats in `log_stats`. The callback moves itself first in the
-    Trainer's callback list, so the report_to integrations (W&B, TensorBoard, MLflow, ...) log those keys too;
-    so does state.log_history.
-
-    Args:
-
-    - `log_stats`: statistics forwarded per layer to the logs (default none), e.g.
-      `log_stats=("grad_norm", "update_ratio")`.
-    - `**watch_kwargs`: the arguments of `hw.watch` (every, spike, window, keep, flight_recorder, max_kept,
-      per_sample, ...).
+    At the Trainer's logging cadence (on_log, logging_steps) the logs gain the keys that
+    `integrations.fit.Watching` lists (the Trainer's own grad_norm is the norm before clipping,
+    hookwidget/grad_norm the one the optimizer used). The callback moves itself first in the Trainer's callback
+    list, so the report_to integrations (W&B, TensorBoard, MLflow, ...) log those keys too; so does
+    state.log_history.
 
     Example:
 
     ```python
+    from transformers import Trainer, TrainingArguments
     from hookwidget.integrations.transformers import HookwidgetCallback   # pip install hookwidget[transformers]
 
-    cb = HookwidgetCallback(every=1, log_stats=("grad_norm",))
-    Trainer(model, args, train_dataset=ds, callbacks=[cb]).train()
+    cb = HookwidgetCallback(every=1)
+    args = TrainingArguments("out", max_steps=2, gradient_accumulation_steps=2, per_device_train_batch_size=8,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=rows, callbacks=[cb]).train()
     cb.watch                  # the Watch: live view, w.series, w.trace(k), w.anomalies
     ```
     """
-    # how the callback finds the Trainer and guards an exception: the module docstring
-
-    def __init__(self, log_stats=(), **watch_kwargs):
-        self._fit = Fit(watch_kwargs, log_stats)
 
     # -- the Trainer's events --------------------------------------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):

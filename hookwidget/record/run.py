@@ -30,6 +30,13 @@ class Layer:
     - `calls`: one `Call` per forward call, in order: its input activation `a`, the gradient `delta` (δ) with
       respect to its output, `output_shape`, their statistics `a_summary` and `delta_summary` where the memory
       budget kept no copy, `grad_input` (backward_hooks=True), and the `step` (backward pass) that brought its δ.
+
+    Example:
+
+    ```python
+    layer = t.layers["fc1"]
+    layer.a.shape, layer.delta.shape, len(layer.calls)   # (8, 5, 4), (8, 5, 8), 1: a and δ of its one call
+    ```
     """
 
     name: str

@@ -157,8 +157,33 @@ class Trace(ShareQueries):
 
     @boundary
     def supports(self, name: str) -> bool:
-        """Whether this layer's parameter gradients rebuild: an exact (a, δ) rule, or the generic torch.func
-        rule where it passed its check."""
+        """Whether this layer's parameter gradients rebuild from what the trace kept (`weight_grad`, per-sample
+        gradients and norms, shares).
+
+        True where an exact (a, δ) rule covers the layer, or where the generic torch.func rule passed its check
+        (its per-sample gradients add up to the gradient the step made) in the last step that reached the layer.
+        False for a layer without parameters, a module that mixes samples (BatchNorm in train mode), or a rule that
+        failed its check: `t.notes` says why.
+
+        Args:
+
+        - `name`: a layer name (`t.layers`).
+
+        Returns:
+
+        True or False.
+
+        Raises:
+
+        - `TypeError`: `name` is not a string.
+        - `KeyError`: no such layer (the message names close ones).
+
+        Example:
+
+        ```python
+        t.supports("fc1"), t.supports("act")   # (True, False): a ReLU has no parameters
+        ```
+        """
         with registry.memo():
             return ps.supports(self, name)
 
@@ -261,7 +286,35 @@ class Trace(ShareQueries):
 
     @boundary
     def storage(self, name: str) -> dict:
-        """Floats needed to store W.grad vs its (a, δ) factors (seed 003's figures)."""
+        """The floats needed to store W.grad against those of its (a, δ) factors (seed 003's figures).
+
+        W.grad holds d_out·d_in floats whatever the batch; its factors hold d_in + d_out per token (a sample, or a
+        position of a sequence), so they are the smaller store while tokens < d_out·d_in / (d_in + d_out), and a
+        gradient per token (what per-sample methods materialise) costs W.grad's size each.
+
+        Args:
+
+        - `name`: a layer name (`t.layers`) whose module has a weight matrix.
+
+        Returns:
+
+        A dict: `weight_shape`; `weight_grad_floats` (W.grad's); `factor_floats_per_token` (d_in + d_out);
+        `tokens` (the rows of a and δ in the last step, or in every pass under accumulation; 0 for a layer the
+        generic rule serves); `factor_floats` (the factors' floats); `per_token_grad_floats` (a gradient per token).
+
+        Raises:
+
+        - `TypeError`: `name` is not a string.
+        - `KeyError`: no such layer (the message names close ones).
+        - `ValueError`: the layer has no weight matrix (the message names layers with one).
+
+        Example:
+
+        ```python
+        s = t.storage("fc1")
+        s["tokens"], s["factor_floats"], s["per_token_grad_floats"]   # 8 samples x 5 positions: (40, 480, 1280)
+        ```
+        """
         module = with_weight(self, name)
         tokens = 0
         if name in self.factor_layers and not fx.is_generic(self.layer(name).module):

@@ -14,18 +14,38 @@ class ShareQueries:
 
     @boundary
     def shares(self, name: str | None = None, step: int | None = None):
-        """Each sample's share s_b = ⟨G_b, G⟩ / ‖G‖² of the step's gradient G, and each position's, as a Shares
-        (.samples (N,), .positions (N, T), .unplaced, .by_layer, .left_out, .notes, .top(k)). Exact and
-        additive: the samples' shares sum to 1; a negative one pulled against the step. name: a layer (the
-        parameters it answers for), a parameter (t.params), or None (every parameter with an exact per-sample
-        rule; .left_out names the rest). step: as per_sample_grads (under accumulation, all micro-batches).
+        """Each sample's share s_b = ⟨G_b, G⟩ / ‖G‖² of the step's gradient G, and each position's.
+
+        Exact and additive: the samples' shares sum to 1, and a negative one pulled against the step. A sample's
+        share is split over its positions where the layers are applied per position (a Linear on (B, T, d), an
+        Embedding, a convolution's output positions, an LSTM's steps).
+
+        Args:
+
+        - `name`: a layer (the parameters it answers for), a parameter (`t.params`), or None (default): every
+          parameter with an exact per-sample rule (`.left_out` names the rest, and why).
+        - `step`: as `per_sample_grads`' (under accumulation, None takes every micro-batch).
+
+        Returns:
+
+        A `Shares`: `.samples` (N,); `.positions` (N, T), summed over the layers whose token axis has T
+        positions, or None where no layer has positions; `.unplaced` (N,), the part of each sample's share not on
+        a position (`samples = positions.sum(1) + unplaced`); `.by_layer` (layer -> its own positions' shares);
+        `.params`, `.left_out`, `.notes`, `.total_sq` (‖G‖²); `.top(k)`, the k largest shares as (index, share).
+
+        Raises:
+
+        - `TypeError`: `name` is not a string.
+        - `KeyError`: no such layer.
+        - `ValueError`: no parameter with exact per-sample gradients among those asked, a step's gradient of zero,
+          a trace that kept no (a, δ) (`capture="norms"` or `"summary"`), or a bad `step`.
 
         Example:
 
         ```python
         s = t.shares()
-        s.top(3)              # [(index, share), ...], largest first
-        s.positions[s.top(1)[0][0]]   # where in that sample the step came from
+        s.top(3)                       # [(index, share), ...], largest first
+        s.positions[s.top(1)[0][0]]    # where in that sample the step came from
         ```
         """
         from hookwidget.analysis import attribution
@@ -35,8 +55,19 @@ class ShareQueries:
 
     @boundary
     def sample_shares(self, name: str | None = None, step: int | None = None) -> torch.Tensor:
-        """(N,) each sample's share ⟨G_b, G⟩ / ‖G‖² of the step's gradient (t.shares(...).samples; what is left
-        out: t.shares().left_out). They sum to 1.
+        """Each sample's share ⟨G_b, G⟩ / ‖G‖² of the step's gradient: `t.shares(name, step).samples`.
+
+        Args:
+
+        - `name`, `step`: as `shares`'.
+
+        Returns:
+
+        A tensor of shape (N,) that sums to 1 (what it leaves out: `t.shares(name).left_out`).
+
+        Raises:
+
+        As `shares`.
 
         Example:
 
@@ -49,15 +80,28 @@ class ShareQueries:
 
     @boundary
     def position_shares(self, name: str | None = None, step: int | None = None) -> torch.Tensor:
-        """(N, T) each position's share ⟨G_{b,t}, G⟩ / ‖G‖² of the step's gradient, for one layer applied per
-        position (a Linear on (B, T, d), an Embedding, a convolution's output positions, an LSTM's steps), or
-        summed over the layers that share the sequence's T positions (name=None). What is not on a position
-        (layers without a per-position form): t.shares(name).unplaced.
+        """Each position's share ⟨G_{b,t}, G⟩ / ‖G‖² of the step's gradient, for one layer applied per position (a
+        Linear on (B, T, d), an Embedding, a convolution's output positions, an LSTM's steps), or summed over the
+        layers that share the sequence's T positions (name=None).
+
+        Args:
+
+        - `name`, `step`: as `shares`'.
+
+        Returns:
+
+        A tensor of shape (N, T). What is not on a position (layers without a per-position form):
+        `t.shares(name).unplaced`.
+
+        Raises:
+
+        As `shares`, and `ValueError` where no layer among those asked is applied per position (a generic-rule
+        or mapped layer has per-sample shares only: `sample_shares` answers).
 
         Example:
 
         ```python
-        t.position_shares()[b]          # which tokens of sample b carried the step
+        t.position_shares()[0]          # which positions of sample 0 carried the step
         ```
         """
         found = self.shares(name, step)
@@ -68,13 +112,30 @@ class ShareQueries:
 
     @boundary
     def position_norms(self, name: str, step: int | None = None, loss_reduction: str = "sum") -> torch.Tensor:
-        """(N, T) ‖G_{b,t}‖, the norm of each position's gradient of a layer applied per position: an outer
-        product, so ‖δ_{b,t}‖·‖a_{b,t}‖ exactly (with its bias, over both).
+        """The norm ‖G_{b,t}‖ of each position's gradient of a layer applied per position: an outer product, so
+        ‖δ_{b,t}‖·‖a_{b,t}‖ exactly (with its bias, over both).
+
+        Args:
+
+        - `name`: a layer name (`t.layers`) applied per position.
+        - `step`: as `per_sample_grads`'.
+        - `loss_reduction`: `"sum"` (default) or `"mean"`, as `per_sample_grads`'.
+
+        Returns:
+
+        A tensor of shape (N, T).
+
+        Raises:
+
+        - `TypeError`: `name` is not a string.
+        - `KeyError`: no such layer.
+        - `ValueError`: a layer without trainable parameters, without a per-position form, or whose steps have
+          different numbers of positions; a bad `loss_reduction` or `step`.
 
         Example:
 
         ```python
-        t.position_norms("h.0.mlp.c_fc")   # (B, T)
+        t.position_norms("fc1")          # (N, T): 8 samples, 5 positions
         ```
         """
         from hookwidget.analysis import attribution
