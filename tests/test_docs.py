@@ -181,6 +181,39 @@ def test_the_reference_names_every_public_name():
         assert name in reference, name
 
 
+# a public name whose entry cannot carry an example of its own (a dict; a class whose docstring is another
+# floor's) -> what a block of its page that runs does with it
+USED_ON_PAGE = {"KINDS": r"hw\.KINDS\[", "Anomaly": r"\.anomalies\[\d+\]"}
+
+
+def test_every_public_name_has_a_reference_entry_whose_example_runs():
+    """Each public name has a `:::` entry in docs/reference whose docstrings (its own or its members') give a python
+    example, which the page test above runs; or, where the entry cannot carry one, a block of its page runs it. The
+    magics run as cells of their page."""
+    import hookwidget
+    from hookwidget.integrations import lightning, transformers
+    from hookwidget.watch.detect import Anomaly
+
+    public = {name: getattr(hookwidget, name) for name in hookwidget.__all__}
+    public.update({"Anomaly": Anomaly, "transformers.HookwidgetCallback": transformers.HookwidgetCallback,
+                   "lightning.HookwidgetCallback": lightning.HookwidgetCallback})
+    examples, code = {}, {}
+    for page in sorted((DOCS / "reference").glob("*.md")):
+        text = page.read_text()
+        code[page.name] = "\n".join(b["code"] for b in runnable(text) if b["lang"] == "python" and not b["skip"])
+        for m in ENTRY.finditer(text):
+            options = (yaml.safe_load(m.group(2)) or {}).get("options", {}) if m.group(2).strip() else {}
+            module, _, attr = m.group(1).rpartition(".")
+            obj = getattr(importlib.import_module(module), attr, None) if module else None
+            ran = [b for _, doc in _rendered(m.group(1), options) for b in blocks(doc)
+                   if b["lang"] == "python" and b["skip"] is None]
+            examples[id(obj)] = examples.get(id(obj), 0) + len(ran)
+    lacking = [name for name, obj in public.items() if not examples.get(id(obj))
+               and not (name in USED_ON_PAGE and any(re.search(USED_ON_PAGE[name], c) for c in code.values()))]
+    assert not lacking, f"no reference entry with an example that runs: {lacking}"
+    assert "%%hooktrace" in code["magics.md"] and "%%hookwatch" in code["magics.md"]
+
+
 def test_the_docs_extra_is_in_dev_and_the_site_has_no_public_url():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^docs = \[.*"mkdocs-material', pyproject, flags=re.M)
