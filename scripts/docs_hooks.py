@@ -6,13 +6,26 @@ files where they are instead of copying or symlinking them: `on_files` adds CHAN
 benchmark write-ups and the example notebooks to the site from their own paths, and `on_page_markdown` rewrites
 each relative link from the repository's layout to the site's. A link to a file the site does not carry (a .py
 in hookwidget/, pyproject.toml) becomes the repository path as code: there is no public URL to point at.
+
+The example notebooks are committed without outputs (examples/_build.py writes them; tests/test_examples.py runs
+them). The site shows them with their outputs: `on_files` runs each one top to bottom in a kernel, once, and keeps
+the run in .cache/executed-notebooks/ under a key of everything the outputs depend on (the notebook, hookwidget's
+files, the Python and torch versions, HOOKWIDGET_SMOKE); a later build or `mkdocs serve` with the same key renders
+the kept run. A cell that raises fails the build. Widget state is not kept: a widget's output then renders as the
+static snapshot hookwidget puts beside it (no widget manager from a CDN: the site is read offline).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import logging
+import os
 import posixpath
 import re
+import shutil
+import sys
+import time
 from pathlib import Path
 
 from mkdocs.plugins import event_priority
@@ -20,6 +33,8 @@ from mkdocs.structure.files import File, Files
 
 log = logging.getLogger("mkdocs.hooks.hookwidget")
 ROOT = Path(__file__).resolve().parent.parent
+EXECUTED = ROOT / ".cache" / "executed-notebooks"  # git-ignored: one folder per key, each holding examples/NAME
+CELL_TIMEOUT = 900  # seconds: a full-size cell (the transformer's training loop) on a loaded 2-core machine
 
 # repository path -> the path it has in the site (relative to docs/); globs resolved in _extra()
 EXTRA = {"CHANGELOG.md": "changelog.md", "benchmarks/README.md": None, "benchmarks/PROFILE.md": None,
@@ -52,11 +67,64 @@ def _site_path(repo_path: str, extra: dict[str, str]) -> str | None:
 @event_priority(100)  # before mkdocs-jupyter's on_files, which turns the added notebooks into pages
 def on_files(files: Files, config) -> Files:
     for repo_path, dest in _extra().items():
-        if dest == repo_path:  # a real source folder: mkdocs-jupyter's NotebookFile reads src_dir, not a generated path
+        if repo_path.endswith(".ipynb"):  # its run, in a folder laid out as the repository: the same page address
+            run_root = _executed(ROOT / repo_path)
+            files.append(File(repo_path, str(run_root), config.site_dir, config.use_directory_urls))
+        elif dest == repo_path:  # a real source folder: mkdocs-jupyter's NotebookFile reads src_dir, not a path made
             files.append(File(repo_path, str(ROOT), config.site_dir, config.use_directory_urls))
         else:
             files.append(File.generated(config, dest, abs_src_path=str(ROOT / repo_path)))
     return files
+
+
+def _run_key(notebook: Path) -> str:
+    """What a notebook's outputs depend on: its cells, hookwidget's files (not the built front-end: widget state is
+    not kept), the interpreter and torch, and the sizes (HOOKWIDGET_SMOKE)."""
+    h = hashlib.sha256(notebook.read_bytes())
+    package = ROOT / "hookwidget"
+    for path in sorted(package.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.relative_to(package).parts[0] != "static":
+            h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    h.update(f"{sys.version}|{importlib.metadata.version('torch')}|{os.environ.get('HOOKWIDGET_SMOKE')}".encode())
+    return h.hexdigest()[:20]
+
+
+def _executed(notebook: Path) -> Path:
+    """The folder whose examples/NAME is `notebook` run top to bottom: kept from an earlier build with the same
+    key, else run now (nbclient, the python3 kernel, widget state dropped) and kept, older runs of it removed. A
+    cell that raises raises here, and the build fails with the cell's error."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    key = _run_key(notebook)
+    root = EXECUTED / f"{notebook.stem}-{key}"
+    out = root / "examples" / notebook.name
+    if out.exists():
+        return root
+    start = time.perf_counter()
+    nb = nbformat.read(notebook, as_version=4)
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           "MPLBACKEND": "agg", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel inherits this process's environment
+    try:
+        NotebookClient(nb, kernel_name="python3", timeout=CELL_TIMEOUT, startup_timeout=60,
+                       store_widget_state=False, resources={"metadata": {"path": str(notebook.parent)}}).execute()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    nb.metadata.pop("widgets", None)
+    for old in EXECUTED.glob(f"{notebook.stem}-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    tmp = root.with_name(root.name + f".{os.getpid()}.tmp")
+    (tmp / "examples").mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, tmp / "examples" / notebook.name)
+    tmp.rename(root)  # whole or not at all: a build stopped halfway leaves no half-written run to reuse
+    log.info("ran %s in %.0f s (kept in %s)", notebook.name, time.perf_counter() - start, root)
+    return root
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -214,6 +214,46 @@ def test_every_public_name_has_a_reference_entry_whose_example_runs():
     assert "%%hooktrace" in code["magics.md"] and "%%hookwatch" in code["magics.md"]
 
 
+def _docs_hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "scripts" / "docs_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_a_notebook_runs_once_for_the_site_and_its_run_is_kept_until_what_it_depends_on_changes(tmp_path,
+                                                                                                monkeypatch):
+    """The site renders each example notebook with its outputs (scripts/docs_hooks.py): run in a kernel, kept,
+    run again when its key changes (here: HOOKWIDGET_SMOKE), and a cell that raises fails the build."""
+    import nbclient
+    import nbformat
+
+    hooks = _docs_hooks()
+    monkeypatch.setattr(hooks, "EXECUTED", tmp_path / "runs")
+    monkeypatch.delenv("HOOKWIDGET_SMOKE", raising=False)
+    path = tmp_path / "examples" / "demo.ipynb"
+    path.parent.mkdir()
+    cell = "import os\nprint(6 * 7, os.environ.get('HOOKWIDGET_SMOKE'))"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)]), path)
+
+    root = hooks._executed(path)
+    ran = nbformat.read(root / "examples" / "demo.ipynb", as_version=4)
+    assert ran.cells[0].outputs[0]["text"] == "42 None\n" and "widgets" not in ran.metadata
+    with monkeypatch.context() as m:  # kept: the same key does not start a kernel
+        m.setattr(nbclient.NotebookClient, "execute", lambda self, **kw: pytest.fail("ran again"))
+        assert hooks._executed(path) == root
+    monkeypatch.setenv("HOOKWIDGET_SMOKE", "1")
+    again = hooks._executed(path)
+    assert again != root and not root.exists()  # the older run of it is removed
+    assert nbformat.read(again / "examples" / "demo.ipynb", as_version=4).cells[0].outputs[0]["text"] == "42 1\n"
+
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("raise ValueError('boom')")]), path)
+    with pytest.raises(nbclient.exceptions.CellExecutionError, match="boom"):
+        hooks._executed(path)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [again.name]  # nothing kept of the failed run
+
+
 def test_the_docs_extra_is_in_dev_and_the_site_has_no_public_url():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^docs = \[.*"mkdocs-material', pyproject, flags=re.M)
