@@ -116,6 +116,9 @@ export function renderShares(d, onPick) {
   return [bars, h("div", { class: "hw-shares-strip" }, d.sample === null ? h("div", { class: "hw-shares-note", text: "click a sample to see which of its positions carried its share" }) : strip(d), notes)];
 }
 
+/** A part of a share worth showing: not float rounding of the shares, which sum to 1 (|x| <= 1e-9). */
+const offPositions = (x) => typeof x === "number" && Math.abs(x) > 1e-9;
+
 /** A bar `pct` % of its half wide (its width set through the CSSOM, which the page's CSP allows). */
 function sized(pct) {
   const bar = h("span", {});
@@ -141,7 +144,7 @@ export function strip(d) {
     return cell;
   });
   return h("div", {}, head,
-    h("div", { class: "hw-shares-note", text: `on its positions ${fmt(placed)}${d.unplaced ? ` · not on a position ${fmt(d.unplaced)}` : ""}${d.token_layer ? ` · tokens: the input of ${d.token_layer}` : ""}` }),
+    h("div", { class: "hw-shares-note", text: `on its positions ${fmt(placed)}${offPositions(d.unplaced) ? ` · not on a position ${fmt(d.unplaced)}` : ""}${d.token_layer ? ` · tokens: the input of ${d.token_layer}` : ""}` }),
     h("div", { class: "hw-tokens", "data-testid": "token-strip" }, ...cells),
     d.positions_note ? h("div", { class: "hw-shares-note", "data-testid": "positions-note", text: d.positions_note }) : null,
     d.tokens_note ? h("div", { class: "hw-shares-note", "data-testid": "tokens-note", text: d.tokens_note }) : null);
