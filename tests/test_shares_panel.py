@@ -3,6 +3,7 @@ autograd loops (each sample, and each position of each sample, run alone), the t
 they are proved to feed, their text from the user's decode option, and bad input gets one line."""
 
 import json
+import pathlib
 
 import jsonschema
 import numpy as np
@@ -279,3 +280,16 @@ def test_the_magic_takes_a_decode_function_by_name():
     finally:
         for k in ("T", "model", "idx", "vocab_of", "_hooktrace"):
             ip.user_ns.pop(k, None)
+
+
+def test_the_panel_benchmark_runs_and_writes_its_table(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "benchmarks.shares_panel", "--tiny", "--rounds", "1", "--seq", "16",
+                        "--out", str(tmp_path)], cwd=pathlib.Path(__file__).parent.parent, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((tmp_path / "shares_panel.json").read_text())
+    assert data["left_out"] == 0 and data["median"]["page_kib"] > 0
+    assert "| opening the panel" in (tmp_path / "shares_panel.md").read_text()

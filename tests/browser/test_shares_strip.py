@@ -69,3 +69,46 @@ def test_a_clicked_sample_shows_its_tokens_text_in_the_strip(browser, gpt2_page,
         page.screenshot(path=str(img_dir / f"shares_strip_{width}.png"), full_page=True)
     finally:
         ctx.close()
+
+
+LAB_SETUP = """\
+import torch, transformers
+transformers.logging.set_verbosity_error()
+torch.manual_seed(0)
+WORDS = ["<b>bold</b>", *(f"w{i}" for i in range(1, 40))]
+def words(ids):
+    return [WORDS[i] for i in ids]
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=len(WORDS), n_positions=16, n_embd=16,
+                                     n_layer=2, n_head=2, attn_implementation="eager"))
+ids = torch.randint(1, len(WORDS), (4, 12))
+ids[2, 3:9] = 0
+%load_ext hookwidget"""
+
+LAB_TRACE = """\
+%%hooktrace model -o t --decode words
+model.zero_grad()
+model(ids, labels=ids).loss.backward()"""
+
+
+def test_the_live_widget_answers_the_panel_from_the_kernel_in_jupyterlab(browser, tmp_path, img_dir):
+    """The kernel's path: the panel's request goes through the comm, payload.shares answers with buffers, and the
+    strip shows the text %%hooktrace --decode gave; looked at in JupyterLab at 1100 and 1500 px."""
+    from browser_session import notebook, run_cell
+    from lab_server import jupyter, write_notebook
+
+    write_notebook(tmp_path / "shares.ipynb", [LAB_SETUP, LAB_TRACE, "t"])
+    with jupyter(tmp_path, "lab", "LabApp") as (base, token):
+        for width in (1100, 1500):
+            with notebook(browser, f"{base}/lab/tree/shares.ipynb?token={token}", width, 1000,
+                          failure=img_dir / f"shares_lab_failure_{width}.png") as page:
+                for i in range(3):
+                    run_cell(page, i)
+                shell = page.locator(".hw-shell").first
+                shell.locator('[data-testid="shares-title"]').click()
+                shell.locator('[data-testid="share-bar"][data-sample="2"]').click(timeout=60_000)
+                shell.locator('[data-testid="strip-title"]', has_text="sample 2").wait_for(timeout=60_000)
+                cells = shell.locator('[data-testid="token-strip"] [data-testid="token"]')
+                assert cells.all_inner_texts()[3:9] == ["<b>bold</b>"] * 6
+                assert shell.locator('[data-testid="token-strip"] b').count() == 0
+                shell.locator('[data-testid="shares"]').scroll_into_view_if_needed()
+                page.screenshot(path=str(img_dir / f"shares_lab_{width}.png"))
