@@ -122,7 +122,8 @@ export function render({ model, el, nonce }) {
    * comes later is still used (see onMessage). */
   function request(msg) {
     if (disconnected) return Promise.resolve({ ok: false, text: KERNEL_GONE });
-    return requests.request(msg, { timeout: msg.type === "rerun" ? 0 : REPLY_TIMEOUT_MS, gen: generation });
+    const slow = msg.type === "rerun" || msg.type === "shares"; // a rerun, a big model's shares: seconds, awaited
+    return requests.request(msg, { timeout: slow ? 0 : REPLY_TIMEOUT_MS, gen: generation });
   }
 
   function clear() {
@@ -145,7 +146,9 @@ export function render({ model, el, nonce }) {
     tree.select(sel);
     overview.select(sel);
     if (sel.kind === "module") graph.expandTo(sel.target);
-    shares.setScope(sel.kind === "module" ? sel.target : null); // a graph node: the whole model's
+    // A layer with parameters of its own shows its own shares; a container, a ReLU or a graph node the whole model's.
+    const own = sel.kind === "module" && summary.modules.find((m) => m.name === sel.target)?.own_params?.length;
+    shares.setScope(own ? sel.target : null);
     graph.focus(sel);
     controls.render(sel, summary, readonly);
     const hit = cache.get(sel.target);

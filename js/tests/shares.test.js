@@ -44,6 +44,22 @@ describe("shares panel", () => {
     expect(panel.el.querySelector('[data-testid="shares-title"]').textContent).toContain("fc1");
   });
 
+  it("follows the explorer's selection: a layer with parameters its own shares, a container the whole model's", async () => {
+    const { el, model } = mount();
+    const panel = el.querySelector('[data-testid="shares"]');
+    panel.open = true;
+    panel.dispatchEvent(new Event("toggle"));
+    const asked = () => model.sent.filter((m) => m.type === "shares").map((m) => m.layer);
+    expect(asked()).toEqual([""]);
+    el.querySelector('[data-module="fc1"]').dispatchEvent(new Event("click"));
+    expect(asked()).toEqual(["", "fc1"]);
+    expect(el.querySelector('[data-testid="shares-title"]').textContent).toMatch(/· fc1$/);
+    el.querySelector('[data-tree-module="MLP"]').dispatchEvent(new Event("click"));
+    await tick();
+    expect(asked().at(-1)).toBe("");
+    expect(el.querySelector('[data-testid="shares-title"]').textContent).toMatch(/· whole model$/);
+  });
+
   it("sorts the bar largest first, signed: a negative share is drawn on the left", () => {
     const [msg, buffers] = sharesFixture("r1");
     const root = document.createElement("div");
