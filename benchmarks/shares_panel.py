@@ -8,7 +8,8 @@ in turn:
     open panel     shares_view(t, "", None): the whole model's shares, first time (nothing cached)
     click sample   shares_view(t, "", b): a sample's strip with its tokens' text (the shares cached)
     open on layer  shares_view(t, "transformer.h.0.mlp.c_fc", None): one layer's, first time
-    page shares    static_shares(t): what to_html adds for the page's panel (bar + every strip, bounded)
+    page shares    static_shares(t): what to_html adds for the page's panel (live-only past STATIC_MACS), and what
+                   inlining it (bar + every strip) would cost
 
     .venv/bin/python -m benchmarks.shares_panel [--rounds 3] [--tiny] [--out benchmarks/results]
 
@@ -62,8 +63,16 @@ def one_round(step, decode) -> dict:
            "click_s": timed(lambda: panel.shares_view(t, "", 1)),
            "layer_s": timed(lambda: panel.shares_view(t, LAYER, None))}
     panel._cache.pop(t, None)
-    row["page_s"] = timed(lambda: panel.static_shares(t))
-    row["page_kib"] = len(json.dumps(panel.static_shares(t))) / 1024
+    row["page_s"] = timed(lambda: panel.static_shares(t))  # past STATIC_MACS: a live-only line, nothing computed
+    row["page_live_only"] = "error" in panel.static_shares(t)
+    bound, panel.STATIC_MACS = panel.STATIC_MACS, float("inf")
+    try:  # what inlining the panel would cost this model (shares not cached)
+        panel._cache.pop(t, None)
+        row["page_inlined_s"] = timed(lambda: panel.static_shares(t))
+        row["page_kib"] = len(json.dumps(panel.static_shares(t))) / 1024
+    finally:
+        panel.STATIC_MACS = bound
+    row["macs"] = panel.shares_macs(t)
     shares = t.shares()
     row["left_out"], row["params_counted"] = len(shares.left_out), len(shares.params)
     return row
@@ -81,10 +90,11 @@ def main() -> None:
     step()  # warm-up
     vocab = [f"t{i}" for i in range(50257)]
     rows = [one_round(step, lambda i: vocab[i]) for _ in range(args.rounds)]
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "page_live_only"}
     results = {"model": "GPT-2 124M" if not args.tiny else "GPT-2 tiny", "batch": args.batch, "seq": args.seq,
                "rounds": rows, "median": med, "threads": torch.get_num_threads(), "platform": platform.platform(),
-               "left_out": rows[-1]["left_out"], "params_counted": rows[-1]["params_counted"]}
+               "left_out": rows[-1]["left_out"], "params_counted": rows[-1]["params_counted"],
+               "static_macs": panel.STATIC_MACS}
     write_results(results, args.out, "shares_panel", markdown)
 
 
@@ -99,8 +109,10 @@ def markdown(r: dict) -> str:
              f"| opening the panel: the whole model's shares, first time | {m['open_s']:.3f} |",
              f"| clicking a sample: its strip and tokens' text (shares cached) | {m['click_s']:.3f} |",
              f"| opening it on one layer ({LAYER}), first time | {m['layer_s']:.3f} |",
-             f"| what to_html adds: the bar and every sample's strip | {m['page_s']:.3f} |",
-             "", f"The page's panel data: {m['page_kib']:.0f} KiB of JSON.", ""]
+             f"| what to_html adds ({'live-only: ' if r['rounds'][-1]['page_live_only'] else ''}{m['macs']:.1e} "
+             f"multiply-adds, bound {r['static_macs']:.0e}) | {m['page_s']:.3f} |",
+             f"| what inlining the bar and every strip would add | {m['page_inlined_s']:.3f} |",
+             "", f"The inlined panel data would be {m['page_kib']:.0f} KiB of JSON.", ""]
     return "\n".join(lines)
 
 

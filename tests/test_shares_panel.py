@@ -246,6 +246,15 @@ def test_the_standalone_page_carries_the_default_view_within_bounds(monkeypatch)
     assert small["strips"] == {} and "live only" in small["note"] and small["bar"]["meta"]["n"] == B
 
 
+def test_a_model_whose_shares_cost_seconds_gets_a_live_only_page(monkeypatch):
+    _, _, _, t = setup()
+    tokens = B * T
+    assert panel.shares_macs(t) == tokens * (D + (D * 7 + 7) + (7 * V + V))  # tok gathers rows; fc; head
+    monkeypatch.setattr(panel, "STATIC_MACS", panel.shares_macs(t) - 1)
+    page = panel.static_shares(t)
+    assert page == {"error": page["error"]} and page["error"].startswith("the shares panel is live-only for this model")
+
+
 def test_a_trace_that_cannot_attribute_says_why_in_one_line(seed_mlp):
     model, x, y, _ = seed_mlp
 

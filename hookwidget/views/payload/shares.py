@@ -25,6 +25,7 @@ from hookwidget.views.payload.numbers import _num
 MAX_BARS = 512  # samples in the bar; past it, the MAX_BARS largest by |share|, with a note
 MAX_POSITIONS = 4096  # positions in a sample's strip; past it, the first ones, with a note
 STATIC_CELLS = 65_536  # samples × positions the standalone page inlines (tokens included); past it, the bar only
+STATIC_MACS = 2e9  # multiply-adds of the shares to_html computes (about a second on a CPU); past it, live-only
 MAX_TOKEN_TEXT = 40  # characters of one token's text (a decode function may return anything)
 
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trace -> {layer: (Shares, step, note) or error}
@@ -58,8 +59,13 @@ def shares_view(trace, layer: str, sample: int | None) -> tuple[dict, list[bytes
 
 def static_shares(trace) -> dict:
     """What the standalone page carries for its default view (the whole model): the bar, and each sample's strip
-    where samples × positions <= STATIC_CELLS; else a note that the strips are live-only. Never raises: a trace
-    without shares gets {"error": one line}."""
+    where samples × positions <= STATIC_CELLS; else a note that the strips are live-only. Where the shares cost more
+    than STATIC_MACS multiply-adds (GPT-2 124M on 4 × 128 tokens: ~6e10, 10-20 s on 2 CPU cores) the page says the
+    panel is live-only instead of making to_html that much slower. Never raises: {"error": one line}."""
+    macs = shares_macs(trace)
+    if macs > STATIC_MACS:
+        return {"error": f"the shares panel is live-only for this model (about {macs:.1e} multiply-adds to compute, "
+                         "seconds): open the trace in a notebook, or t.sample_shares() in Python"}
     try:
         meta, buffers = shares_view(trace, "", None)
     except (ValueError, KeyError) as e:
@@ -72,6 +78,32 @@ def static_shares(trace) -> dict:
                 "note": f"{n} samples × {T} positions: a sample's positions are shown live only (in a notebook)"}
     strips = {str(b): _encoded(*shares_view(trace, "", b)) for b in range(n)}
     return {"bar": _encoded(meta, buffers), "strips": strips, "note": ""}
+
+
+def shares_macs(trace) -> float:
+    """About what the whole model's shares cost: for every call of a layer that holds parameters of its own, its
+    parameters' size times the rows of its input (one product with G per token, layers/shares.py's form; the
+    Gram form is used only where it is cheaper; an embedding gathers one row a token). Read from shapes only."""
+    total = 0.0
+    for layer in trace.layers.values():
+        own = sum(p.numel() for p in layer.module.parameters(recurse=False) if p.requires_grad)
+        lookup = isinstance(layer.module, nn.Embedding)
+        if lookup and own:
+            own = layer.module.embedding_dim  # one row gathered per token, not the table
+        if not own:
+            continue
+        for c in layer.calls:
+            shape = c.a.shape if c.a is not None else getattr(c.a_summary, "shape", None)
+            if shape:  # rows: every id of a lookup, every vector (last dim) of any other input
+                total += own * (_numel(shape) if lookup else _numel(shape) // max(1, shape[-1]))
+    return total
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
 
 
 # -- the strip of one sample -----------------------------------------------------------------------------------
