@@ -302,3 +302,29 @@ def test_the_panel_benchmark_runs_and_writes_its_table(tmp_path):
     data = json.loads((tmp_path / "shares_panel.json").read_text())
     assert data["left_out"] == 0 and data["median"]["page_kib"] > 0
     assert "| opening the panel" in (tmp_path / "shares_panel.md").read_text()
+
+
+class TimeMajor(nn.Module):
+    """Ids as (T, B), as a time-major model reads them: with T == B a shape check alone would transpose them."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.fc = nn.Embedding(V, D), nn.Linear(D, V)
+
+    def forward(self, ids_tb):
+        return self.fc(self.tok(ids_tb))
+
+
+def test_time_major_ids_are_read_along_the_proven_samples_dim():
+    torch.manual_seed(0)
+    model, ids = TimeMajor(), torch.randint(0, V, (B, B))  # (T, B) with T == B
+    y = torch.randint(0, V, (B, B))
+
+    def step():
+        model.zero_grad()
+        F.cross_entropy(model(ids).reshape(-1, V), y.reshape(-1), reduction="sum").backward()
+
+    t = hw.trace(step, batch_dim=1, decode=lambda i: VOCAB[i])
+    for b in range(B):
+        meta, _ = panel.shares_view(t, "", b)
+        assert meta["ids"] == ids[:, b].tolist() and meta["tokens"] == [VOCAB[i] for i in ids[:, b].tolist()]

@@ -131,7 +131,8 @@ def _strip(trace, found, step, b: int, out) -> dict:
 def token_ids(trace, step: int | None, n: int, T: int) -> tuple[torch.Tensor | None, str | None, str | None]:
     """((n, T) token ids, the layer they are the input of, None), or (None, None, why not). The layer is the
     `token_layer` option's, else the only nn.Embedding whose input is, in each step counted, one integer row of
-    T positions per sample, n samples in all (the attributed ones, in the same order)."""
+    T positions per sample along the dim capture proved to hold the samples, n samples in all (the attributed
+    ones, in the same order)."""
     from hookwidget.analysis.facts import step_indices
 
     steps = step_indices(trace, step)
@@ -163,10 +164,13 @@ def _layer_ids(trace, name: str, steps: list, n: int, T: int) -> tuple[torch.Ten
         calls = [c for c in trace.layers[name].calls if c.step == k]
         if len(calls) != 1:
             return None, f"called {len(calls)} times in step {k} (one call a step holds the ids)"
-        a = calls[0].a
+        a, dim = calls[0].a, calls[0].sample_dim  # the dim capture proved to hold the samples (record/calls.py)
         if a is None:
             return None, "its input was not kept (capture='summary' or the memory budget): raise budget_mb"
-        if a.is_floating_point() or a.is_complex() or a.dim() != 2 or a.shape[1] != T:
+        if dim is None or a.dim() != 2:
+            return None, f"its input {tuple(a.shape)} has no proven samples dim (a matching size is no proof)"
+        a = a if dim == 0 else a.T  # time-major (T, B) ids: each sample's row
+        if a.is_floating_point() or a.is_complex() or a.shape[1] != T:
             return None, f"its input {tuple(a.shape)} is not one row of {T} integer ids per sample"
         rows.append(a)
     ids = torch.cat(rows) if rows else None
