@@ -328,3 +328,12 @@ def test_time_major_ids_are_read_along_the_proven_samples_dim():
     for b in range(B):
         meta, _ = panel.shares_view(t, "", b)
         assert meta["ids"] == ids[:, b].tolist() and meta["tokens"] == [VOCAB[i] for i in ids[:, b].tolist()]
+
+
+def test_a_saved_trace_keeps_token_layer_and_shows_ids_without_the_decode_code(tmp_path):
+    _, idx, _, t = setup(decode=lambda i: VOCAB[i], token_layer="tok")
+    t.save(tmp_path / "step.pt")
+    loaded = hw.load(tmp_path / "step.pt")
+    assert loaded.options.get("token_layer") == "tok" and "decode" not in loaded.options
+    meta, _ = panel.shares_view(loaded, "", 1)
+    assert meta["ids"] == idx[1].tolist() and meta["tokens"] is None and "decode" in meta["tokens_note"]
