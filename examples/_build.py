@@ -1347,12 +1347,151 @@ NB05 = [
 ]
 
 
+NB06 = [
+    md("""
+    # Which samples carried the step
+
+    This notebook trains a tiny GPT-2 on synthetic text, plants one bad sample in one step, and
+    finds it from the step's gradient alone: `t.sample_shares()` names the sample, `t.position_shares()`
+    the tokens in it, and the explorer shows both, with the text of each token.
+    """),
+    code(SETUP),
+    md("""
+    ## The quantity
+
+    A step's gradient is the sum of its samples' gradients, G = Σ_b G_b. So ‖G‖² = Σ_b ⟨G_b, G⟩, and
+    each sample's **share** s_b = ⟨G_b, G⟩ / ‖G‖² says exactly how much of the step it carried: the
+    shares add up to 1, and a negative one pulled against the step. A layer applied per position splits
+    a sample's share over its positions, exactly too. hookwidget computes both from the activations a
+    and output gradients δ it captured: no per-sample gradient is built.
+
+    First, a word-level tokenizer made in code (nothing is downloaded) and sentences from a tiny grammar.
+    """),
+    code("""
+    import random
+
+    import transformers
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    transformers.logging.set_verbosity_error()  # a config made in code: no warnings about its special tokens
+    words = "<unk> the a cat dog bird sat ran flew on under over mat log tree . zzz".split()
+    vocab = {w: i for i, w in enumerate(words)}
+    word_level = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = WhitespaceSplit()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=word_level)
+
+    rng = random.Random(0)
+    def sentence():
+        pick = rng.choice
+        return f"{pick(['the', 'a'])} {pick(['cat', 'dog', 'bird'])} {pick(['sat', 'ran', 'flew'])} {pick(['on', 'under', 'over'])} the {pick(['mat', 'log', 'tree'])} ."
+
+    B, T = 8, 32
+    def batch():
+        texts = [" ".join((" ".join(sentence() for _ in range(T))).split()[:T]) for _ in range(B)]
+        ids = torch.tensor(tok(texts)["input_ids"])
+        return ids, ids.clone()   # next-token labels: the model shifts them
+
+    print(tok.decode(batch()[0][0]))
+    """),
+    md("""
+    A GPT-2 of two blocks from `GPT2Config` (random weights, CPU), trained a few dozen steps. Its
+    attention is set to `"eager"`: hookwidget follows the batch through its plain matrix products (with
+    the default fused attention it cannot prove which dim holds the samples, and leaves those layers out,
+    saying so in `t.shares().left_out`).
+    """),
+    code("""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(vocab), n_positions=T, n_embd=32, n_layer=2, n_head=2,
+                                     attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    def train_step(ids, labels):
+        opt.zero_grad()
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    k = 40
+    for step in range(k):
+        loss = train_step(*batch())
+    print(f"loss after {k} steps: {loss:.3f}")
+    """),
+    md("""
+    ## Step k, with a planted sample
+
+    Sample 5 of step k gets a long run of one repeated token, `zzz`, at positions 10-29, with its labels
+    shuffled there: text the model has never seen, and targets it cannot predict. The step is traced
+    with `hw.trace`, and `decode=tok` tells the explorer how to show token ids as text (any function
+    `ids -> list[str]` or `id -> str` works too).
+    """),
+    code("""
+    ids, labels = batch()
+    planted, run = 5, slice(10, 30)
+    ids[planted, run] = vocab["zzz"]
+    labels[planted, run] = labels[planted, run][torch.randperm(20, generator=torch.Generator().manual_seed(0))]
+
+    t = hw.trace(lambda: train_step(ids, labels), decode=tok)
+    shares = t.sample_shares()
+    for b, s in enumerate(shares.tolist()):
+        print(f"sample {b}: share {s:+.3f}" + ("   <- planted" if b == planted else ""))
+    print(f"sum of the shares: {float(shares.sum()):.6f}; the largest: sample {int(shares.argmax())}")
+    assert int(shares.argmax()) == planted  # what this notebook shows; CI runs it
+    """),
+    md("""
+    One sample of eight carried a large part of the step. Which of its tokens? `t.position_shares()`
+    is (samples, positions): row 5 splits its share over its 32 positions.
+    """),
+    code("""
+    p = t.position_shares()[planted]
+    tokens = tok.convert_ids_to_tokens(ids[planted].tolist())
+    top = p.topk(5).indices.sort().values.tolist()
+    print("its 5 largest positions:", [(i, tokens[i], round(float(p[i]), 3)) for i in top])
+    print(f"positions 10-29 (the zzz run) carry {float(p[run].sum() / p.sum()):.0%} of the sample's share")
+    assert all(run.start <= i < run.stop for i in top)
+    """),
+    md("""
+    The same for one layer, and what was left out (nothing here; a layer hookwidget has no exact
+    per-sample rule for would be named, never dropped silently):
+    """),
+    code("""
+    print(t.sample_shares("transformer.h.1.mlp.c_fc").argmax().item(), t.shares().left_out)
+    """),
+    md("""
+    ## In the explorer
+
+    Open **Which samples carried the step's gradient** below the explorer: a bar per sample, sorted,
+    red where it pulled with the step, blue against it. Click sample 5: its positions show as a strip of
+    its tokens, coloured by their shares, the `zzz` run lit. Click a layer in the graph or the list and
+    the panel shows that layer's own shares. The shares are computed when the panel opens, not before:
+    a large model's explorer opens as fast as without them.
+    """),
+    code("""
+    t
+    """),
+    md("""
+    ## What to try next
+
+    - Plant the run in two samples, or make it shorter: the shares split between them, and the strip
+      narrows to the run.
+    - Keep the labels of the run instead of shuffling them: a repeated token the model can learn pulls
+      much less.
+    - `t.shares().top(3)` lists the three samples that carried most of the step; `t.position_norms(layer)`
+      gives each position's gradient norm ‖δ‖·‖a‖ for a layer applied per position.
+    """),
+]
+
+
 def main() -> None:
     write("01_hooks_explained.ipynb", NB01)
     write("02_per_sample_gradients.ipynb", NB02)
     write("03_debugging_gradients.ipynb", NB03)
     write("04_transformer.ipynb", NB04)
     write("05_watch_training.ipynb", NB05)
+    write("06_which_samples.ipynb", NB06)
 
 
 if __name__ == "__main__":

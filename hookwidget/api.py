@@ -37,6 +37,9 @@ def trace(fn: Callable[[], object], modules=None, **options) -> Trace:
     - `show_hook_nodes`: show autograd's hook nodes (BackwardHookFunction) in the graph.
     - `batch_dim`: the dim of the model's inputs that holds the samples (default: the module's batch_first,
       else 0).
+    - `decode`: how the explorer's shares panel shows token ids as text: a function `ids -> list[str]` or
+      `id -> str`, or a tokenizer (`decode` / `convert_ids_to_tokens`, e.g. a Hugging Face one).
+    - `token_layer`: the `nn.Embedding` whose input is the token ids, where two take one row of ids per sample.
 
     Returns:
 

@@ -34,6 +34,8 @@ def _option_flags(func):
         kw = {"dest": f.name, "default": None, "help": meta["help"] + default}
         if "choices" in meta:
             kw["choices"] = meta["choices"]
+        elif meta.get("magic") == "name" or f.type == "str | None":  # one word: a variable's name, a layer's name
+            kw.update(metavar=meta.get("metavar"))
         elif f.type == "bool | None":
             kw["action"] = argparse.BooleanOptionalAction
         elif f.type == "bool":
@@ -73,6 +75,7 @@ class HookTraceMagics(Magics):
             %%hooktrace model --budget-mb inf    # no memory limit
             %%hooktrace model --capture norms    # per-sample gradient norms only (fast, little memory)
             %%hooktrace model --no-widget        # print a text summary instead of the explorer
+            %%hooktrace model --decode tokenizer # the explorer's token strip shows each token's text
 
         Then: t.layers["fc1"].a, t.weight_grad("fc1"), t.add_hook("fc1", "grad_zero"); t.rerun().
         The cell's variables stay in your namespace and top-level `await` works; errors in the cell
@@ -81,8 +84,8 @@ class HookTraceMagics(Magics):
         __tracebackhide__ = True
         args = _parse(line)
         _check_out("%%hooktrace", args.out)
-        options = _options(args)
         ns = self.shell.user_ns
+        options = _options(args, ns)
         modules, names = _models(args.models, ns)
         try:
             check_filters(modules, names, options)  # --include / --exclude that match no module: before the cell
@@ -132,8 +135,16 @@ def _check_out(magic: str, name: str) -> None:
                          f"starting with a digit, not a keyword); e.g. -o t1")
 
 
-def _options(args) -> Options:
+def _options(args, ns: dict) -> Options:
     given = {f.name: getattr(args, f.name) for f in fields(Options) if getattr(args, f.name, None) is not None}
+    for f in fields(Options):  # --decode tokenizer: the object of that name in the namespace
+        if f.metadata.get("magic") == "name" and f.name in given:
+            name = given[f.name]
+            flag = "--" + f.name.replace("_", "-")
+            if name not in ns:
+                raise UsageError(f"%%hooktrace: {flag} {name[:60]!r}: no variable of that name in your namespace; "
+                                 f"define it first, e.g. {f.name} = tokenizer, then {flag} {f.name}")
+            given[f.name] = ns[name]
     try:
         return Options.from_kwargs(**given)
     except (TypeError, ValueError) as e:

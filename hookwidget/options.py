@@ -41,6 +41,12 @@ class Options:
                                     "the graph", metavar="N")
     restore: tuple = _option((), "objects a rerun must put back that the code does not name: modules, optimizers, "
                              "LR schedulers, GradScalers", magic=False)
+    decode: Any = _option(None, "the text of token ids, for the explorer's token strip: a function ids -> list[str] "
+                          "(or id -> str) or a tokenizer (convert_ids_to_tokens or decode); the magic takes the "
+                          "name of one in your namespace", metavar="NAME", magic="name")
+    token_layer: str | None = _option(None, "the nn.Embedding whose input is the token ids (default: the one "
+                                      "whose (samples, positions) input matches the attributed positions)",
+                                      metavar="LAYER")
 
     def __post_init__(self):
         for f in fields(self):
@@ -169,9 +175,39 @@ def _restorable(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+def _decode(value):
+    """None, a tokenizer (decode or convert_ids_to_tokens) or a function: how the explorer reads token ids as text
+    (views/payload/shares.py calls it, only when a sample's strip is shown)."""
+    if value is None or decode_form(value) is not None:
+        return value
+    raise ValueError(f"decode={shown(value)} must be a function ids -> list[str] (or id -> str) or a tokenizer with "
+                     "convert_ids_to_tokens or decode, e.g. decode=tokenizer or decode=lambda i: vocab[i]")
+
+
+def decode_form(value) -> str | None:
+    """How `value` turns ids into text: "decode" (a tokenizer's decode([id]) per id: readable text), "tokens"
+    (convert_ids_to_tokens(ids)), "call" (a function), or None where it does neither. A tokenizer is callable
+    too (it encodes text): its methods are looked for first."""
+    if isinstance(value, (str, bytes, numbers.Number)):
+        return None
+    if callable(getattr(value, "decode", None)):
+        return "decode"
+    if callable(getattr(value, "convert_ids_to_tokens", None)):
+        return "tokens"
+    return "call" if callable(value) and not isinstance(value, type) else None
+
+
+def _token_layer(value):
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"token_layer={shown(value)} must be the name of the nn.Embedding whose input is the token "
+                         "ids, e.g. token_layer='transformer.wte'")
+    return value
+
+
 _CHECKS = {"capture": _capture, "budget_mb": _budget_mb, "include": _globs("include"), "exclude": _globs("exclude"),
            "node_grads": _tristate("node_grads"), "show_hook_nodes": _flag("show_hook_nodes"),
-           "backward_hooks": _flag("backward_hooks"), "batch_dim": _batch_dim, "restore": _restore}
+           "backward_hooks": _flag("backward_hooks"), "batch_dim": _batch_dim, "restore": _restore,
+           "decode": _decode, "token_layer": _token_layer}
 
 
 def shown(value, limit: int = 60) -> str:

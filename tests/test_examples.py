@@ -31,13 +31,14 @@ def _execute(nb, monkeypatch):
     return nb
 
 
-def test_there_are_five_notebooks():
+def test_there_are_six_notebooks():
     assert [p.name for p in NOTEBOOKS] == [
         "01_hooks_explained.ipynb",
         "02_per_sample_gradients.ipynb",
         "03_debugging_gradients.ipynb",
         "04_transformer.ipynb",
         "05_watch_training.ipynb",
+        "06_which_samples.ipynb",
     ]
 
 

@@ -34,7 +34,10 @@ def to_html(trace, path, diff: dict | None = None) -> pathlib.Path:
 
 def page(trace, title: str = "hookwidget trace", diff: dict | None = None) -> str:
     """The HTML text of the standalone page."""
-    return standalone_page("standalone.js", {"summary": payload.summary(trace), "diff": diff, **details(trace)}, title)
+    from hookwidget.views.payload.shares import static_shares
+
+    data = {"summary": payload.summary(trace), "diff": diff, **details(trace), "shares": static_shares(trace)}
+    return standalone_page("standalone.js", data, title)
 
 
 def standalone_page(bundle: str, data: dict, title: str) -> str:

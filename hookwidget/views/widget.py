@@ -151,6 +151,15 @@ class HookWidget(anywidget.AnyWidget):
         self.send({"type": "detail", "request_id": msg["request_id"], "target": msg["target"], "meta": meta},
                   buffers)
 
+    def _do_shares(self, msg: dict) -> None:
+        """The samples' (and, for msg["sample"] >= 0, that sample's positions') shares of the step's gradient, of
+        layer msg["layer"] ("" = the whole model): computed on this request only (views/payload/shares.py)."""
+        from hookwidget.views.payload.shares import shares_view
+
+        sample = msg["sample"] if msg["sample"] >= 0 else None
+        meta, buffers = shares_view(self.trace, msg["layer"], sample)
+        self.send({"type": "shares", "request_id": msg["request_id"], "layer": msg["layer"], "meta": meta}, buffers)
+
     def _do_add_hook(self, msg: dict) -> None:
         from hookwidget.interventions import make
 
@@ -272,6 +281,12 @@ def validate(content) -> dict:
     for key in ("target", "kind"):
         if key in content and (not isinstance(content[key], str) or not 0 < len(content[key]) <= MAX_TEXT):
             raise MessageError(f"{kind}: {key} must be a non-empty string of at most {MAX_TEXT} characters")
+    if "layer" in content and (not isinstance(content["layer"], str) or len(content["layer"]) > MAX_TEXT):
+        raise MessageError(f"{kind}: layer must be a layer's name ('' for the whole model) of at most {MAX_TEXT} "
+                           "characters")
+    if "sample" in content and (isinstance(content["sample"], bool) or not isinstance(content["sample"], int)
+                                or content["sample"] < -1):
+        raise MessageError(f"{kind}: sample must be an integer >= 0, or -1 for none")
     if "kind" in content:
         from hookwidget.interventions import KINDS
 

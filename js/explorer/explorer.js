@@ -11,6 +11,7 @@ import { createDiffView } from "./diffview.js";
 import { createGraphView } from "./graph.js";
 import { createLeftPane, createOverview } from "./overview.js";
 import { createPanes } from "./panes.js";
+import { createSharesPanel } from "./shares.js";
 import { createStatusLine } from "./status.js";
 import { installStyles } from "./styles.js";
 import { createTreeView } from "./tree.js";
@@ -45,7 +46,10 @@ export function render({ model, el, nonce }) {
   installStyles(root, nonce);
   // The shell is measured (panes.js): in a narrow output (a notebook beside its file browser, the watch's kept
   // Trace) the panes stack below the graph instead of squeezing it; either pane closes, remembered.
-  const shell = h("div", { class: "hw-shell" }, root);
+  // Below the explorer, full width (the token strip wraps there), asked for only when opened (shares.js).
+  const shares = createSharesPanel({ request: (msg) => request(msg), nonce });
+  shares.el.hidden = summary.has_grads === false;
+  const shell = h("div", { class: "hw-shell" }, root, shares.el);
   el.replaceChildren(shell);
   const panes = createPanes(root, shell);
   graph.toolbar.prepend(panes.leftButton);
@@ -118,7 +122,8 @@ export function render({ model, el, nonce }) {
    * comes later is still used (see onMessage). */
   function request(msg) {
     if (disconnected) return Promise.resolve({ ok: false, text: KERNEL_GONE });
-    return requests.request(msg, { timeout: msg.type === "rerun" ? 0 : REPLY_TIMEOUT_MS, gen: generation });
+    const slow = msg.type === "rerun" || msg.type === "shares"; // a rerun, a big model's shares: seconds, awaited
+    return requests.request(msg, { timeout: slow ? 0 : REPLY_TIMEOUT_MS, gen: generation });
   }
 
   function clear() {
@@ -129,6 +134,7 @@ export function render({ model, el, nonce }) {
     overview.select(null);
     controls.render(null, summary, readonly);
     detail.clear();
+    shares.setScope(null);
   }
 
   /** Select a module or node; `show`: the user asked (a click, a key), so its detail comes into view where it is
@@ -140,6 +146,9 @@ export function render({ model, el, nonce }) {
     tree.select(sel);
     overview.select(sel);
     if (sel.kind === "module") graph.expandTo(sel.target);
+    // A layer with parameters of its own shows its own shares; a container, a ReLU or a graph node the whole model's.
+    const own = sel.kind === "module" && summary.modules.find((m) => m.name === sel.target)?.own_params?.length;
+    shares.setScope(own ? sel.target : null);
     graph.focus(sel);
     controls.render(sel, summary, readonly);
     const hit = cache.get(sel.target);
@@ -178,6 +187,7 @@ export function render({ model, el, nonce }) {
     generation++;
     lastDiff = msg.diff;
     cache.clear();
+    shares.reset();
     diffView.render(lastDiff);
     graph.setChanged(lastDiff.changed_nodes, lastDiff.changed_modules);
     tree.setSummary(summary, new Set(lastDiff.changed_modules));
@@ -212,6 +222,8 @@ export function render({ model, el, nonce }) {
     summary = model.get("summary");
     cache.clear(); // the kernel may show a newer trace (a rerun from Python): never serve an old detail
     generation++;
+    shares.reset();
+    shares.el.hidden = summary.has_grads === false;
     graph.setSummary(summary, { keepView: true });
     tree.setSummary(summary, new Set(lastDiff?.changed_modules || []));
     overview.setSummary(summary);

@@ -19,6 +19,7 @@ export function createStaticModel(data) {
         if (meta) return emit("msg:custom", { type: "detail", request_id: msg.request_id, target: msg.target, meta }, []);
         return emit("msg:custom", { type: "status", request_id: msg.request_id, state: "error", text: `no detail for ${msg.target} in this page (${data.details_note || "not exported"})` });
       }
+      if (msg.type === "shares") return emit("msg:custom", ...sharesReply(data.shares, msg));
       emit("msg:custom", { type: "status", request_id: msg.request_id, state: "error", text: "read-only page: this needs a running kernel" });
     },
   };
@@ -35,4 +36,19 @@ export function nodeMeta(graph, target) {
   }
   return { kind: "node", target, name: graph.name[i], role: graph.role[i], module: graph.module[i], param: graph.param[i],
     shape: graph.shape[i], grad_norm: graph.grad_norm[i], next, prev, notes: [], tensors: {} };
+}
+
+/** The page's answer to a shares request, from what to_html inlined (views/payload/shares.py static_shares): the
+ * whole model's bar and, where the page was small enough, each sample's strip; a layer's shares need the kernel. */
+export function sharesReply(inlined, msg) {
+  const error = (text) => [{ type: "status", request_id: msg.request_id, state: "error", text }];
+  if (!inlined) return error("this page carries no shares (written by an older hookwidget)");
+  if (inlined.error) return error(inlined.error);
+  if (msg.layer) return error(`read-only page: the shares of one layer (${msg.layer}) need a running kernel; this page carries the whole model's`);
+  const hit = msg.sample >= 0 ? inlined.strips?.[String(msg.sample)] : inlined.bar;
+  if (!hit) {
+    const meta = { ...inlined.bar.meta, sample: msg.sample, positions: null, positions_note: inlined.note || "not on this page", tokens: null, ids: null, tokens_note: null, token_layer: null };
+    return [{ type: "shares", request_id: msg.request_id, layer: "", meta }, inlined.bar.buffers.map(base64ToBytes)];
+  }
+  return [{ type: "shares", request_id: msg.request_id, layer: "", meta: hit.meta }, hit.buffers.map(base64ToBytes)];
 }

@@ -8,6 +8,7 @@ export const newRequestId = () => `r${Date.now().toString(36)}-${++counter}`;
 export const detail = (target) => ({ type: "detail", target, request_id: newRequestId() });
 export const addHook = (target, kind, params) => ({ type: "add_hook", target, kind, params, request_id: newRequestId() });
 export const removeHook = (target, kind) => ({ type: "remove_hook", target, kind, request_id: newRequestId() });
+export const shares = (layer, sample) => ({ type: "shares", layer, sample, request_id: newRequestId() }); // "" / -1: whole model / no sample
 export const rerun = () => ({ type: "rerun", request_id: newRequestId() });
 export const sync = (have) => ({ type: "sync", have, request_id: newRequestId() }); // the watch: rows from `have` on
 export const open = (step) => ({ type: "open", step, request_id: newRequestId() }); // the watch: a kept step's Trace
@@ -45,7 +46,7 @@ export function createRequests(model, { noReply = "no reply from the kernel" } =
   return { request, settle, cancel };
 }
 
-const INCOMING = new Set(["detail", "status", "trace"]);
+const INCOMING = new Set(["detail", "status", "trace", "shares"]);
 
 /** The kernel's message if it is one we know, else null (ignored, never evaluated). */
 export function parseIncoming(msg) {
