@@ -79,6 +79,7 @@ class WatchLog(TensorBoardLog):
         self._held: list = []  # (stats, step_stats, steps, per-sample) handed over, not written yet
         self.index: list = []  # (first row, rows, path) of each whole shard
         self.written = 0
+        self.lod_source = None  # () -> the watch's summary as arrays, saved at close (the watch sets it)
         self._events = (0, 0)  # anomalies and skipped steps written so far
         self._due = time.monotonic() + SHARD_SECONDS
         empty = json.dumps({"anomalies": [], "skipped": [], "nonfinite": {}}).encode()
@@ -105,14 +106,12 @@ class WatchLog(TensorBoardLog):
             if self.error is None and self._held:
                 self._shard(keep_last=False)
             self._write_events(force=True)
+            if self.error is None and self.lod_source is not None:  # the watch's summary (watch/history.py)
+                arrays = self.lod_source()
+                _replace(Path(self.log_dir) / LOD, lambda f: np.savez(f, **arrays))
             self._meta(closed=True)
         except Exception as e:  # noqa: BLE001 - reported in w.notes, as the thread's errors are
             self.error = self.error or e
-
-    def save_lod(self, arrays: dict) -> None:
-        """The watch's level-of-detail summary, at close (after close())."""
-        if self.error is None:
-            _replace(Path(self.log_dir) / LOD, lambda f: np.savez(f, **arrays))
 
     def _shard(self, keep_last: bool) -> None:
         held, self._held = self._held, []

@@ -24,7 +24,7 @@ from hookwidget.views.watch_log import Shards
 from hookwidget.watch import lod
 
 WINDOW_BYTES, MIN_WINDOW, MAX_WINDOW = 32 << 20, 64, 4096
-LOD_BYTES, MIN_BINS, MAX_BINS = 32 << 20, 64, 1024
+LOD_BYTES, MIN_BINS, MAX_BINS = 64 << 20, 64, 1024
 BIN_BYTES = 5 * 4 + 1  # per layer and statistic: min, max, mean, last, count (float32); + the non-finite flag
 
 
@@ -127,5 +127,6 @@ def level_from(arrays: dict, L: int, K: int) -> lod.Level:
     size = int(arrays["size"])
     whole = lod.Bins(size, **{k: arrays[k] for k in vars(lod.empty(1, 1)) if k != "size"})
     full = whole.rows == size
-    level.bins, level.open, level.end = whole.take(full), whole.take(~full), int(arrays["end"])
+    level.size, level.open, level.end = size, whole.take(~full), int(arrays["end"])
+    level._write(whole.take(full), 0)
     return level
