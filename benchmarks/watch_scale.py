@@ -75,7 +75,8 @@ t0 = time.perf_counter()
 import hookwidget as hw
 t_import = time.perf_counter() - t0
 t0 = time.perf_counter(); w = hw.load(sys.argv[1]); t_load = time.perf_counter() - t0
-t0 = time.perf_counter(); s = w.series(w.layer_names[len(w.layer_names) // 2], "grad_norm"); t_series = time.perf_counter() - t0
+layer = w.layer_names[len(w.layer_names) // 2]
+t0 = time.perf_counter(); s = w.series(layer, "grad_norm"); t_series = time.perf_counter() - t0
 t0 = time.perf_counter(); b = w.lod(1000); t_lod = time.perf_counter() - t0
 t0 = time.perf_counter(); r = w.rows(-100); t_tail = time.perf_counter() - t0
 mid = w.n_rows // 2

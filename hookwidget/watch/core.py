@@ -134,7 +134,8 @@ class Watch(Reads):
         self.tracks_per_sample = ps is not None  # per_sample=True: each step's largest per-sample gradient norm
         # float32 rows, unless the model holds float64 parameters (docs/guide/watch.md: what float64 would buy)
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
-        self._log = _log(self, log_dir, torch.empty(0, dtype=dtype).numpy().dtype)  # every row on disk (views/watch_log.py), from its own thread
+        # every row on disk (views/watch_log.py), from its own thread
+        self._log = _log(self, log_dir, torch.empty(0, dtype=dtype).numpy().dtype)
         self._history = History(len(self._layers), len(STAT_NAMES), dtype, ps is not None, self._log)
         self._rows = HostRows(len(self._layers), self._detector, lambda: self._amp, ps is not None, self._tell,
                               self._spread, self._history)
