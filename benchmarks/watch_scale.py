@@ -49,7 +49,7 @@ def write_log(d: str, layers: int, steps: int) -> float:
                                  stat_names=STAT_NAMES, step_stat_names=STEP_STAT_NAMES, every=1, notes=[],
                                  seen=steps, tracks_per_sample=False, batch=CHUNK, skipped=[],
                                  _detector=types.SimpleNamespace(anomalies=[], stretches={}))
-    log = WatchLog(d, fake, np.float32)
+    log = WatchLog(d, fake, np.float32, durable=False)  # as a watch's temporary folder (log_dir=: fsync per shard)
     cap = min(history.MAX_BINS, max(history.MIN_BINS, history._pow2_floor(
         history.LOD_BYTES // (layers * K * history.BIN_BYTES))))
     level = lod.Level(layers, K, cap)

@@ -42,13 +42,15 @@ SHARD_V1 = re.compile(r"rows-(\d+)\.npz")
 SHARD_SECONDS = 10.0  # a shard at least this often while rows arrive, however few
 
 
-def _replace(path: Path, write) -> None:
-    """`write(file)` into a temporary name beside `path`, then rename it over `path`: whole or absent."""
+def _replace(path: Path, write, durable: bool = True) -> None:
+    """`write(file)` into a temporary name beside `path`, then rename it over `path`: whole or absent (`durable`:
+    on the disk itself before the rename, so that a machine's crash leaves whole files too)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         write(f)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -66,13 +68,14 @@ class WatchLog(TensorBoardLog):
 
     LABEL = "log_dir"
 
-    def __init__(self, log_dir, watch, dtype):
+    def __init__(self, log_dir, watch, dtype, durable: bool = True):
         d = Path(log_dir)
         if (d / META).exists():
             raise ValueError(f"watch: log_dir={str(d)!r} already holds a watch log: give each run its own folder "
                              "(hw.load(log_dir) reads the one there)")
         d.mkdir(parents=True, exist_ok=True)
         self.watch, self.writer, self.log_dir = watch, self, str(d)
+        self.durable = durable  # fsync each file (a log_dir= the user keeps; not a temporary folder)
         self._queue, self._thread, self.error = queue.SimpleQueue(), None, None
         self._ps, self.dtype = watch.tracks_per_sample, np.dtype(dtype)
         self._row = row_dtype(len(watch.layer_names), len(watch.stat_names), self.dtype, self._ps)
@@ -131,7 +134,7 @@ class WatchLog(TensorBoardLog):
         if self._ps:
             out["per_sample"] = np.concatenate([np.asarray(h[3]) for h in held])[:n]
         path = Path(self.log_dir) / f"rows-{self.written:09d}-{n}.npy"
-        _replace(path, lambda f: np.save(f, out, allow_pickle=False))
+        _replace(path, lambda f: np.save(f, out, allow_pickle=False), self.durable)
         self.index.append((self.written, n, str(path)))
         self.written += n
         self._write_events(force=False)

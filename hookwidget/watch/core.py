@@ -493,11 +493,12 @@ class Watch(Reads):
 
 def _log(watch: Watch, log_dir, dtype):
     """The watch's log (views/watch_log.py): in `log_dir`, or in a temporary folder of the system's (tempfile)
-    removed when the watch is garbage-collected or the interpreter exits."""
+    removed when the watch is garbage-collected or the interpreter exits (its shards not fsynced: the folder does
+    not outlive the process anyway)."""
     from hookwidget.views.watch_log import WatchLog
 
     if log_dir is not None:
         return WatchLog(log_dir, watch, dtype)
     folder = tempfile.mkdtemp(prefix="hookwidget-watch-")
     weakref.finalize(watch, shutil.rmtree, folder, ignore_errors=True)
-    return WatchLog(folder, watch, dtype)
+    return WatchLog(folder, watch, dtype, durable=False)  # gone at exit: no fsync per shard
