@@ -401,7 +401,7 @@ class Watch(Reads):
         return list(self._history.steps)
 
     def _level(self):
-        return self._history.level
+        return self._history.summary()
 
     def _found(self) -> list:
         return list(self._detector.anomalies)
