@@ -173,13 +173,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--steps-wide", type=int, default=None, help="steps of the 1,000-layer log (default: --steps)")
-    ap.add_argument("--live-steps", type=int, default=2048)
+    ap.add_argument("--live-steps", type=int, default=2048, help="0: keep the previous run's live figures")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
     res = {"args": {"steps": a.steps, "live_steps": a.live_steps}, "when": time.strftime("%Y-%m-%d %H:%M UTC"),
            "synthetic": [synthetic(168, a.steps), synthetic(1000, a.steps_wide or a.steps)]}
     marks = sorted({m for m in (256, 512, 1024, 1536, 2048, 4096, 8192, a.live_steps) if m <= a.live_steps})
-    res["live"] = live(1000, a.live_steps, marks)
+    if a.live_steps:
+        res["live"] = live(1000, a.live_steps, marks)
+    else:  # --live-steps 0: the live watch's figures of the previous run, kept
+        res["live"] = json.loads((Path(a.out) / "watch_scale.json").read_text())["live"]
+        res["args"]["live_steps"] = res["live"]["steps"]
     report(res, Path(a.out))
     print((Path(a.out) / "watch_scale.md").read_text())
 

@@ -238,13 +238,19 @@ def open_log(log_dir) -> tuple[dict, Shards, dict, list]:
 
 
 def _readable(shards: Shards, meta: dict, notes: list) -> Shards:
-    """The shards up to the first that cannot be read (damaged, or of another shape), with a note."""
+    """The shards up to the first that cannot be read (damaged, or of another shape), with a note. The first is
+    opened; the others' sizes are checked against theirs (a header padded to 64 bytes, then n rows): hw.load
+    stays lazy, one stat() a shard."""
     want = row_dtype(len(meta["layers"]), len(meta["stats"]), meta.get("dtype", "float64"), meta["per_sample"])
     for i, (_, n, path) in enumerate(shards.index):
         try:
-            m = np.load(path, mmap_mode="r")
-            if m.dtype != want or m.shape != (n,):
-                raise ValueError(f"rows of {m.dtype} × {m.shape}")
+            if i == 0:
+                m = np.load(path, mmap_mode="r")
+                if m.dtype != want or m.shape != (n,):
+                    raise ValueError(f"rows of {m.dtype} × {m.shape}")
+            header = os.stat(path).st_size - n * want.itemsize
+            if header < 64 or header % 64 or header > 4096:
+                raise ValueError(f"{os.stat(path).st_size} bytes for {n} rows of {want.itemsize}")
         except Exception as e:  # noqa: BLE001 - the rows up to it stay readable
             notes.append(f"{Path(path).name} could not be read ({type(e).__name__}: {e}): the rows from it on are "
                          "left out")
