@@ -12,6 +12,7 @@ import warnings
 import weakref
 from contextlib import ExitStack
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,6 +29,7 @@ from hookwidget.watch.flight import FlightRecorder
 from hookwidget.watch.host import HostRows
 from hookwidget.watch.ranks import MODES
 from hookwidget.watch.ranks import of as _spread_of
+from hookwidget.watch.reads import Reads
 
 _OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> the open watch on it
 
@@ -46,7 +48,7 @@ NOT_CALLED = ("hw.watch: no call of {layers} reached backward in the first recor
               "(nn.MultiheadAttention's out_proj); a layer a step skips (a routed expert, a branch) has no call")
 
 
-class Watch:
+class Watch(Reads):
     """Hooks on a model across a training loop, and what they recorded: statistics per step and layer, anomalies,
     kept Traces.
 
@@ -368,6 +370,16 @@ class Watch:
             fn(event, *args)
 
     # -- what users read -----------------------------------------------------------------------
+    @property
+    def n_rows(self) -> int:
+        """Recorded rows on the host so far (no transfer, no device sync)."""
+        return len(self._rows.recorded)
+
+    def _table(self, start: int, stop: int) -> tuple:
+        stats, step_stats = self._rows.host_tables()
+        return (np.asarray(self._rows.recorded[start:stop], np.int64), stats[start:stop].numpy(),
+                step_stats[start:stop].numpy())
+
     @property
     def stats(self) -> torch.Tensor:
         """(recorded steps, layers, statistics) float64 on the host; names in stat_names, layer_names."""

@@ -10,12 +10,14 @@ to_wandb: Watch's own methods, on the data), and says in one line that what need
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hookwidget.trace import Trace
 from hookwidget.watch import leads
 from hookwidget.watch.core import Watch
 from hookwidget.watch.detect import Anomaly
+from hookwidget.watch.reads import Reads
 
 
 class _Found:
@@ -35,7 +37,7 @@ class _Kept:
         return sorted(self.traces)
 
 
-class SavedWatch:
+class SavedWatch(Reads):
     """A watch as data, read-only: made by hw.load of a `w.save` file or of a `log_dir` folder."""
 
     active, closed = False, True
@@ -84,6 +86,14 @@ class SavedWatch:
                    rows["skipped"].tolist(), None, seen=meta["seen"])
 
     # -- what a watch answers, from the data (Watch's own methods) ------------------------------
+    @property
+    def n_rows(self) -> int:
+        return len(self.steps)
+
+    def _table(self, start: int, stop: int) -> tuple:
+        return (np.asarray(self.steps[start:stop], np.int64), self.stats[start:stop].numpy(),
+                self.step_stats[start:stop].numpy())
+
     series, loss, grad_norm = Watch.series, Watch.loss, Watch.grad_norm
     widget, _repr_mimebundle_, to_html = Watch.widget, Watch._repr_mimebundle_, Watch.to_html
     to_tensorboard, to_wandb = Watch.to_tensorboard, Watch.to_wandb
