@@ -61,9 +61,12 @@ export function createStore(meta) {
       }
       notify();
     },
-    /** Where a column of rows [a, b) of statistic k is drawn from: full-resolution rows when held, else the finest
-     * bins (the zoomed window's, else the overview's). */
-    source(a, b, k) {
+    /** Where rows [a, b) of statistic k are drawn from: full-resolution rows when held, else the finest bins (the
+     * zoomed window's, else the overview's). Given `base` (the source of the whole visible range), a column is
+     * drawn from the same level, so one view never mixes resolutions (a bin's spike drawn beside exact rows). */
+    source(a, b, k, base = null) {
+      if (base?.seg) return { seg: base.seg, a, b, size: 1 };
+      if (base?.level) return { level: base.level, range: binsOver(base.level, a, b), size: base.level.size };
       for (const s of allSegments()) if (a >= s.r0 && b <= s.r0 + s.n && (s.k === undefined || s.k === k)) return { seg: s, a, b, size: 1 };
       const w = store.window?.level, o = store.overview;
       if (w && (w.k === undefined || w.k === k) && a >= w.r0 && b <= w.r0 + w.size * w.m && w.size < o.size) return { level: w, range: binsOver(w, a, b), size: w.size };

@@ -169,7 +169,8 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     layout = measure();
     const k = meta.stats.indexOf(stat);
     const N = store.n, last = N ? store.stepOf(N - 1) : NaN, total = store.totalSteps ?? (N ? last + 1 : 0);
-    layout.sources = layout.bins.map(([a, b]) => store.source(a, b, k));
+    const base = layout.n ? store.source(layout.v0, layout.v1, k) : null;
+    layout.sources = layout.bins.map(([a, b]) => store.source(a, b, k, base));
     const size = Math.max(...layout.sources.map((s) => s.size), 1), per = Math.max(...layout.bins.map(([a, b]) => b - a), 1);
     zoomLabel.textContent = N && layout.n < N ? `steps ${fmt(store.stepOf(layout.v0))}–${fmt(store.stepOf(layout.v1 - 1))}` : "";
     zoomBox.dataset.v0 = String(layout.v0); zoomBox.dataset.v1 = String(layout.v1);
@@ -295,7 +296,7 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     });
     if (!ctx || rowH < 9) return;
     ctx.clearRect(0, 0, SPARK_W, spark.height);
-    const bs = bins(store.n, SPARK_W), srcs = bs.map(([a, b]) => store.source(a, b, k));
+    const whole = store.n ? store.source(0, store.n, k) : null, bs = bins(store.n, SPARK_W), srcs = bs.map(([a, b]) => store.source(a, b, k, whole));
     const dx = store.n <= SPARK_W ? Math.min(CELL / 2, SPARK_W / Math.max(store.n, 1)) : 1;
     for (let i = 0; i < rows.length; i++) {
       const pts = srcs.map((src) => summary(rowAcc(src, i, k)));
@@ -428,9 +429,9 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
 
   /** What the view draws, for tests: the heatmap's values of layer l (statistic `name`) column by column. */
   function shownValues(l, name = stat) {
-    const k = meta.stats.indexOf(name);
-    return layout.bins.map(([a, b], c) => ({ first: store.stepOf(a), last: store.stepOf(b - 1), size: layout.sources[c].size,
-      value: shown(store.acc(store.source(a, b, k), l, k, resetAcc(newAcc()))) }));
+    const k = meta.stats.indexOf(name), base = layout.n ? store.source(layout.v0, layout.v1, k) : null;
+    return layout.bins.map(([a, b]) => { const src = store.source(a, b, k, base);
+      return { first: store.stepOf(a), last: store.stepOf(b - 1), size: src.size, value: shown(store.acc(src, l, k, resetAcc(newAcc()))) }; });
   }
   root.hwView = { shownValues, get layout() { return layout; }, setView, toggle };
 
