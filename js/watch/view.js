@@ -433,7 +433,9 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     return layout.bins.map(([a, b]) => { const src = store.source(a, b, k, base);
       return { first: store.stepOf(a), last: store.stepOf(b - 1), size: src.size, value: shown(store.acc(src, l, k, resetAcc(newAcc()))) }; });
   }
-  root.hwView = { shownValues, get layout() { return layout; }, setView, toggle };
+  /** Where each anomaly is marked: [{step, x}] of those in the zoomed range. */
+  const markColumns = () => [...store.anomalyMap().keys()].map((step) => ({ step, c: colOf(store.rowOf(step)) })).filter((m) => m.c >= 0).map(({ step, c }) => ({ step, x: c * layout.colW }));
+  root.hwView = { shownValues, markColumns, get layout() { return layout; }, setView, toggle };
 
   return {
     root, redraw, open, showLead, setView, select: select_, shownValues, toggle,
