@@ -36,7 +36,7 @@ ESM = pathlib.Path(__file__).resolve().parents[1] / "static" / "watch.js"  # bui
 NOT_BUILT = ('export default { render({ el }) { el.textContent = "hookwidget: the watch front-end is not built '
              '(hookwidget/static/watch.js is missing): run `npm run build` or `pip install -e .`"; } };')
 SCHEMA = request_keys("watch")  # type -> the keys it must carry besides type and request_id
-OVERVIEW_BINS = 2048  # bins of the run a view holds (js/watch/bins.js MAX_BINS)
+OVERVIEW_BINS, OVERVIEW_BYTES = 2048, 48 * 2**20  # a view's overview: bins and memory at most (js/watch/bins.js)
 TAIL = 1024  # latest rows a view holds at full resolution (js/watch/store.js TAIL)
 WINDOW_BYTES = 8 * 2**20  # most bytes of a zoomed window's answer (one statistic of every layer)
 
@@ -181,7 +181,8 @@ class WatchWidget(anywidget.AnyWidget):
         have, sent = min(msg["have"], self._sent), self._sent
         start = max(have, sent - TAIL)
         if start > have:
-            self._send_lod("overview", self.watch.lod(OVERVIEW_BINS, 0, sent), 0, sent)
+            self._send_lod("overview", self.watch.lod(overview_bins(len(self.meta["layers"]) * len(self.meta["stats"])), 0, sent),
+                           0, sent)
         steps, stats, step_stats = self.watch.rows(start, sent) if sent > start else ([], None, None)
         chunks = [(stats, step_stats, [int(k) for k in steps])] if sent > start else []
         self._send_rows(start, chunks, 0)
@@ -235,6 +236,12 @@ class WatchWidget(anywidget.AnyWidget):
         from hookwidget.views.watch_export import BUDGET, to_html
 
         return to_html(self.watch, path, BUDGET if budget is None else budget)
+
+
+def overview_bins(values_a_row: int) -> int:
+    """Bins of the overview a view holds for rows of `values_a_row` values: as js/watch/bins.js maxBinsFor (the view
+    goes on folding rows into the kernel's overview, so both must agree): 25 bytes a value a bin, OVERVIEW_BYTES."""
+    return max(64, min(OVERVIEW_BINS, OVERVIEW_BYTES // (25 * max(values_a_row, 1))))
 
 
 def validate(content) -> dict:

@@ -9,7 +9,11 @@
 // when the kernel's bins say no more), so a column shows the spike, never an average of it.
 
 export const NAN = 1, POS_INF = 2, NEG_INF = 4;
-export const MAX_BINS = 2048; // bins a live overview holds: pairs merge (the size doubles) past it
+export const MAX_BINS = 2048; // bins a live overview holds at most: pairs merge (the size doubles) past it
+export const OVERVIEW_BYTES = 48 * 2 ** 20; // and at most this much memory: 25 bytes a value a bin (floats, counts, codes)
+
+/** Bins the live overview holds for P values a row (views/watch_widget.py overview_bins says the same). */
+export const maxBinsFor = (P) => Math.max(64, Math.min(MAX_BINS, Math.floor(OVERVIEW_BYTES / (25 * Math.max(P, 1)))));
 
 /** The non-finite code of v (0 for a finite value). */
 export const codeOf = (v) => (Number.isNaN(v) ? NAN : v === Infinity ? POS_INF : v === -Infinity ? NEG_INF : 0);

@@ -1,16 +1,16 @@
 // What the watch view holds of a run, bounded whatever its length: an overview (bins.js: the whole run in at most
-// MAX_BINS bins, each streamed row folded in as it arrives), the latest TAIL rows at full resolution, and the
+// maxBinsFor(layers × statistics) bins, 48 MiB at most, each streamed row folded in as it arrives), the latest TAIL rows at full resolution, and the
 // window the user zoomed to (full-resolution rows, or finer bins, that the kernel answered from w.rows / w.lod).
 // A standalone page's data fill the same: its overview, and the full-resolution segments it embeds (the last
 // steps, around each anomaly and kept step). Rows streamed in order are folded by row index; a gap is reported
 // so the caller asks the kernel for what it missed (a "sync" message).
 import { decodeTensor } from "../shared/protocol.js";
-import { accumulate, accumulateValue, binsOver, createLevel, foldRow, levelFrom } from "./bins.js";
+import { accumulate, accumulateValue, binsOver, createLevel, foldRow, levelFrom, maxBinsFor } from "./bins.js";
 
 export const TAIL = 1024; // latest rows kept at full resolution
 
 export function createStore(meta) {
-  const L = meta.layers.length, K = meta.stats.length, P = L * K;
+  const L = meta.layers.length, K = meta.stats.length, P = L * K, maxBins = maxBinsFor(P);
   const listeners = new Set();
   let tail = null; // {r0, n, steps, stats, step}: the latest rows, compacted to TAIL past 2 × TAIL
   const store = {
@@ -37,7 +37,7 @@ export function createStore(meta) {
         const stats = decodeTensor({ dtype, shape: [count * P] }, buffers[0]);
         const step = decodeTensor({ dtype, shape: [count * 2] }, buffers[1]);
         for (let i = Math.max(0, store.have - start); i < count; i++)
-          foldRow(store.overview, start + i, msg.steps[i], stats.subarray(i * P, (i + 1) * P), step.subarray(i * 2, i * 2 + 2));
+          foldRow(store.overview, start + i, msg.steps[i], stats.subarray(i * P, (i + 1) * P), step.subarray(i * 2, i * 2 + 2), maxBins);
         addTail(start, msg.steps, stats, step);
         store.have = Math.max(store.have, start + count);
         store.n = Math.max(store.n, store.have);

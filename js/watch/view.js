@@ -435,7 +435,7 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   }
   /** Where each anomaly is marked: [{step, x}] of those in the zoomed range. */
   const markColumns = () => [...store.anomalyMap().keys()].map((step) => ({ step, c: colOf(store.rowOf(step)) })).filter((m) => m.c >= 0).map(({ step, c }) => ({ step, x: c * layout.colW }));
-  root.hwView = { shownValues, markColumns, get layout() { return layout; }, setView, toggle };
+  root.hwView = { store, shownValues, markColumns, get layout() { return layout; }, setView, toggle };
 
   return {
     root, redraw, open, showLead, setView, select: select_, shownValues, toggle,
