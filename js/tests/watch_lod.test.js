@@ -110,6 +110,22 @@ describe("the live store", () => {
   });
 });
 
+describe("a heatmap column", () => {
+  it("columnShown gives each layer's cell as shown() of its summary, from bins and from rows, NaN and ±Inf included", () => {
+    const st = createStore(META);
+    const [msg, bufs] = rowsMsg(0, 64);
+    const s = new Float32Array(bufs[0].buffer);
+    s[(10 * L + 2) * K] = NaN; s[(11 * L + 3) * K] = Infinity; s[(12 * L + 4) * K] = -Infinity; s[(13 * L + 4) * K] = NaN;
+    st.apply(msg, bufs);
+    for (const src of [st.source(8, 16, 0), { level: st.overview, range: [0, 64], size: 1 }]) {
+      const out = st.columnShown(src, 0, new Float64Array(L));
+      for (let l = 0; l < L; l++) expect(out[l]).toBe(shown(st.acc(src, l, 0, newAcc())));
+    }
+    const rows = st.columnShown(st.source(8, 16, 0), 0, new Float64Array(L));
+    expect([rows[1], rows[2], rows[3], rows[4]]).toEqual([f32(15.1), NaN, Infinity, -Infinity]);
+  });
+});
+
 describe("the view at scale", () => {
   let el;
   beforeEach(() => { document.body.innerHTML = ""; el = document.createElement("div"); document.body.append(el); });

@@ -80,6 +80,36 @@ export function createStore(meta) {
       for (let r = src.a; r < src.b; r++) accumulateValue(acc, src.seg.stats[(r - src.seg.r0) * K1 * L + p]);
       return acc;
     },
+    /** Fill out[l] with the value a heatmap cell of layer l shows (bins.js shown) for statistic k over a source: the
+     * heatmap's inner loop, one pass over the layers without a call per cell. */
+    columnShown(src, k, out) {
+      const x = src.seg || src.level, one = x.k !== undefined, stride = one ? L : P;
+      for (let l = 0; l < L; l++) {
+        const p = one ? l : l * K + k;
+        let hi = -Infinity, lo = Infinity, nf = 0, any = false;
+        if (src.level) {
+          const lv = src.level;
+          for (let i = src.range[0]; i < src.range[1]; i++) {
+            if (!lv.rows[i]) continue;
+            const q = i * stride + p;
+            nf |= lv.nf[q];
+            if (!lv.finite[q]) continue;
+            any = true;
+            if (lv.max[q] > hi) hi = lv.max[q];
+            if (lv.min[q] < lo) lo = lv.min[q];
+          }
+        } else {
+          const sg = src.seg, st = sg.K * L;
+          for (let r = src.a; r < src.b; r++) {
+            const v = sg.stats[(r - sg.r0) * st + p];
+            if (v === v && v !== Infinity && v !== -Infinity) { any = true; if (v > hi) hi = v; if (v < lo) lo = v; }
+            else nf |= v !== v ? 1 : v > 0 ? 2 : 4;
+          }
+        }
+        out[l] = nf & 2 ? Infinity : nf & 4 ? -Infinity : nf & 1 || !any ? NaN : -lo > hi ? lo : hi;
+      }
+      return out;
+    },
     /** Add per-step statistic j over a source's rows into `acc`. */
     stepAcc(src, j, acc) {
       if (src.level) return accumulate(src.level, src.range[0], src.range[1], j, acc, true);

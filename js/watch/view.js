@@ -226,10 +226,12 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     const ctx = heat.getContext?.("2d");
     if (!ctx) return;
     ctx.clearRect(0, 0, W, heat.height);
+    const vals = new Float64Array(L);
     for (let c = 0; c < cols; c++) {
       const x0 = Math.floor(c * colW), x1 = Math.floor((c + 1) * colW), src = sources[c];
+      store.columnShown(src, k, vals);
       for (let i = 0; i < rows.length; i++) {
-        const v = shown(rowAcc(src, i, k));
+        const v = blockValue(vals, rows[i].layers);
         let over = false;
         if (v === Infinity && src.seg) for (const l of rows[i].layers) for (let r = bs[c][0]; r < bs[c][1] && !over; r++) over = overflowAt(store, r, l, k);
         ctx.fillStyle = cssOf(over ? OVERFLOW_RGB : colourOf(v, scale));
@@ -253,6 +255,18 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     const sc = selected === null ? -1 : colOf(selected);
     if (sc >= 0) { ctx.strokeStyle = "#2563eb"; ctx.strokeRect(Math.floor(sc * colW) + 1, 1, Math.max(2, Math.floor(colW) - 2), rows.length * rowH - 2); }
     labels.childNodes.forEach((node, i) => node.classList.toggle("bad", infiniteIn(rows[i].layers, k)));
+  }
+
+  /** A block's cell from its layers' cells: +Inf, -Inf, then NaN win (as in bins.js shown), else the largest |value|. */
+  function blockValue(vals, layers) {
+    if (layers.length === 1) return vals[layers[0]];
+    let best = -1, out = NaN, nf = 0;
+    for (const l of layers) {
+      const v = vals[l];
+      if (v === Infinity) return v;
+      if (v === -Infinity) nf |= 4; else if (v !== v) nf |= 1; else if (Math.abs(v) > best) { best = Math.abs(v); out = v; }
+    }
+    return nf & 4 ? -Infinity : nf & 1 ? NaN : out;
   }
 
   /** Whether a layer of `layers` held a real ±Inf of statistic k (not an overflowed norm: its counts say its entries
