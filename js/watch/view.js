@@ -225,19 +225,31 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     drawLegend(scale);
     const ctx = heat.getContext?.("2d");
     if (!ctx) return;
-    ctx.clearRect(0, 0, W, heat.height);
-    const vals = new Float64Array(L);
+    // Cells into one image: columns that share their bins (many, where bins are wider than a pixel) share values.
+    const H = heat.height, img = ctx.createImageData(W, Math.max(1, H)), px = img.data, vals = new Float64Array(L);
+    let rgb = [], key = null;
     for (let c = 0; c < cols; c++) {
-      const x0 = Math.floor(c * colW), x1 = Math.floor((c + 1) * colW), src = sources[c];
-      store.columnShown(src, k, vals);
+      const x0 = Math.floor(c * colW), x1 = Math.max(x0 + 1, Math.floor((c + 1) * colW)), src = sources[c];
+      const same = src.level ? `${src.range[0]}:${src.range[1]}` : null;
+      if (same === null || same !== key) {
+        store.columnShown(src, k, vals);
+        rgb = rows.map((row) => {
+          const v = blockValue(vals, row.layers);
+          let over = false;
+          if (v === Infinity && src.seg) for (const l of row.layers) for (let r = bs[c][0]; r < bs[c][1] && !over; r++) over = overflowAt(store, r, l, k);
+          return over ? OVERFLOW_RGB : colourOf(v, scale);
+        });
+      }
+      key = same;
       for (let i = 0; i < rows.length; i++) {
-        const v = blockValue(vals, rows[i].layers);
-        let over = false;
-        if (v === Infinity && src.seg) for (const l of rows[i].layers) for (let r = bs[c][0]; r < bs[c][1] && !over; r++) over = overflowAt(store, r, l, k);
-        ctx.fillStyle = cssOf(over ? OVERFLOW_RGB : colourOf(v, scale));
-        ctx.fillRect(x0, i * rowH, Math.max(1, x1 - x0), rowH);
+        const [r, g, b] = rgb[i];
+        for (let y = i * rowH; y < (i + 1) * rowH; y++) for (let x = x0; x < Math.min(x1, W); x++) {
+          const o = (y * W + x) * 4;
+          px[o] = r; px[o + 1] = g; px[o + 2] = b; px[o + 3] = 255;
+        }
       }
     }
+    ctx.putImageData(img, 0, 0);
     // The first anomaly located at each layer (where it started): a red outline around that cell, at every zoom.
     ctx.strokeStyle = "#dc2626";
     ctx.lineWidth = 2;
