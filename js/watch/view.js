@@ -36,6 +36,8 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   let openStep = null, frame = 0, layout = null, scaleMemo = null, asked = null;
   let view = null, selected = null; // view: the rows shown (axis.js); selected: a clicked step
   const acc = newAcc();
+  let sparkKey = null, sparkAt = 0;
+  const redraws = []; // the last 200 redraws' durations (ms): the live benchmark reads them (tests/browser)
 
   const select = h("select", { "data-testid": "watch-stat", title: "the statistic the heatmap, sparklines and values show", onchange: () => { stat = select.value; redraw(); } },
     ...meta.stats.map((s) => h("option", { value: s, text: `${s} · ${STAT_LABELS[s] || s}`, selected: s === stat })));
@@ -166,6 +168,12 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   }
 
   function redraw() {
+    const t0 = globalThis.performance?.now() ?? 0;
+    draw();
+    if (redraws.push((globalThis.performance?.now() ?? 0) - t0) > 200) redraws.shift();
+  }
+
+  function draw() {
     layout = measure();
     const k = meta.stats.indexOf(stat);
     const N = store.n, last = N ? store.stepOf(N - 1) : NaN, total = store.totalSteps ?? (N ? last + 1 : 0);
@@ -183,7 +191,15 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     heat.dataset.steps = String(N);
     heat.dataset.colW = String(layout.colW);
     drawHeat(k);
-    drawSparks(k);
+    // The whole run's sparklines and the layers' Inf flags: at most once a second while rows stream (a view or
+    // statistic change redraws them at once).
+    const runKey = `${k}:${rows.length}:${expanded.size}`, now = Date.now();
+    const whole = runKey !== sparkKey || now - sparkAt >= 1000 || store.state !== "open";
+    drawSparks(k, whole);
+    if (whole) {
+      sparkKey = runKey; sparkAt = now;
+      labels.childNodes.forEach((node, i) => node.classList.toggle("bad", infiniteIn(rows[i].layers, k)));
+    }
     drawMarks();
     drawChart(lossC, 0, lossV, lossR);
     drawChart(normC, 1, normV, normR);
@@ -266,7 +282,6 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     }
     const sc = selected === null ? -1 : colOf(selected);
     if (sc >= 0) { ctx.strokeStyle = "#2563eb"; ctx.strokeRect(Math.floor(sc * colW) + 1, 1, Math.max(2, Math.floor(colW) - 2), rows.length * rowH - 2); }
-    labels.childNodes.forEach((node, i) => node.classList.toggle("bad", infiniteIn(rows[i].layers, k)));
   }
 
   /** A block's cell from its layers' cells: +Inf, -Inf, then NaN win (as in bins.js shown), else the largest |value|. */
@@ -309,7 +324,7 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
       ...(scale.log ? [h("span", { class: "hw-w-sw", style: `background:${cssOf(ZERO_RGB)}` }), h("span", { text: "0" })] : []));
   }
 
-  function drawSparks(k) {
+  function drawSparks(k, lines = true) {
     const ctx = spark.getContext?.("2d");
     const last = store.n - 1, lastSrc = last >= 0 ? store.source(last, last + 1, k) : null;
     values.childNodes.forEach((node, i) => {
@@ -320,7 +335,7 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
       node.title = `${rows[i].label}: ${stat} at step ${s ? fmt(store.stepOf(last)) : "–"}${one < 0 ? " (the largest over its layers)" : ""}`;
       node.classList.toggle("bad", !!s && (v === Infinity || v === -Infinity) && !over);
     });
-    if (!ctx || rowH < 9) return;
+    if (!ctx || rowH < 9 || !lines) return;
     ctx.clearRect(0, 0, SPARK_W, spark.height);
     const whole = store.n ? store.source(0, store.n, k) : null, bs = bins(store.n, SPARK_W), srcs = bs.map(([a, b]) => store.source(a, b, k, whole));
     const dx = store.n <= SPARK_W ? Math.min(CELL / 2, SPARK_W / Math.max(store.n, 1)) : 1;
@@ -461,7 +476,7 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   }
   /** Where each anomaly is marked: [{step, x}] of those in the zoomed range. */
   const markColumns = () => [...store.anomalyMap().keys()].map((step) => ({ step, c: colOf(store.rowOf(step)) })).filter((m) => m.c >= 0).map(({ step, c }) => ({ step, x: c * layout.colW }));
-  root.hwView = { store, shownValues, markColumns, get layout() { return layout; }, setView, toggle };
+  root.hwView = { store, shownValues, markColumns, redraws, get layout() { return layout; }, setView, toggle };
 
   return {
     root, redraw, open, showLead, setView, select: select_, shownValues, toggle,

@@ -105,6 +105,9 @@ def test_1000_layers_stream_at_20_steps_a_second_and_a_zoom_shows_full_resolutio
         print("frames while streaming:", json.dumps({"count": int(frames.size), "p50_ms": round(float(np.median(frames)), 1),
               "p95_ms": round(float(np.percentile(frames, 95)), 1), "max_ms": round(float(frames.max()), 1)}))
         root = page.locator('[data-testid="watch"]')
+        redraws = np.array(root.evaluate("(root) => root.hwView.redraws"))
+        print("redraws while streaming:", json.dumps({"count": int(redraws.size), "p50_ms": round(float(np.median(redraws)), 1),
+              "p95_ms": round(float(np.percentile(redraws, 95)), 1), "max_ms": round(float(redraws.max()), 1)}))
         root.screenshot(path=str(img_dir / "watch_live_1000_layers_1500.png"))
         # What the view holds: the overview's bins, the latest rows, no more.
         held = root.evaluate("""(root) => { const s = root.hwView.store;
