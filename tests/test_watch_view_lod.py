@@ -76,8 +76,8 @@ def test_the_page_fits_its_budget_and_holds_what_it_says(wide, tmp_path, budget)
         a, n = seg["start"], len(seg["steps"])
         assert seg["steps"] == steps[a:a + n].tolist()
         assert np.array_equal(unb64(seg["stats"], np.float32).reshape(n, L, K), stats[a:a + n].astype(np.float32))
-        assert np.array_equal(unb64(seg["step_stats"], np.float32).reshape(n, 2), step_stats[a:a + n].astype(np.float32),
-                              equal_nan=True)
+        got = unb64(seg["step_stats"], np.float32).reshape(n, 2)
+        assert np.array_equal(got, step_stats[a:a + n].astype(np.float32), equal_nan=True)
         held |= set(range(a, a + n))
     assert {a.step for a in w.anomalies} <= held and len(steps) - 1 in held
     assert d["held"].startswith(f"this page holds steps 0–2,999 in {m:,} bins of {size:,} recorded steps")
@@ -121,10 +121,11 @@ def test_a_wide_window_is_answered_in_bins_of_one_statistic_from_w_lod(wide):
     wid, sent = widget_of(wide)
     wid._on_msg(wid, {"type": "sync", "have": 0, "request_id": "s"}, [])
     # The sync of a run longer than the view's tail: the overview of every row, then the latest rows.
-    (over, obufs), (rows, rbufs) = sent[-2], sent[-1]
+    (over, _), (rows, _) = sent[-2], sent[-1]
     check("reply_lod", over)
     check("reply_rows", rows)
-    assert over["role"] == "overview" and over["stop"] == 3000 and len(over["rows"]) <= ww.overview_bins(300 * 13) < 3000
+    assert over["role"] == "overview" and over["stop"] == 3000
+    assert len(over["rows"]) <= ww.overview_bins(300 * 13) < 3000
     assert rows["start"] == 3000 - ww.TAIL and rows["count"] == ww.TAIL
     k = list(wide.stat_names).index("update_ratio")
     old = ww.WINDOW_BYTES

@@ -29,7 +29,7 @@ from hookwidget.views.export import STATIC, details, json_for_script, standalone
 
 BUDGET = 16 * 2**20  # bytes of the page by default
 TAIL_SHARE, AROUND_SHARE, DETAIL_SHARE = 0.15, 0.25, 0.15  # of the budget left once the page's fixed parts are in
-TAIL, AROUND = 2048, 32  # the last rows, and the rows either side of an anomaly or kept step, at full resolution at most
+TAIL, AROUND = 2048, 32  # at full resolution at most: the last rows, the rows either side of an anomaly or kept step
 MAX_BINS = 4096  # an overview finer than the widest screen has no use
 PAGE_SLACK = 8192  # the HTML around the data
 
@@ -165,7 +165,8 @@ def held_text(watch, out: dict, tail: int, around: list) -> str:
     steps = watch.steps
     if o["size"] == 1:
         return f"this page holds every recorded step ({steps[0]:,}–{steps[-1]:,}) at full resolution."
-    parts = [f"this page holds steps {steps[0]:,}–{steps[-1]:,} in {len(o['rows']):,} bin{'s' if len(o['rows']) != 1 else ''}"
+    m = len(o["rows"])
+    parts = [f"this page holds steps {steps[0]:,}–{steps[-1]:,} in {m:,} bin{'s' if m != 1 else ''}"
              f" of {o['size']:,} recorded step{'s' if o['size'] != 1 else ''} (min, max, mean)"]
     full = []
     if tail:

@@ -176,13 +176,13 @@ class WatchWidget(anywidget.AnyWidget):
 
     def _do_sync(self, msg: dict) -> None:
         """Every row recorded so far from `have` on, for a view that missed some: the latest TAIL at full resolution,
-        and, when more are missing, the overview of rows [0, sent) first (w.lod), which the view goes on folding into."""
+        and, when more are missing, the overview of rows [0, sent) first (w.lod), which the view folds new rows into."""
         self._unsent, self._sent, self._last_push = [], self._rows, time.monotonic()  # the answer carries them all
         have, sent = min(msg["have"], self._sent), self._sent
         start = max(have, sent - TAIL)
         if start > have:
-            self._send_lod("overview", self.watch.lod(overview_bins(len(self.meta["layers"]) * len(self.meta["stats"])), 0, sent),
-                           0, sent)
+            bins = overview_bins(len(self.meta["layers"]) * len(self.meta["stats"]))
+            self._send_lod("overview", self.watch.lod(bins, 0, sent), 0, sent)
         steps, stats, step_stats = self.watch.rows(start, sent) if sent > start else ([], None, None)
         chunks = [(stats, step_stats, [int(k) for k in steps])] if sent > start else []
         self._send_rows(start, chunks, 0)
@@ -199,7 +199,8 @@ class WatchWidget(anywidget.AnyWidget):
             self.send({"type": "lod", "role": "window", "start": start, "stop": stop, "bins": msg["bins"], "stat": k,
                        "size": 1, "first": [int(s) for s in steps], "last_step": [], "rows": [1] * len(steps),
                        "nonfinite": "none"},
-                      [stats[:, :, k].float().contiguous().numpy().tobytes(), step_stats.float().contiguous().numpy().tobytes()])
+                      [stats[:, :, k].float().contiguous().numpy().tobytes(),
+                       step_stats.float().contiguous().numpy().tobytes()])
             return
         bins = max(1, min(msg["bins"], WINDOW_BYTES // (16 * L)))
         self._send_lod("window", self.watch.lod(bins, start, stop), start, stop, k, msg["bins"])
@@ -211,7 +212,8 @@ class WatchWidget(anywidget.AnyWidget):
         step = np.stack([b.step_min, b.step_max, b.step_mean, b.step_last], axis=1).astype(np.float32)
         r0 = (int(b.start[0]) // b.size) * b.size if len(b) else start  # the bins are aligned to their size
         msg = {"type": "lod", "role": role, "start": r0, "stop": stop, "bins": asked or len(b), "size": int(b.size),
-               "first": b.first.tolist(), "last_step": b.last_step.tolist(), "rows": b.rows.tolist(), "nonfinite": "layer"}
+               "first": b.first.tolist(), "last_step": b.last_step.tolist(), "rows": b.rows.tolist(),
+               "nonfinite": "layer"}
         if stat is not None:
             msg["stat"] = stat
         self.send(msg, [f32(b.min), f32(b.max), f32(b.mean), f32(b.last), step.tobytes(),

@@ -83,46 +83,56 @@ def lab(tmp_path_factory):
 FRAMES = """() => {
     window.__frames = [];
     let last = performance.now();
-    const tick = (t) => { window.__frames.push(t - last); last = t; if (!window.__stopFrames) requestAnimationFrame(tick); };
+    const tick = (t) => {
+        window.__frames.push(t - last);
+        last = t;
+        if (!window.__stopFrames) requestAnimationFrame(tick);
+    };
     requestAnimationFrame(tick);
 }"""
+STEPS = "Number(document.querySelector('[data-testid=watch-heatmap]')?.dataset.steps)"
+HELD = """(root) => { const s = root.hwView.store;
+    return { bins: s.overview.m, size: s.overview.size, first: s.received(0), last: s.received(s.n - 1) }; }"""
+
+
+def spread(name: str, ms) -> dict:
+    ms = np.asarray(ms, dtype=float)
+    out = {"what": name, "count": int(ms.size), "p50_ms": round(float(np.median(ms)), 1),
+           "p95_ms": round(float(np.percentile(ms, 95)), 1), "max_ms": round(float(ms.max()), 1)}
+    print(json.dumps(out))
+    return out
 
 
 def test_1000_layers_stream_at_20_steps_a_second_and_a_zoom_shows_full_resolution(browser, lab, img_dir):
     with notebook(browser, lab["url"], 1500, 1400, failure=img_dir / "watch_live_scale_failure.png") as page:
         page.add_style_tag(content=".Toastify { display: none !important; }")
         run_cell(page, 0, timeout=180_000)
-        heat = page.locator('[data-testid="watch-heatmap"]')
-        page.wait_for_function(f"Number(document.querySelector('[data-testid=watch-heatmap]')?.dataset.steps) === {N0}",
-                               timeout=120_000)
+        page.wait_for_function(f"{STEPS} === {N0}", timeout=120_000)
         page.evaluate(FRAMES)
         start_cell(page, 1)
         page.wait_for_function(f"document.querySelector('[data-testid=watch-state]').textContent === 'closed'"
-                               f" && Number(document.querySelector('[data-testid=watch-heatmap]').dataset.steps) === {N}",
-                               timeout=120_000, polling=200)
-        frames = page.evaluate("() => { window.__stopFrames = true; return window.__frames; }")
-        frames = np.array(frames[1:])
-        print("frames while streaming:", json.dumps({"count": int(frames.size), "p50_ms": round(float(np.median(frames)), 1),
-              "p95_ms": round(float(np.percentile(frames, 95)), 1), "max_ms": round(float(frames.max()), 1)}))
+                               f" && {STEPS} === {N}", timeout=120_000, polling=200)
+        spread("frames (requestAnimationFrame deltas) while streaming",
+               page.evaluate("() => { window.__stopFrames = true; return window.__frames; }")[1:])
         root = page.locator('[data-testid="watch"]')
-        redraws = np.array(root.evaluate("(root) => root.hwView.redraws"))
-        print("redraws while streaming:", json.dumps({"count": int(redraws.size), "p50_ms": round(float(np.median(redraws)), 1),
-              "p95_ms": round(float(np.percentile(redraws, 95)), 1), "max_ms": round(float(redraws.max()), 1)}))
+        spread("the view's redraws while streaming", root.evaluate("(root) => root.hwView.redraws"))
         root.screenshot(path=str(img_dir / "watch_live_1000_layers_1500.png"))
-        # What the view holds: the overview's bins, the latest rows, no more.
-        held = root.evaluate("""(root) => { const s = root.hwView.store;
-            return { bins: s.overview.m, size: s.overview.size, first: s.received(0), last: s.received(%d) }; }""" % (N - 1))
+        # What the view holds: the overview's bins (48 MiB at most: 154 of 1,000 × 13 values), the latest rows.
+        held = root.evaluate(HELD)
         print("the view holds:", held)
-        assert held["bins"] * held["size"] >= N and held["bins"] <= 154 and not held["first"] and held["last"], held  # 48 MiB / (25 B × 13,000)
+        assert held["bins"] * held["size"] >= N and held["bins"] <= 154, held
+        assert not held["first"] and held["last"], held
         # A zoom to 100 steps older than the latest rows: the view asks the kernel, then draws its rows.
         stats, _, _ = synthetic_rows(L, N)
         k = STAT_NAMES.index("grad_norm")
         root.evaluate("(root) => root.hwView.setView({ v0: 100, v1: 200 })")
-        page.wait_for_function("document.querySelector('[data-testid=watch-heatmap]').dataset.resolution === '1'", timeout=30_000)
+        page.wait_for_function("document.querySelector('[data-testid=watch-heatmap]').dataset.resolution === '1'",
+                               timeout=30_000)
         for layer in (0, 7, 999):
             got = root.evaluate(f"(root) => root.hwView.shownValues({layer}, 'grad_norm')")
             assert [c["first"] for c in got] == list(range(100, 200)) and {c["size"] for c in got} == {1}
             assert np.array_equal(np.array([c["value"] for c in got], np.float32), stats[100:200, layer, k])
-        assert root.locator('[data-testid="watch-resolution"]').inner_text() == "drawn at full resolution: a column a step"
+        resolution = root.locator('[data-testid="watch-resolution"]').inner_text()
+        assert resolution == "drawn at full resolution: a column a step"
         root.screenshot(path=str(img_dir / "watch_live_1000_layers_zoomed_1500.png"))
         assert not page.errors, page.errors

@@ -30,7 +30,7 @@ MARKS = """(root) => {
 
 
 @pytest.mark.parametrize("width", [1100, 1500])
-def test_a_page_of_1000_layers_opens_within_its_budget_marks_every_anomaly_and_expands_a_block(page, img_dir, page_path, width):
+def test_a_page_of_1000_layers_opens_marks_every_anomaly_and_expands_a_block(page, img_dir, page_path, width):
     from hookwidget.views.watch_export import BUDGET
 
     assert page_path.stat().st_size <= BUDGET
