@@ -98,7 +98,8 @@ HELD = """(root) => { const s = root.hwView.store;
 def spread(name: str, ms) -> dict:
     ms = np.asarray(ms, dtype=float)
     out = {"what": name, "count": int(ms.size), "p50_ms": round(float(np.median(ms)), 1),
-           "p95_ms": round(float(np.percentile(ms, 95)), 1), "max_ms": round(float(ms.max()), 1)}
+           "p95_ms": round(float(np.percentile(ms, 95)), 1), "max_ms": round(float(ms.max()), 1),
+           "min_ms": round(float(ms.min()), 1)}
     print(json.dumps(out))
     return out
 
