@@ -35,8 +35,8 @@ def one_line(excinfo, *words) -> str:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """The float64 tensor's bits (NaN equal to itself, -0.0 not to 0.0)."""
-    return t.contiguous().view(torch.int64)
+    """The float tensor's bits (NaN equal to itself, -0.0 not to 0.0)."""
+    return t.contiguous().view({torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype])
 
 
 def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -224,7 +224,8 @@ def test_log_dir_holds_the_watch_up_to_close(tmp_path):
 
 def test_a_slow_run_writes_a_shard_every_few_seconds_below_batch(tmp_path, monkeypatch):
     """Rows reach the disk while the watch is open though fewer than `batch` arrived: at most SHARD_SECONDS
-    after they reached the host (0 here: each chunk the watch moves is written)."""
+    after they reached the host (0 here: each chunk the watch moves is written), but the newest, which waits for
+    the next rows (its optimizer step may still write its update ratio into it)."""
     from hookwidget.views import watch_log
 
     monkeypatch.setattr(watch_log, "SHARD_SECONDS", 0.0)
@@ -235,7 +236,7 @@ def test_a_slow_run_writes_a_shard_every_few_seconds_below_batch(tmp_path, monke
         for _ in range(4):
             F.mse_loss(model(x), y).backward()
         deadline = time.monotonic() + 30
-        while len(hw.load(d).steps) < 3:
+        while len(hw.load(d).steps) < 2:
             assert time.monotonic() < deadline, "no rows on disk while the watch is open"
             time.sleep(0.02)
         assert w.active
@@ -247,10 +248,12 @@ NUMPY_ONLY = textwrap.dedent("""
     import numpy as np
     d = sys.argv[1]
     meta = json.load(open(f"{d}/watch.json"))
-    shards = [np.load(f) for f in sorted(glob.glob(f"{d}/rows-*.npz"))]
+    first = lambda f: int(f.split("rows-")[1].split("-")[0])
+    shards = [np.load(f, mmap_mode="r") for f in sorted(glob.glob(f"{d}/rows-*.npy"), key=first)]
     stats = np.concatenate([s["stats"] for s in shards])
     loss = np.concatenate([s["step_stats"] for s in shards])[:, meta["step_stats"].index("loss")]
-    where = [str(x) for s in shards for x in s["anomaly_where"]]
+    last = shards[-1]["step"][-1]
+    where = [a[1] for a in json.load(open(f"{d}/events.json"))["anomalies"] if a[0] <= last]
     assert "torch" not in sys.modules and "hookwidget" not in sys.modules
     print(json.dumps({"shape": stats.shape, "layers": meta["layers"], "loss": loss.tolist(),
                       "grad_norm_0": stats[:, 0, meta["stats"].index("grad_norm")].tolist(), "where": where}))
@@ -310,7 +313,7 @@ def test_log_dir_survives_kill_9_up_to_the_last_complete_shard(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", LOOP, str(d)], env=env, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
-        while len(list(d.glob("rows-*.npz"))) < 5:
+        while len(list(d.glob("rows-*.npy"))) < 5:
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "no shards written"
             time.sleep(0.05)
@@ -342,10 +345,10 @@ def _root():
 def test_a_damaged_shard_keeps_the_rows_before_it(tmp_path):
     d = tmp_path / "log"
     w = train(mlp(), 12, log_dir=d, batch=4, flight_recorder=False)
-    shards = sorted(d.glob("rows-*.npz"))
+    shards = sorted(d.glob("rows-*.npy"))
     shards[1].write_bytes(b"not a shard")
     u = hw.load(d)
-    n = len(np.load(shards[0])["steps"])
+    n = len(np.load(shards[0])["step"])
     assert u.steps == w.steps[:n] and bitwise(u.stats, w.stats[:n])
     assert any(shards[1].name in note and "left out" in note for note in u.notes)
 

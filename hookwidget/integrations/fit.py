@@ -96,8 +96,9 @@ class Fit:
         if r is None:
             return {}
         w = self.watch
-        out = {f"{PREFIX}/grad_norm": w.step_stats[r, 1].item()}
-        ratios = w.stats[r, :, w.stat_names.index("update_ratio")].nan_to_num(-math.inf)
+        _, row, step_row = w.rows(r, r + 1)  # this row alone: w.stats would read the whole run
+        out = {f"{PREFIX}/grad_norm": step_row[0, 1].item()}
+        ratios = row[0, :, w.stat_names.index("update_ratio")].double().nan_to_num(-math.inf)
         top = int(ratios.argmax())
         out[f"{PREFIX}/update_ratio_max"] = ratios[top].item() if ratios[top] > -math.inf else math.nan
         out[f"{PREFIX}/update_ratio_max_layer"] = top if ratios[top] > -math.inf else math.nan
@@ -111,7 +112,7 @@ class Fit:
                 at = self.trainer_step(lead.step)
                 out[f"{PREFIX}/anomaly_lead_step"] = at if at is not None else math.nan
         if self.log_stats:
-            table = w.stats[r].tolist()
+            table = row[0].double().tolist()
             out.update({f"{PREFIX}/{stat}/{layer}": table[li][w.stat_names.index(stat)]
                         for stat in self.log_stats for li, layer in enumerate(w.layer_names)})
         return out

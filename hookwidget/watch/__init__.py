@@ -111,8 +111,14 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     when read: no host sync per hook or per step (with the flight recorder on: one small one per step,
     of the step's loss, gradient norm and non-finite counts, to decide which Trace to keep; on the CPU
     or with the flight recorder on, rows also move at least every 0.5 s, for a slow run's live view).
-    w.stats is (recorded steps × layers × statistics), float64;
-    w.steps the step index of each row; w.series("fc1", "grad_norm"), w.series("loss").
+    w.stats is (recorded steps × layers × statistics), float32 (float64 where the model holds float64
+    parameters), w.step_stats float64; w.steps the step index of each row; w.series("fc1", "grad_norm"),
+    w.series("loss"); w.rows(start, stop) a range of rows, w.lod(bins) the run in bins (min, max, mean, last).
+
+    **Memory.** RAM does not grow with the run: the latest rows at full resolution (32 MiB of them, 64 to 4,096
+    rows), a summary of every row in at most 1,024 bins (64 MiB at most) merged pairwise as the run grows, and 8
+    bytes a row for its step index; every row also goes to disk (log_dir=, else a temporary folder deleted with
+    the watch or at exit: w.log_dir), from where w.stats, w.series and w.rows read what left RAM.
 
     **Anomalies.** w.anomalies: (step, where, reason) for a recorded step with (a run that turns non-finite gives
     one anomaly for its onset, where = the layer where it arose, the reason listing each of the kinds below with its
@@ -163,8 +169,7 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     (up to 2x the parameters' size), the graph of the step, and the loss. A long forward-only stretch
     between two backward passes (an evaluation loop with grad on) goes into one recording, within
     the same budget. At worst, (max_kept + 2) Traces are alive, each up to trace_budget_mb of a and δ
-    plus its .grad copies, on the model's device. Off, the watch keeps only the statistics: layers x 12
-    float64 per recorded step.
+    plus its .grad copies, on the model's device. Off, the watch keeps only the statistics (see Memory).
 
     **In a notebook**, `w` as a cell's last line (or display(w), or %%hookwatch) shows the live explorer: a
     layers × steps heatmap of one statistic, sparklines, the loss and global gradient norm, anomalies
@@ -216,11 +221,12 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
 
     **Keeping it:** w.save(path) writes the watch as data (statistics, anomalies, notes, kept Traces; no code);
     hw.load(path) reads it back read-only (every query above, the view, w.trace(k) as loaded Traces).
-    log_dir=d appends the statistics to d as the run goes, from a background thread as rows reach the host (no
-    sync of its own): numbered numpy shards d/rows-NNNNNN.npz (steps, stats, step_stats, the anomalies of those
-    rows), one every `batch` recorded steps or 10 s, each written whole (a temporary name, then a rename), and
-    d/watch.json (names, notes). hw.load(d) reads it up to the last complete shard, even after the process was
-    killed; numpy reads it without hookwidget: np.load("d/rows-000000.npz")["stats"]. d must hold no log yet.
+    log_dir=d appends the statistics to d as the run goes (every watch does, to a temporary folder where no
+    log_dir is given), from a background thread as rows reach the host (no sync of its own): numpy shards
+    d/rows-<first row>-<rows>.npy (structured rows: step, stats, step_stats), one every `batch` recorded steps or
+    10 s, each written whole (a temporary name, then a rename), d/events.json (the anomalies) and d/watch.json
+    (names, notes). hw.load(d) reads it lazily up to the last complete shard, even after the process was
+    killed; numpy reads it without hookwidget: np.load(shard, mmap_mode="r")["stats"]. d must hold no log yet.
     """
     # a step of several backward passes (accumulation, a closure) is added up in capture/opt_steps.py
     check_arguments(model=model, every=every, spike=spike, window=window, keep=keep, flight_recorder=flight_recorder,

@@ -7,12 +7,14 @@ GradScaler steps (amp.py) and says what it could not see."""
 
 from __future__ import annotations
 
+import bisect
+import shutil
+import tempfile
 import threading
 import warnings
 import weakref
 from contextlib import ExitStack
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -21,11 +23,11 @@ from hookwidget.capture.sample_stats import PerSample
 from hookwidget.capture.stat_rows import STAT_NAMES, STEP_STAT_NAMES
 from hookwidget.capture.step_stats import STATS, Watched
 from hookwidget.capture.tracer import Tracer
-from hookwidget.options import check_path
-from hookwidget.watch import amp, compiled, leads
+from hookwidget.watch import amp, compiled
 from hookwidget.watch.amp import ScaleTrack
 from hookwidget.watch.detect import Detector
 from hookwidget.watch.flight import FlightRecorder
+from hookwidget.watch.history import History
 from hookwidget.watch.host import HostRows
 from hookwidget.watch.ranks import MODES
 from hookwidget.watch.ranks import of as _spread_of
@@ -129,22 +131,23 @@ class Watch(Reads):
         # a model spread over ranks (DDP, FSDP2, DTensor): its rows made global (ranks.py); else None
         self._spread = _spread_of(model, self._params, pairs, self.layer_names, self.notes,
                                   lambda: self._rows.changed(), ranks)
+        self.tracks_per_sample = ps is not None  # per_sample=True: each step's largest per-sample gradient norm
+        # float32 rows, unless the model holds float64 parameters (docs/guide/watch.md: what float64 would buy)
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
+        self._log = _log(self, log_dir, torch.empty(0, dtype=dtype).numpy().dtype)  # every row on disk (views/watch_log.py), from its own thread
+        self._history = History(len(self._layers), len(STAT_NAMES), dtype, ps is not None, self._log)
         self._rows = HostRows(len(self._layers), self._detector, lambda: self._amp, ps is not None, self._tell,
-                              self._spread)
+                              self._spread, self._history)
         self._tracer = Tracer(self._layers, capture=STATS, norms_rule=Watched(
             self._layers, self._params, pairs, self.every, ps, self._scale_now, self._rows.add, self._rows.changed,
             self._step_ended, self._step_began, self._take_back))
         self._stats = self._tracer.keep  # the steps (capture/step_stats.StatsKeep)
         self._ps = ps
-        self.tracks_per_sample = ps is not None  # per_sample=True: each step's largest per-sample gradient norm
         if tensorboard is not None:  # written as rows reach the host
             from hookwidget.views.tensorboard import TensorBoardLog
 
             self.listen(TensorBoardLog(tensorboard, self))
-        if log_dir is not None:  # shards of rows as they reach the host (views/watch_log.py)
-            from hookwidget.views.watch_log import WatchLog
-
-            self.listen(WatchLog(log_dir, self))
+        self.listen(self._log)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> Watch:
@@ -199,6 +202,7 @@ class Watch(Reads):
             if self._spread is not None:
                 self._spread.finish()  # the last step's update ratio: one more gather, on every rank
             self._flush()
+            self._history.finish()
             if self._flight is not None:
                 self._flight.finish(self._detector.rank)
             self._tell("closed")
@@ -311,12 +315,6 @@ class Watch(Reads):
         self._listeners.append(fn)
 
     @property
-    def found_anomalies(self) -> list:
-        """The anomalies found so far among the rows already on the host (w.anomalies moves the rest first), with
-        their leads from those rows (no transfer: the live view and the exports read this)."""
-        return self._with_leads(list(self._detector.anomalies), *self._rows.host_tables())
-
-    @property
     def seen(self) -> int:
         """Backward passes seen so far (recorded or not: every=k records one step in k)."""
         return self._stats.n
@@ -339,7 +337,7 @@ class Watch(Reads):
         steps; a step is one pass until the watch counts optimizer steps."""
         self._flush()
         micro = self._rows.micro
-        return {k: micro[k][0] if k in micro else [k] for k in self._rows.recorded}
+        return {k: micro[k][0] if k in micro else [k] for k in self._history.steps}
 
     def micro(self, step: int) -> tuple:
         """(stats, step_stats) of the backward passes of recorded step `step`, as the watch records a pass
@@ -350,10 +348,12 @@ class Watch(Reads):
         if step in self._rows.micro:
             _, stats, step_stats = self._rows.micro[step]
             return stats, step_stats
-        if step not in self._rows.recorded:
+        steps = self._history.steps
+        r = bisect.bisect_left(steps, step)
+        if r == len(steps) or steps[r] != step:
             raise KeyError(f"step {step} was not recorded; recorded steps: w.steps")
-        r = list(self._rows.recorded).index(step)
-        return self.stats[r:r + 1], self.step_stats[r:r + 1]
+        _, stats, step_stats = self.rows(r, r + 1)
+        return stats, step_stats
 
     @property
     def skipped(self) -> list:
@@ -369,43 +369,41 @@ class Watch(Reads):
         for fn in list(self._listeners):
             fn(event, *args)
 
-    # -- what users read -----------------------------------------------------------------------
+    # -- what users read (the rest: reads.py) -----------------------------------------------------
     @property
     def n_rows(self) -> int:
         """Recorded rows on the host so far (no transfer, no device sync)."""
-        return len(self._rows.recorded)
+        return self._history.n
+
+    @property
+    def log_dir(self) -> str:
+        """The folder holding every row on disk: log_dir= as given, else a temporary one (deleted with the watch,
+        or at the interpreter's exit: docs/guide/watch.md)."""
+        return self._log.log_dir
+
+    @property
+    def memory(self) -> int:
+        """Bytes of RAM the watch's rows take on the host: the full-resolution window, the summary and the step
+        indices (watch/history.py); the rest of the run is on disk."""
+        return self._history.nbytes
+
+    def _settle(self) -> None:
+        self._flush()
 
     def _table(self, start: int, stop: int) -> tuple:
-        stats, step_stats = self._rows.host_tables()
-        return (np.asarray(self._rows.recorded[start:stop], np.int64), stats[start:stop].numpy(),
-                step_stats[start:stop].numpy())
+        return self._history.table(start, stop)
 
-    @property
-    def stats(self) -> torch.Tensor:
-        """(recorded steps, layers, statistics) float64 on the host; names in stat_names, layer_names."""
-        return self._rows.tables()[0]
+    def _column(self, start: int, stop: int, at: tuple, field: str):
+        return self._history.column(start, stop, at, field)
 
-    @property
-    def step_stats(self) -> torch.Tensor:
-        """(recorded steps, 2): the loss and the global gradient norm (step_stat_names)."""
-        return self._rows.tables()[1]
+    def _steps(self) -> list:
+        return list(self._history.steps)
 
-    @property
-    def steps(self) -> list:
-        """The step (backward pass) index of each row of stats."""
-        self._flush()
-        return list(self._rows.recorded)
+    def _level(self):
+        return self._history.level
 
-    @property
-    def loss(self) -> torch.Tensor:
-        """(recorded steps,) float64: the loss of each recorded step, the scalar backward started from
-        (`w.series("loss")`)."""
-        return self.step_stats[:, 0]
-
-    @property
-    def grad_norm(self) -> torch.Tensor:
-        """(recorded steps,) float64: the global gradient norm of each recorded step (`w.series("grad_norm")`)."""
-        return self.step_stats[:, 1]
+    def _found(self) -> list:
+        return list(self._detector.anomalies)
 
     @property
     def per_sample(self) -> torch.Tensor:
@@ -414,7 +412,8 @@ class Watch(Reads):
         the batch; NaN where not known."""
         if self._ps is None:
             raise KeyError("per-sample norms are off: hw.watch(model, per_sample=True) records them")
-        return self._rows.per_sample_table()
+        self._flush()
+        return torch.from_numpy(self._history.column(0, self.n_rows, (), "per_sample").reshape(-1, 2))
 
     @property
     def local_stats(self) -> torch.Tensor:
@@ -433,66 +432,8 @@ class Watch(Reads):
         return dict(self._spread.scope) if self._spread is not None else {}
 
     def _local(self) -> tuple:
-        stats, step_stats = self._rows.tables()
+        stats, step_stats = self.stats, self.step_stats
         return self._spread.local_tables(stats, step_stats) if self._spread is not None else (stats, step_stats)
-
-    def series(self, layer: str, stat: str | None = None, scope: str = "global") -> torch.Tensor:
-        """One statistic of one layer over the recorded steps, or one of the per-step ones.
-
-        Args:
-
-        - `layer`: a name of `w.layer_names`; or `"loss"` / `"grad_norm"` (the per-step ones, `w.step_stat_names`)
-          with no `stat`.
-        - `stat`: a name of `w.stat_names`.
-        - `scope`: `"global"` (default); `"local"`: as this rank held it (a model spread over ranks: see
-          `w.scope`).
-
-        Returns:
-
-        A float64 tensor of shape (recorded steps,).
-
-        Raises:
-
-        - `KeyError`: no such layer or statistic (the message lists the valid ones).
-        - `ValueError`: a bad `scope`.
-
-        Example:
-
-        ```python
-        w.series("fc1", "grad_norm"), w.series("loss")
-        ```
-        """
-        if scope not in MODES:
-            raise ValueError(f"series(scope={scope!r}): 'global' (over ranks) or 'local' (this rank's)")
-        stats, step_stats = self._local() if scope == "local" else (self.stats, self.step_stats)
-        if stat is None:
-            if layer in ("per_sample_max", "per_sample_argmax"):
-                return self.per_sample[:, 0 if layer == "per_sample_max" else 1]
-            if layer not in self.step_stat_names:
-                raise KeyError(f"series({layer!r}): give a layer and a statistic, or one of {self.step_stat_names}")
-            return step_stats[:, self.step_stat_names.index(layer)]
-        if layer not in self.layer_names:
-            close = [n for n in self.layer_names if layer.lower() in n.lower()][:5] or self.layer_names[:8]
-            raise KeyError(f"no layer {layer!r} watched (layers with parameters); e.g. {', '.join(close)}")
-        if stat not in self.stat_names:
-            raise KeyError(f"no statistic {stat!r}; choose one of {', '.join(self.stat_names)}")
-        return stats[:, self.layer_names.index(layer), self.stat_names.index(stat)]
-
-    @property
-    def anomalies(self) -> list:
-        """Anomaly(step, where, reason, lead) entries, in step order (see `hw.watch` for the rules); `lead`: where
-        the cause shows first (a `Lead`), or None."""
-        # leads: watch/leads.py
-        self._flush()
-        return self._with_leads(list(self._detector.anomalies), *self._rows.tables())
-
-    def _with_leads(self, anomalies: list, stats, step_stats) -> list:
-        if not anomalies:
-            return anomalies
-        n = stats.shape[0]
-        rows = leads.Rows(stats.numpy(), step_stats.numpy(), list(self._rows.recorded)[:n], self.layer_names,
-                          self.stat_names, self.step_stat_names)
-        return leads.with_leads(anomalies, rows)
 
     @property
     def found_nonfinite(self) -> dict:
@@ -526,64 +467,12 @@ class Watch(Reads):
             k = kept[-1]
         return self._flight.trace(k)
 
-    def widget(self):
-        """The live explorer of this watch (one per watch): heatmap, sparklines, loss; it grows while the loop runs."""
-        from hookwidget.views.watch_widget import widget_of
-
-        return widget_of(self)
-
-    def _repr_mimebundle_(self, include=None, exclude=None):
-        """In a Jupyter kernel the live explorer, elsewhere the plain-text repr."""
-        from hookwidget.views.watch_widget import mimebundle
-
-        return mimebundle(self, include, exclude)
-
-    def to_html(self, path):
-        """Write the explorer of this watch (statistics, anomalies, kept Traces) as one standalone page."""
-        from hookwidget.views.watch_export import to_html
-
-        return to_html(self, path)
-
     def __repr__(self) -> str:
         state = "open" if self.active else "closed"
         n = len(self.steps)
         return (f"Watch ({state}): {len(self.layer_names)} layers, {self.seen} steps, {n} recorded, "
                 f"{len(self._detector.anomalies)} anomalies" + (f", traces kept at steps {self.kept}"
                                                                 if self.flight_recorder else ""))
-
-    def to_tensorboard(self, log_dir) -> str:
-        """Write what was recorded so far as TensorBoard scalars (`{stat}/{layer}`, `step/loss`,
-        `step/grad_norm`; x = step) and the anomalies as text.
-
-        Args:
-
-        - `log_dir`: the TensorBoard log directory.
-
-        Returns:
-
-        The run's folder. Needs: pip install hookwidget[tensorboard].
-        """
-        from hookwidget.views.tensorboard import write
-
-        return write(self, log_dir)
-
-    def to_wandb(self, run=None):
-        """Log what was recorded so far to a W&B run: the same keys as to_tensorboard against x =
-        `hookwidget_step`, the anomalies as a table.
-
-        On an open watch the later rows follow from a background thread until close().
-
-        Args:
-
-        - `run`: a W&B run; None (default): the active one, else a new one.
-
-        Returns:
-
-        The run. Needs: pip install hookwidget[wandb].
-        """
-        from hookwidget.views.wandb import write
-
-        return write(self, run)
 
     def gather(self, dst: int = 0, group=None):
         """Distributed: every rank's own statistics (w.local_stats) on rank `dst` (list of RankStats indexed by
@@ -600,38 +489,14 @@ class Watch(Reads):
         reached (FlightRecorder.decide)."""
         return self._flight.dropped if self._flight is not None else 0
 
-    def save(self, path) -> None:
-        """Write this watch to `path` as data (statistics, steps, names, anomalies, notes, the kept Traces; no
-        code), for `hw.load(path)`: a read-only watch that answers the same queries and shows the same view.
 
-        Args:
+def _log(watch: Watch, log_dir, dtype):
+    """The watch's log (views/watch_log.py): in `log_dir`, or in a temporary folder of the system's (tempfile)
+    removed when the watch is garbage-collected or the interpreter exits."""
+    from hookwidget.views.watch_log import WatchLog
 
-        - `path`: the file to write (a str or os.PathLike).
-
-        Raises:
-
-        - `TypeError`: `path` is not a path.
-
-        Example:
-
-        ```python
-        w.save("run.pt")
-        hw.load("run.pt").series("loss")
-        ```
-        """
-        from hookwidget.record import saved
-
-        check_path(path, "w.save(path)", "w.save('run.pt')")
-        try:
-            ps = self.per_sample
-        except KeyError:  # per_sample=False
-            ps = None
-        tree = {"layers": list(self.layer_names), "stat_names": list(self.stat_names),
-                "step_stat_names": list(self.step_stat_names), "every": self.every, "stats": self.stats,
-                "step_stats": self.step_stats, "steps": torch.tensor(self.steps, dtype=torch.int64),
-                "per_sample": ps, "anomalies": [tuple(a[:3]) for a in self.anomalies],
-                "notes": [str(n) for n in self.notes], "skipped": list(self.skipped), "seen": int(self.seen),
-                "nonfinite": {int(k): int(v) for k, v in self.nonfinite.items()},
-                "dropped": self.dropped_traces,
-                "traces": None if self._flight is None else [(k, self.trace(k).to_data()) for k in self.kept]}
-        saved.write(path, "watch", tree)  # a loaded watch saves the same way (watch/saved.py's SavedWatch)
+    if log_dir is not None:
+        return WatchLog(log_dir, watch, dtype)
+    folder = tempfile.mkdtemp(prefix="hookwidget-watch-")
+    weakref.finalize(watch, shutil.rmtree, folder, ignore_errors=True)
+    return WatchLog(folder, watch, dtype)

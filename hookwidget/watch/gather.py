@@ -12,7 +12,7 @@ class RankStats(NamedTuple):
     rank: int
     layer_names: list
     steps: list
-    stats: torch.Tensor  # (recorded steps, layers, statistics), float64, on the host
+    stats: torch.Tensor  # (recorded steps, layers, statistics), the watch's dtype (w.stats'), on the host
     step_stats: torch.Tensor  # (recorded steps, 2): loss and gradient norm, as this rank saw them
     anomalies: list
     skipped: list

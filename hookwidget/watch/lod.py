@@ -142,25 +142,28 @@ def merge(b: Bins, size: int) -> Bins:
 
 
 class Level:
-    """The in-RAM summary of the rows that left the full-resolution window: complete bins of one size, at most
-    `cap` of them (cap a power of two): when the cap is reached, neighbours merge pairwise and the size doubles,
-    so its memory is fixed whatever the run's length; `open` holds the rows of the bin being filled, summarised
-    (the bin of `size` that the next rows complete)."""
+    """The in-RAM summary of a watch's rows: complete bins of one size in `cap` preallocated slots (cap a power
+    of two); when they would reach the cap, neighbours merge pairwise and the size doubles, so its memory is fixed
+    whatever the run's length; `open` holds the rows of the bin being filled, summarised."""
 
     def __init__(self, L: int, K: int, cap: int):
         self.L, self.K, self.cap = L, K, cap
-        self.bins = empty(L, K, 1)
-        self.open = empty(L, K, 1)  # at most one partial bin of self.bins.size, summarised so far
+        self.size, self.m = 1, 0  # bin size; complete bins held
+        self.open = empty(L, K, 1)  # at most one partial bin of self.size, summarised so far
         self.end = 0  # rows summarised (complete bins and the open one)
+        self._slots = None  # field -> array with `cap` rows, made at the first complete bin
 
     @property
-    def size(self) -> int:
-        return self.bins.size
+    def bins(self) -> Bins:
+        """The complete bins (views of the slots)."""
+        if self._slots is None:
+            return empty(self.L, self.K, self.size)
+        return Bins(self.size, **{k: v[:self.m] for k, v in self._slots.items()})
 
     @property
     def done(self) -> int:
         """Rows in complete bins: [0, done) is answered by self.bins."""
-        return self.end - int(self.open.rows.sum())
+        return self.m * self.size
 
     def add(self, steps, stats, step_stats) -> None:
         """Rows `end`, `end` + 1, ... (in order) added to the summary."""
@@ -170,14 +173,31 @@ class Level:
         self.end += len(steps)
         both = merge(concat([self.open, new], self.L, self.K, self.size), self.size)
         full = both.rows == self.size
-        self.bins = concat([self.bins, both.take(full)], self.L, self.K, self.size)
         self.open = both.take(~full)
-        while len(self.bins) >= self.cap:
-            size = self.size * 2
-            whole = merge(concat([self.bins, self.open], self.L, self.K, self.size), size)
+        self._put(both.take(full))
+
+    def _put(self, done: Bins) -> None:
+        if self.m + len(done) < self.cap:
+            self._write(done, self.m)
+            return
+        whole, size = concat([self.bins, done, self.open], self.L, self.K, self.size), self.size
+        while True:  # the cap reached: neighbours merged pairwise, as often as it takes
+            size *= 2
+            whole = merge(whole, size)
             full = whole.rows == size
-            self.bins, self.open = whole.take(full), whole.take(~full)
+            if int(full.sum()) < self.cap:
+                break
+        self.size, self.open = size, whole.take(~full)
+        self._write(whole.take(full), 0)
+
+    def _write(self, b: Bins, at: int) -> None:
+        if self._slots is None:
+            self._slots = {k: np.empty((self.cap, *v.shape[1:]), v.dtype) for k, v in vars(b).items() if k != "size"}
+        for k, v in self._slots.items():
+            v[at:at + len(b)] = getattr(b, k)
+        self.m = at + len(b)
 
     @property
     def nbytes(self) -> int:
-        return self.bins.nbytes + self.open.nbytes
+        slots = sum(v.nbytes for v in self._slots.values()) if self._slots is not None else 0
+        return slots + self.open.nbytes

@@ -415,7 +415,7 @@ class Ranks:
         the update ratio of layers with no sharded parameter (replicas: exact as held), are the global rows'."""
         if not self.local_chunks:
             return stats, step_stats
-        local = torch.cat(self.local_chunks)
+        local = torch.cat(self.local_chunks).to(stats.dtype)  # the global rows' dtype (watch/history.py)
         local[:, :, S["lr"]] = stats[:, :, S["lr"]]
         whole = ~self.sharded_layers
         local[:, whole, S["update_ratio"]] = stats[:, whole, S["update_ratio"]]

@@ -1,11 +1,13 @@
-"""A watch read back from disk: `w.save(path)` / `hw.load(path)`, and `hw.load(d)` of a `log_dir=d` log.
+"""A watch read back from disk: `w.save(path)` / `hw.load(path)`, and `hw.load(d)` of a log folder.
 
 `w.save` writes the watch as data through record/saved.py (kind "watch"): the statistics, the step statistics,
 the steps, the names, the anomalies, the notes and the kept Traces, each nested as its Trace.to_data() (the Traces
-of one model share its stand-ins and tensors in the file). A log_dir holds the statistics, anomalies and notes
+of one model share its stand-ins and tensors in the file). A log folder holds the statistics, anomalies and notes
 (views/watch_log.py), not Traces. Either comes back as a SavedWatch: read-only, it answers what a closed watch
-answers (stats, step_stats, steps, series, anomalies, notes, kept, trace(k), to_html, the widget, to_tensorboard,
-to_wandb: Watch's own methods, on the data), and says in one line that what needs the live model is not here.
+answers (reads.py: stats, step_stats, steps, series, rows, lod, anomalies, to_html, the widget, to_tensorboard,
+to_wandb, save; notes, kept, trace(k)), and says in one line that what needs the live model is not here. A log
+folder is read lazily: hw.load reads watch.json, the shard names, events.json and lod.npz; rows come from the
+memory-mapped shards when asked.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import numpy as np
 import torch
 
 from hookwidget.trace import Trace
-from hookwidget.watch import leads
-from hookwidget.watch.core import Watch
 from hookwidget.watch.detect import Anomaly
+from hookwidget.watch.history import level_from
+from hookwidget.watch.lod import Level
 from hookwidget.watch.reads import Reads
 
 
@@ -37,79 +39,108 @@ class _Kept:
         return sorted(self.traces)
 
 
+class _InMemory:
+    """The rows of a `w.save` file, as the log's Shards read them (one shard: a structured array)."""
+
+    def __init__(self, stats: torch.Tensor, step_stats: torch.Tensor, steps, per_sample):
+        self.fields = {"step": np.asarray(steps, np.int64), "stats": stats.numpy(),
+                       "step_stats": step_stats.numpy(), "per_sample": None if per_sample is None else
+                       per_sample.numpy()}
+        self.n = len(self.fields["step"])
+
+    def read(self, field: str, start: int, stop: int, at=()) -> np.ndarray:
+        return np.array(self.fields[field][(slice(start, stop), *at)])
+
+
 class SavedWatch(Reads):
-    """A watch as data, read-only: made by hw.load of a `w.save` file or of a `log_dir` folder."""
+    """A watch as data, read-only: made by hw.load of a `w.save` file or of a log folder. `rows`: the log's
+    watch_log.Shards, or the rows of a file in memory."""
 
     active, closed = False, True
 
-    def __init__(self, source, meta: dict, stats, step_stats, steps, per_sample, anomalies: list, notes: list,
-                 skipped: list, traces: dict | None, dropped: int = 0, seen: int | None = None,
-                 nonfinite: dict | None = None):
+    def __init__(self, source, meta: dict, rows, anomalies: list, notes: list, skipped: list, traces: dict | None,
+                 dropped: int = 0, seen: int | None = None, nonfinite: dict | None = None, level=None):
         self.source = str(source)
         self.layer_names, self.stat_names = list(meta["layers"]), tuple(meta["stat_names"])
         self.step_stat_names, self.every = tuple(meta["step_stat_names"]), int(meta["every"])
-        self.stats, self.step_stats, self.steps = stats, step_stats, [int(k) for k in steps]
-        self._per_sample, self.notes, self.skipped = per_sample, list(notes), [int(k) for k in skipped]
-        self.tracks_per_sample = per_sample is not None
+        self._rows, self.notes, self.skipped = rows, list(notes), [int(k) for k in skipped]
+        self.tracks_per_sample = bool(meta["per_sample"])
+        self._dtype = np.dtype(meta.get("dtype", "float64"))
         self._detector = _Found([Anomaly(int(k), str(where), str(why)) for k, where, why in anomalies],
                                 {int(k): int(v) for k, v in (nonfinite or {}).items()})
         self._flight = None if traces is None else _Kept(traces, dropped)
         self.flight_recorder = traces is not None
-        self.seen = len(self.steps) if seen is None else int(seen)  # backward passes the watch saw
+        self.seen = rows.n if seen is None else int(seen)  # backward passes the watch saw
+        self._summary, self._step_list = level, None
 
     @classmethod
     def from_data(cls, tree: dict, source) -> SavedWatch:
         """The watch of a `w.save` file's tree (`hw.load` reads it)."""
         traces = None if tree["traces"] is None else {k: Trace.from_data(t, source) for k, t in tree["traces"]}
         meta = {k: tree[k] for k in ("layers", "stat_names", "step_stat_names", "every")}
-        return cls(source, meta, tree["stats"], tree["step_stats"], tree["steps"].tolist(), tree["per_sample"],
-                   tree["anomalies"], tree["notes"], tree["skipped"], traces, tree["dropped"], tree["seen"],
-                   tree.get("nonfinite"))
+        meta.update(per_sample=tree["per_sample"] is not None, dtype=str(tree["stats"].numpy().dtype))
+        rows = _InMemory(tree["stats"], tree["step_stats"], tree["steps"], tree["per_sample"])
+        return cls(source, meta, rows, tree["anomalies"], tree["notes"], tree["skipped"], traces, tree["dropped"],
+                   tree["seen"], tree.get("nonfinite"))
 
     @classmethod
     def from_log(cls, log_dir) -> SavedWatch:
-        """The watch of a `log_dir` folder, up to its last complete shard; its notes say where it ended."""
+        """The watch of a log folder, up to its last complete shard; its notes say where it ended."""
         from hookwidget.views import watch_log
 
-        meta, rows, unread = watch_log.read(log_dir)
+        meta, shards, events, unread = watch_log.open_log(log_dir)
         notes = [*meta["notes"], *unread]
-        steps = rows["steps"].tolist()
         if not meta["closed"]:
+            last = int(shards.read("step", shards.n - 1, shards.n)[0]) if shards.n else None
             notes.append(f"the log in {log_dir} was not closed (the run was killed, or is still going): "
-                         f"{len(steps)} recorded steps, up to step {steps[-1] if steps else None}, as of its last "
-                         "complete shard")
+                         f"{shards.n} recorded steps, up to step {last}, as of its last complete shard")
         names = {"layers": meta["layers"], "stat_names": meta["stats"], "step_stat_names": meta["step_stats"],
-                 "every": meta["every"]}
-        anomalies = zip(rows["anomaly_step"].tolist(), rows["anomaly_where"].tolist(), rows["anomaly_reason"].tolist())
-        return cls(log_dir, names, torch.from_numpy(rows["stats"]), torch.from_numpy(rows["step_stats"]), steps,
-                   torch.from_numpy(rows["per_sample"]) if meta["per_sample"] else None, list(anomalies), notes,
-                   rows["skipped"].tolist(), None, seen=meta["seen"])
+                 "every": meta["every"], "per_sample": meta["per_sample"], "dtype": meta.get("dtype", "float64")}
+        L, K = len(meta["layers"]), len(meta["stats"])
+        level = level_from(events["lod"], L, K) if events["lod"] is not None else None
+        return cls(log_dir, names, shards, events["anomalies"], notes, events["skipped"], None, seen=meta["seen"],
+                   nonfinite=events["nonfinite"], level=level)
 
-    # -- what a watch answers, from the data (Watch's own methods) ------------------------------
+    # -- the rows, for reads.py ---------------------------------------------------------------------------------
     @property
     def n_rows(self) -> int:
-        return len(self.steps)
+        return self._rows.n
+
+    def _settle(self) -> None:
+        """Nothing to move: the rows are all here."""
 
     def _table(self, start: int, stop: int) -> tuple:
-        return (np.asarray(self.steps[start:stop], np.int64), self.stats[start:stop].numpy(),
-                self.step_stats[start:stop].numpy())
+        if stop <= start:
+            return (np.zeros(0, np.int64), np.zeros((0, len(self.layer_names), len(self.stat_names)), self._dtype),
+                    np.zeros((0, 2)))
+        return (self._rows.read("step", start, stop), self._rows.read("stats", start, stop),
+                self._rows.read("step_stats", start, stop))
 
-    series, loss, grad_norm = Watch.series, Watch.loss, Watch.grad_norm
-    widget, _repr_mimebundle_, to_html = Watch.widget, Watch._repr_mimebundle_, Watch.to_html
-    to_tensorboard, to_wandb = Watch.to_tensorboard, Watch.to_wandb
-    save = Watch.save
+    def _column(self, start: int, stop: int, at: tuple, field: str) -> np.ndarray:
+        got = self._rows.read(field, start, stop, at) if stop > start else None
+        return got if got is not None else np.zeros(0)
 
-    @property
-    def anomalies(self) -> list:
-        """As the live watch's: each with its lead, worked out from the saved rows the same way."""
-        found = list(self._detector.anomalies)
-        if not found:
-            return found
-        rows = leads.Rows(self.stats.numpy(), self.step_stats.numpy(), self.steps, self.layer_names,
-                          self.stat_names, self.step_stat_names)
-        return leads.with_leads(found, rows)
+    def _steps(self) -> list:
+        if self._step_list is None:
+            self._step_list = self._column(0, self.n_rows, (), "step").tolist()
+        return self._step_list
 
-    found_anomalies = anomalies
+    def _level(self) -> Level:
+        """The summary: the log's lod.npz, else made from the rows when first asked (one read of the run)."""
+        if self._summary is None:
+            L, K = len(self.layer_names), len(self.stat_names)
+            self._summary = level = Level(L, K, 1024)
+            step = max(1, (64 << 20) // (L * K * 8))
+            for at in range(0, self.n_rows, step):
+                level.add(*self._table(at, min(self.n_rows, at + step)))
+        return self._summary
+
+    def _found(self) -> list:
+        return list(self._detector.anomalies)
+
+    def _local(self) -> tuple:
+        """As the watch held them: a loaded watch keeps the global figures only."""
+        return self.stats, self.step_stats
 
     @property
     def nonfinite(self) -> dict:
@@ -126,9 +157,9 @@ class SavedWatch(Reads):
 
     @property
     def per_sample(self) -> torch.Tensor:
-        if self._per_sample is None:
+        if not self.tracks_per_sample:
             raise KeyError("per-sample norms were off in this watch: hw.watch(model, per_sample=True) records them")
-        return self._per_sample
+        return torch.from_numpy(self._column(0, self.n_rows, (), "per_sample").reshape(-1, 2))
 
     @property
     def kept(self) -> list:
@@ -171,4 +202,4 @@ class SavedWatch(Reads):
     def __repr__(self) -> str:
         traces = f", traces kept at steps {self.kept}" if self._flight is not None else ""
         return (f"Watch (loaded from {self.source}): {len(self.layer_names)} layers, {self.seen} steps, "
-                f"{len(self.steps)} recorded, {len(self.anomalies)} anomalies{traces}")
+                f"{self.n_rows} recorded, {len(self._detector.anomalies)} anomalies{traces}")
