@@ -62,13 +62,13 @@ def synthetic_rows(L: int, n: int, seed: int = 0) -> tuple:
 
 def synthetic_watch(L: int, n: int, seed: int = 0):
     """An in-memory SavedWatch of L layers named layers.0 … (a chain: they fold into blocks) × n steps."""
-    from hookwidget.watch.saved import SavedWatch
+    from hookwidget.watch.saved import SavedWatch, _InMemory  # the rows of a w.save file: what hw.load makes of one
 
     stats, step_stats, anomalies = synthetic_rows(L, n, seed)
     meta = {"layers": [f"layers.{i}" for i in range(L)], "stat_names": list(STAT_NAMES),
-            "step_stat_names": list(STEP_STAT_NAMES), "every": 1}
-    return SavedWatch("synthetic", meta, torch.from_numpy(stats), torch.from_numpy(step_stats), range(n), None,
-                      anomalies, [], [], traces=None)
+            "step_stat_names": list(STEP_STAT_NAMES), "every": 1, "per_sample": False, "dtype": "float32"}
+    rows = _InMemory(torch.from_numpy(stats), torch.from_numpy(step_stats), range(n), None)
+    return SavedWatch("synthetic", meta, rows, anomalies, [], [], traces=None)
 
 
 def before_page(watch) -> str:
