@@ -36,7 +36,7 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   let openStep = null, frame = 0, layout = null, scaleMemo = null, asked = null;
   let view = null, selected = null; // view: the rows shown (axis.js); selected: a clicked step
   const acc = newAcc();
-  let sparkKey = null, sparkAt = 0;
+  let sparkKey = null, sparkAt = 0, heatImg = null;
   const redraws = []; // the last 200 redraws' durations (ms): the live benchmark reads them (tests/browser)
 
   const select = h("select", { "data-testid": "watch-stat", title: "the statistic the heatmap, sparklines and values show", onchange: () => { stat = select.value; redraw(); } },
@@ -242,7 +242,10 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     const ctx = heat.getContext?.("2d");
     if (!ctx) return;
     // Cells into one image: columns that share their bins (many, where bins are wider than a pixel) share values.
-    const H = heat.height, img = ctx.createImageData(W, Math.max(1, H)), px = img.data, vals = new Float64Array(L);
+    const H = Math.max(1, heat.height);
+    if (heatImg?.width !== W || heatImg.height !== H) heatImg = ctx.createImageData(W, H); // reused while the size holds
+    const px = new Uint32Array(heatImg.data.buffer), vals = new Float64Array(L);
+    const packed = ([r, g, b]) => (255 << 24 | b << 16 | g << 8 | r) >>> 0; // RGBA bytes as one little-endian word
     let rgb = [], key = null;
     for (let c = 0; c < cols; c++) {
       const x0 = Math.floor(c * colW), x1 = Math.max(x0 + 1, Math.floor((c + 1) * colW)), src = sources[c];
@@ -253,19 +256,17 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
           const v = blockValue(vals, row.layers);
           let over = false;
           if (v === Infinity && src.seg) for (const l of row.layers) for (let r = bs[c][0]; r < bs[c][1] && !over; r++) over = overflowAt(store, r, l, k);
-          return over ? OVERFLOW_RGB : colourOf(v, scale);
+          return packed(over ? OVERFLOW_RGB : colourOf(v, scale));
         });
       }
       key = same;
+      const xe = Math.min(x1, W);
       for (let i = 0; i < rows.length; i++) {
-        const [r, g, b] = rgb[i];
-        for (let y = i * rowH; y < (i + 1) * rowH; y++) for (let x = x0; x < Math.min(x1, W); x++) {
-          const o = (y * W + x) * 4;
-          px[o] = r; px[o + 1] = g; px[o + 2] = b; px[o + 3] = 255;
-        }
+        const c32 = rgb[i];
+        for (let y = i * rowH, o = y * W; y < (i + 1) * rowH; y++, o += W) for (let x = x0; x < xe; x++) px[o + x] = c32;
       }
     }
-    ctx.putImageData(img, 0, 0);
+    ctx.putImageData(heatImg, 0, 0);
     // The first anomaly located at each layer (where it started): a red outline around that cell, at every zoom.
     ctx.strokeStyle = "#dc2626";
     ctx.lineWidth = 2;
