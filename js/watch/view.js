@@ -36,7 +36,7 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   let openStep = null, frame = 0, layout = null, scaleMemo = null, asked = null;
   let view = null, selected = null; // view: the rows shown (axis.js); selected: a clicked step
   const acc = newAcc();
-  let sparkKey = null, sparkAt = 0, heatImg = null;
+  let sparkKey = null, sparkAt = 0, heatImg = null, lists = null, legendKey = null;
   const redraws = []; // the last 200 redraws' durations (ms): the live benchmark reads them (tests/browser)
 
   const select = h("select", { "data-testid": "watch-stat", title: "the statistic the heatmap, sparklines and values show", onchange: () => { stat = select.value; redraw(); } },
@@ -98,7 +98,9 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     rowAt: (e) => { const at = locate(e, "axis"); return at ? at.first : null; } });
 
   const unsubscribe = store.subscribe(schedule);
-  const ro = typeof ResizeObserver !== "undefined" ? new ResizeObserver(schedule) : null;
+  // The plot's width from the observer, not read back on each redraw (a forced layout of the whole notebook).
+  let plotW = 0;
+  const ro = typeof ResizeObserver !== "undefined" ? new ResizeObserver((e) => { plotW = e[0]?.contentRect.width || 0; schedule(); }) : null;
   ro?.observe(plot);
   setStatus("idle", readonly ? "read-only page: the recorded run" : store.state === "open" ? "recording: the view grows while the loop runs" : "");
   redraw();
@@ -138,7 +140,7 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
 
   /** Columns of the plots: rows per column and the width of one. */
   function measure() {
-    const W = Math.max(120, Math.floor(plot.clientWidth || 600));
+    const W = Math.max(120, Math.floor(plotW || plot.clientWidth || 600));
     const [v0, v1] = visible(view, store.n), n = v1 - v0, cols = Math.min(n, W);
     const colW = n * CELL <= W ? CELL : n ? W / cols : CELL;
     return { W, n, v0, v1, cols, colW, bins: bins(n, cols).map(([a, b]) => [a + v0, b + v0]) };
@@ -204,8 +206,9 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     drawChart(lossC, 0, lossV, lossR);
     drawChart(normC, 1, normV, normR);
     drawAxis();
-    keptButtons(kept, store, openStep, open);
-    anomalyList(anoms, store, showLead);
+    // The lists change with the anomalies and kept steps only: rebuilt then, not at every streamed row.
+    const listKey = `${store.kept.join()}|${openStep}|${store.dropped}|${store.anomalies.length}|${[...store.nonfinite].join()}`;
+    if (listKey !== lists) { lists = listKey; keptButtons(kept, store, openStep, open); anomalyList(anoms, store, showLead); }
     if (store.state === "closed" && status.dataset.state === "idle" && !readonly) setStatus("idle", `${fmt(N)} steps recorded; the watch is closed`);
     askWindow(k, size);
   }
@@ -309,6 +312,9 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   }
 
   function drawLegend(scale) {
+    const key = `${scale.lo}|${scale.hi}|${scale.log}|${scale.empty}`;
+    if (key === legendKey) return;
+    legendKey = key;
     const lo = scale.log ? 10 ** scale.lo : scale.lo, hi = scale.log ? 10 ** scale.hi : scale.hi;
     const ramp = h("canvas", { class: "hw-w-ramp", width: 110, height: 10 });
     const ctx = ramp.getContext?.("2d");
