@@ -45,10 +45,3 @@ function tick(ctx, nf, px, y, dx, boxH) {
   if (nf & 4) { ctx.fillStyle = cssOf(INF_RGB); ctx.fillRect(px - w / 2, y + boxH - h, w, h); }
   ctx.restore();
 }
-
-/** The largest finite |value| a column of summaries holds, for the scale: every min and max. */
-export function extent(pts) {
-  const out = [];
-  for (const p of pts) out.push(p.min, p.max);
-  return out;
-}
