@@ -49,7 +49,7 @@ def write_log(d: str, layers: int, steps: int) -> float:
                                  stat_names=STAT_NAMES, step_stat_names=STEP_STAT_NAMES, every=1, notes=[],
                                  seen=steps, tracks_per_sample=False, batch=CHUNK, skipped=[],
                                  _detector=types.SimpleNamespace(anomalies=[], stretches={}))
-    log = WatchLog(d, fake, np.float32)
+    log = WatchLog(d, fake, np.float32, durable=False)  # as a watch's temporary folder (log_dir=: fsync per shard)
     cap = min(history.MAX_BINS, max(history.MIN_BINS, history._pow2_floor(
         history.LOD_BYTES // (layers * K * history.BIN_BYTES))))
     level = lod.Level(layers, K, cap)
@@ -75,7 +75,8 @@ t0 = time.perf_counter()
 import hookwidget as hw
 t_import = time.perf_counter() - t0
 t0 = time.perf_counter(); w = hw.load(sys.argv[1]); t_load = time.perf_counter() - t0
-t0 = time.perf_counter(); s = w.series(w.layer_names[len(w.layer_names) // 2], "grad_norm"); t_series = time.perf_counter() - t0
+layer = w.layer_names[len(w.layer_names) // 2]
+t0 = time.perf_counter(); s = w.series(layer, "grad_norm"); t_series = time.perf_counter() - t0
 t0 = time.perf_counter(); b = w.lod(1000); t_lod = time.perf_counter() - t0
 t0 = time.perf_counter(); r = w.rows(-100); t_tail = time.perf_counter() - t0
 mid = w.n_rows // 2
@@ -148,14 +149,17 @@ def report(res: dict, out: Path) -> None:
              "w.rows(mid, +100) | w.lod(1000) of 100 rows | at 100,000 steps: disk, hw.load, w.series |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in res["synthetic"]:
-        a = s["at_100k"]
+        a, star = s["at_100k"], "*" if s["steps"] < 100_000 else ""
         lines.append(f"| {s['layers']} | {s['steps']:,} | {s['disk_bytes_per_step'] / 1024:.1f} KiB | "
                      f"{s['load_s']:.3f} s | {s['series_s']:.3f} s | {s['lod_s']:.3f} s ({s['lod_bins']} bins of "
                      f"{s['lod_size']}) | {s['rows_tail_s'] * 1e3:.1f} ms | {s['rows_mid_s'] * 1e3:.1f} ms | "
-                     f"{s['zoom_100_s'] * 1e3:.1f} ms | {a['disk_gb']:.2f} GB, {a['load_s']:.2f} s*, "
-                     f"{a['series_s']:.2f} s* |")
+                     f"{s['zoom_100_s'] * 1e3:.1f} ms | {a['disk_gb']:.2f} GB, {a['load_s']:.2f} s{star}, "
+                     f"{a['series_s']:.2f} s{star} |")
     lines += ["", "\\* extrapolated linearly from the measured steps where fewer than 100,000 were written "
-              "(hw.load opens each shard's header: linear in shards; w.series reads one value per row).", "",
+              "(hw.load stats each shard: linear in shards; w.series reads one value per row). hw.load reads "
+              "watch.json, the shard names, events.json and lod.npz (the summary, whose size does not grow with "
+              "the steps); w.lod(1000) of the whole run answers from that summary (fewer, coarser bins where the "
+              "rows weigh more than 128 MiB).", "",
               f"## A live watch of {res['live']['layers']} × nn.Linear(8, 8) (flight_recorder=False)", "",
               f"Window: {res['live']['window_rows']} rows at full resolution in RAM; `w.series` equal to "
               f"`w.stats[:, layer, stat]` over the whole run: {res['live']['series_equal']}.", "",
@@ -172,13 +176,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--steps-wide", type=int, default=None, help="steps of the 1,000-layer log (default: --steps)")
-    ap.add_argument("--live-steps", type=int, default=2048)
+    ap.add_argument("--live-steps", type=int, default=2048, help="0: keep the previous run's live figures")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
     res = {"args": {"steps": a.steps, "live_steps": a.live_steps}, "when": time.strftime("%Y-%m-%d %H:%M UTC"),
            "synthetic": [synthetic(168, a.steps), synthetic(1000, a.steps_wide or a.steps)]}
     marks = sorted({m for m in (256, 512, 1024, 1536, 2048, 4096, 8192, a.live_steps) if m <= a.live_steps})
-    res["live"] = live(1000, a.live_steps, marks)
+    if a.live_steps:
+        res["live"] = live(1000, a.live_steps, marks)
+    else:  # --live-steps 0: the live watch's figures of the previous run, kept
+        res["live"] = json.loads((Path(a.out) / "watch_scale.json").read_text())["live"]
+        res["args"]["live_steps"] = res["live"]["steps"]
     report(res, Path(a.out))
     print((Path(a.out) / "watch_scale.md").read_text())
 

@@ -104,8 +104,9 @@ def load(path):
     A file `t.save(path)` wrote comes back as a read-only Trace that answers the queries a live one does (layers,
     a, δ, graph, steps, weight_grad, per-sample gradients, notes, health, diff, its explorer); `rerun` and hooks
     need the code, and say so. A file `w.save(path)` wrote, or a folder that `hw.watch(model, log_dir=path)` wrote
-    (up to its last complete shard), comes back as a read-only watch: stats, series, anomalies, notes, its view,
-    and (from `w.save`) the kept Traces as loaded Traces.
+    (up to its last complete shard), comes back as a read-only watch: stats, series, rows, lod, anomalies, notes,
+    its view, and (from `w.save`) the kept Traces as loaded Traces. A folder is read lazily: its names, anomalies
+    and summary now, its rows from the memory-mapped shards when asked.
 
     Args:
 

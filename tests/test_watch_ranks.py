@@ -270,7 +270,8 @@ def test_each_rank_keeps_its_shards_labelled_local(runs, mode):
     for stat in ("grad_norm", "weight_norm"):
         shards = torch.stack([r["local_stats"][:, layers, col(stat)] for r in results])
         full = results[0]["stats"][:, layers, col(stat)]
-        assert torch.allclose(shards.square().sum(0).sqrt(), full, rtol=1e-12, equal_nan=True), stat
+        # kept float32 (docs/guide/watch.md), the global figure and each shard's rounded once: float32's tolerance
+        assert torch.allclose(shards.double().square().sum(0).sqrt(), full.double(), rtol=1e-6, equal_nan=True), stat
         assert not torch.equal(shards[0], full)  # a shard's, not the layer's
     if mode == "fsdp2":  # b's and the root's scale: the last rank holds nothing of them (of a too, on 4 ranks)
         last = results[-1]

@@ -42,13 +42,15 @@ SHARD_V1 = re.compile(r"rows-(\d+)\.npz")
 SHARD_SECONDS = 10.0  # a shard at least this often while rows arrive, however few
 
 
-def _replace(path: Path, write) -> None:
-    """`write(file)` into a temporary name beside `path`, then rename it over `path`: whole or absent."""
+def _replace(path: Path, write, durable: bool = True) -> None:
+    """`write(file)` into a temporary name beside `path`, then rename it over `path`: whole or absent (`durable`:
+    on the disk itself before the rename, so that a machine's crash leaves whole files too)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         write(f)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -66,13 +68,14 @@ class WatchLog(TensorBoardLog):
 
     LABEL = "log_dir"
 
-    def __init__(self, log_dir, watch, dtype):
+    def __init__(self, log_dir, watch, dtype, durable: bool = True):
         d = Path(log_dir)
         if (d / META).exists():
             raise ValueError(f"watch: log_dir={str(d)!r} already holds a watch log: give each run its own folder "
                              "(hw.load(log_dir) reads the one there)")
         d.mkdir(parents=True, exist_ok=True)
         self.watch, self.writer, self.log_dir = watch, self, str(d)
+        self.durable = durable  # fsync each file (a log_dir= the user keeps; not a temporary folder)
         self._queue, self._thread, self.error = queue.SimpleQueue(), None, None
         self._ps, self.dtype = watch.tracks_per_sample, np.dtype(dtype)
         self._row = row_dtype(len(watch.layer_names), len(watch.stat_names), self.dtype, self._ps)
@@ -131,7 +134,7 @@ class WatchLog(TensorBoardLog):
         if self._ps:
             out["per_sample"] = np.concatenate([np.asarray(h[3]) for h in held])[:n]
         path = Path(self.log_dir) / f"rows-{self.written:09d}-{n}.npy"
-        _replace(path, lambda f: np.save(f, out, allow_pickle=False))
+        _replace(path, lambda f: np.save(f, out, allow_pickle=False), self.durable)
         self.index.append((self.written, n, str(path)))
         self.written += n
         self._write_events(force=False)
@@ -235,13 +238,19 @@ def open_log(log_dir) -> tuple[dict, Shards, dict, list]:
 
 
 def _readable(shards: Shards, meta: dict, notes: list) -> Shards:
-    """The shards up to the first that cannot be read (damaged, or of another shape), with a note."""
+    """The shards up to the first that cannot be read (damaged, or of another shape), with a note. The first is
+    opened; the others' sizes are checked against theirs (a header padded to 64 bytes, then n rows): hw.load
+    stays lazy, one stat() a shard."""
     want = row_dtype(len(meta["layers"]), len(meta["stats"]), meta.get("dtype", "float64"), meta["per_sample"])
     for i, (_, n, path) in enumerate(shards.index):
         try:
-            m = np.load(path, mmap_mode="r")
-            if m.dtype != want or m.shape != (n,):
-                raise ValueError(f"rows of {m.dtype} × {m.shape}")
+            if i == 0:
+                m = np.load(path, mmap_mode="r")
+                if m.dtype != want or m.shape != (n,):
+                    raise ValueError(f"rows of {m.dtype} × {m.shape}")
+            header = os.stat(path).st_size - n * want.itemsize
+            if header < 64 or header % 64 or header > 4096:
+                raise ValueError(f"{os.stat(path).st_size} bytes for {n} rows of {want.itemsize}")
         except Exception as e:  # noqa: BLE001 - the rows up to it stay readable
             notes.append(f"{Path(path).name} could not be read ({type(e).__name__}: {e}): the rows from it on are "
                          "left out")

@@ -134,7 +134,8 @@ class Watch(Reads):
         self.tracks_per_sample = ps is not None  # per_sample=True: each step's largest per-sample gradient norm
         # float32 rows, unless the model holds float64 parameters (docs/guide/watch.md: what float64 would buy)
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
-        self._log = _log(self, log_dir, torch.empty(0, dtype=dtype).numpy().dtype)  # every row on disk (views/watch_log.py), from its own thread
+        # every row on disk (views/watch_log.py), from its own thread
+        self._log = _log(self, log_dir, torch.empty(0, dtype=dtype).numpy().dtype)
         self._history = History(len(self._layers), len(STAT_NAMES), dtype, ps is not None, self._log)
         self._rows = HostRows(len(self._layers), self._detector, lambda: self._amp, ps is not None, self._tell,
                               self._spread, self._history)
@@ -400,7 +401,7 @@ class Watch(Reads):
         return list(self._history.steps)
 
     def _level(self):
-        return self._history.level
+        return self._history.summary()
 
     def _found(self) -> list:
         return list(self._detector.anomalies)
@@ -492,11 +493,12 @@ class Watch(Reads):
 
 def _log(watch: Watch, log_dir, dtype):
     """The watch's log (views/watch_log.py): in `log_dir`, or in a temporary folder of the system's (tempfile)
-    removed when the watch is garbage-collected or the interpreter exits."""
+    removed when the watch is garbage-collected or the interpreter exits (its shards not fsynced: the folder does
+    not outlive the process anyway)."""
     from hookwidget.views.watch_log import WatchLog
 
     if log_dir is not None:
         return WatchLog(log_dir, watch, dtype)
     folder = tempfile.mkdtemp(prefix="hookwidget-watch-")
     weakref.finalize(watch, shutil.rmtree, folder, ignore_errors=True)
-    return WatchLog(folder, watch, dtype)
+    return WatchLog(folder, watch, dtype, durable=False)  # gone at exit: no fsync per shard

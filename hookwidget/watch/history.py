@@ -25,6 +25,7 @@ from hookwidget.watch import lod
 
 WINDOW_BYTES, MIN_WINDOW, MAX_WINDOW = 32 << 20, 64, 4096
 LOD_BYTES, MIN_BINS, MAX_BINS = 64 << 20, 64, 1024
+FOLD_ROWS = 64  # rows summarised (and the window trimmed) together
 BIN_BYTES = 5 * 4 + 1  # per layer and statistic: min, max, mean, last, count (float32); + the non-finite flag
 
 
@@ -57,12 +58,19 @@ class History:
         """New rows (host tensors the watch keeps writing into until their optimizer step ran: the newest)."""
         self.chunks.append((self.n, stats, step_stats, ps))
         self.steps.extend(steps)
+        if self.n - 1 - self.level.end >= FOLD_ROWS:  # summarised in blocks: a row at a time costs ~20 numpy calls
+            self._fold(self.n - 1)
+            self._evict()
+
+    def summary(self) -> lod.Level:
+        """The summary, with every row but the newest in it (a read: w.lod)."""
         self._fold(self.n - 1)
-        self._evict()
+        return self.level
 
     def finish(self) -> None:
         """The run ended: the newest row is final too."""
         self._fold(self.n)
+        self._evict()
 
     def _fold(self, upto: int) -> None:
         """Rows [level.end, upto) into the summary (they are in RAM: eviction waits for them)."""
