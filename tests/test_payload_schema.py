@@ -56,7 +56,7 @@ def test_the_schema_is_valid_and_uses_only_keywords_both_sides_check():
 def test_the_widgets_accept_exactly_the_requests_the_schema_lists():
     assert SCHEMA == {"detail": {"target"}, "add_hook": {"target", "kind", "params"},
                       "remove_hook": {"target", "kind"}, "rerun": set(), "shares": {"layer", "sample"}}
-    assert ww.SCHEMA == {"sync": {"have"}, "open": {"step"}}
+    assert ww.SCHEMA == {"sync": {"have"}, "open": {"step"}, "window": {"start", "stop", "bins", "stat"}}
 
 
 class Mixed(nn.Module):

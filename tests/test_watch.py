@@ -360,7 +360,7 @@ def test_learning_rate_tensor_moves_with_the_row(monkeypatch):
 
 def test_learning_rate_reaches_the_front_end():
     """The widget's meta and the page's data name lr among the statistics, as the schema's watch_meta says; the
-    rows they send carry it (the widget's statistics buffer, the page's base64 one)."""
+    rows they send carry it (the widget's statistics buffer, the page's base64 full-resolution rows)."""
     import base64
     import importlib
     import json
@@ -388,9 +388,9 @@ def test_learning_rate_reaches_the_front_end():
     for meta in (wid.meta, page["meta"]):
         validate(meta)
     col, K = STAT_NAMES.index("lr"), len(STAT_NAMES)
-    for raw in (sent[0][1][0], base64.b64decode(page["stats"])):
-        got = torch.frombuffer(bytearray(raw), dtype=torch.float64).view(3, -1, K)[:, :, col]
-        assert got.tolist() == torch.tensor([[0.01, 0.01, 0.1]] * 3, dtype=torch.float64).float().tolist()  # kept f32
+    for raw in (sent[0][1][0], base64.b64decode(page["segments"][0]["stats"])):  # float32 rows, as the view holds
+        got = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(3, -1, K)[:, :, col]
+        assert got.tolist() == [torch.tensor([0.01, 0.01, 0.1]).float().tolist()] * 3
 
 
 def test_series_and_names():

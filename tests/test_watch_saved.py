@@ -177,7 +177,8 @@ def test_the_loaded_view_opens_a_kept_step(tmp_path):
     wid._on_msg(wid, {"type": "sync", "have": 0, "request_id": "r1"}, [])
     msg, bufs = sent[-1]
     assert msg["steps"] == w.steps and msg["kept"] == w.kept and msg["state"] == "closed"
-    np.testing.assert_array_equal(np.frombuffer(bufs[0]).reshape(6, 2, -1), w.stats.numpy())
+    assert msg["dtype"] == "float32"  # the widget sends float32 rows (the view draws them)
+    np.testing.assert_array_equal(np.frombuffer(bufs[0], np.float32).reshape(6, 2, -1), w.stats.float().numpy())
     wid._on_msg(wid, {"type": "open", "step": 5, "request_id": "r2"}, [])
     assert sent[-1][0]["state"] == "done" and wid._trace_widget.trace is u.trace(5)
     assert isinstance(wid, WatchWidget)

@@ -76,8 +76,9 @@ def rows_of(sent, L, K):
     for msg, bufs in sent:
         if msg["type"] != "rows":
             continue
-        s = np.frombuffer(bufs[0], dtype=np.float64).reshape(msg["count"], L, K)
-        t = np.frombuffer(bufs[1], dtype=np.float64).reshape(msg["count"], 2)
+        dtype = np.dtype(msg.get("dtype", "float64"))  # float32: the widget sends the rows as the view holds them
+        s = np.frombuffer(bufs[0], dtype=dtype).reshape(msg["count"], L, K)
+        t = np.frombuffer(bufs[1], dtype=dtype).reshape(msg["count"], 2)
         for i in range(msg["count"]):
             out[msg["start"] + i], per[msg["start"] + i], steps[msg["start"] + i] = s[i], t[i], msg["steps"][i]
     n = max(out) + 1 if out else 0
@@ -101,8 +102,8 @@ def test_rows_pushed_while_the_loop_runs_equal_w_stats(clock):
     assert wid.state == "closed" and sent[-1][0]["state"] == "closed"
     L, K = len(w.layer_names), len(w.stat_names)
     stats, step_stats, steps = rows_of(sent, L, K)
-    np.testing.assert_array_equal(stats, w.stats.numpy())  # NaN where w.stats has NaN, bitwise elsewhere
-    np.testing.assert_array_equal(step_stats, w.step_stats.numpy())
+    np.testing.assert_array_equal(stats, w.stats.float().numpy())  # NaN where w.stats has NaN, bitwise elsewhere
+    np.testing.assert_array_equal(step_stats, w.step_stats.float().numpy())
     assert steps == w.steps == list(range(12))
     assert sent[-1][0]["kept"] == w.kept
     # Only new rows each time: no row was sent twice.
@@ -184,7 +185,8 @@ def test_sync_open_and_rejected_messages(clock):
     wid._on_msg(wid, {"type": "sync", "have": 4, "request_id": "r1"}, [])
     msg, bufs = sent[-1]
     assert (msg["type"], msg["start"], msg["count"], msg["steps"]) == ("rows", 4, 2, [4, 5])
-    np.testing.assert_array_equal(np.frombuffer(bufs[0]).reshape(2, len(w.layer_names), -1), w.stats[4:].numpy())
+    np.testing.assert_array_equal(np.frombuffer(bufs[0], np.float32).reshape(2, len(w.layer_names), -1),
+                                  w.stats[4:].float().numpy())
     wid._on_msg(wid, {"type": "open", "step": 0, "request_id": "r2"}, [])
     assert sent[-1][0] == {"type": "status", "request_id": "r2", "state": "done",
                            "text": "step 0: its kept Trace is open below"}
@@ -244,10 +246,12 @@ def test_to_html_writes_the_data_with_names_as_text(tmp_path):
     data = page_data(text)
     assert data["meta"]["layers"][1] == f"blocks.{EVIL}"  # and reads back as the same text
     L, K = len(w.layer_names), len(w.stat_names)
-    stats = np.frombuffer(base64.b64decode(data["stats"]), dtype=np.float64).reshape(-1, L, K)
-    np.testing.assert_array_equal(stats, w.stats.numpy())
+    # A short run: every row at full resolution in one float32 segment (views/watch_export.py).
+    assert [s["start"] for s in data["segments"]] == [0] and data["segments"][0]["steps"] == w.steps
+    stats = np.frombuffer(base64.b64decode(data["segments"][0]["stats"]), dtype=np.float32).reshape(-1, L, K)
+    np.testing.assert_array_equal(stats, w.stats.float().numpy())
     assert np.isnan(stats[-1]).any()
-    assert data["steps"] == w.steps and data["kept"] == w.kept
+    assert data["kept"] == w.kept
     assert data["anomalies"]
     assert [a[:3] for a in data["anomalies"]] == [[a.step, a.where, a.reason] for a in w.anomalies]
     assert [a[3] and a[3]["text"] for a in data["anomalies"]] == [a.lead and a.lead.text for a in w.anomalies]
@@ -269,4 +273,4 @@ def test_a_watch_left_open_across_cells_is_pushed_after_each_cell(clock):
     assert len(sent) == 1  # nothing new, nothing sent
     w.close()
     assert [(m["start"], m["count"], m["state"]) for m, _ in sent][1:] == [(2, 1, "closed")]
-    np.testing.assert_array_equal(rows_of(sent, len(w.layer_names), len(w.stat_names))[0], w.stats.numpy())
+    np.testing.assert_array_equal(rows_of(sent, len(w.layer_names), len(w.stat_names))[0], w.stats.float().numpy())

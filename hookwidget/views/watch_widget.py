@@ -2,9 +2,13 @@
 while the training loop runs.
 
 The watch calls `_on_watch` each time rows reach the host (it never syncs the device for the widget);
-new rows are sent at most every `interval` seconds, as binary float64 buffers, so a loop pays a
-time.monotonic() check per step and one small message per interval. A view that missed rows (it
-rendered late, or the page was reloaded) asks for them with a `sync` message. Clicking a kept step
+new rows are sent at most every `interval` seconds, as binary float32 buffers, so a loop pays a
+time.monotonic() check per step and one small message per interval. The widget holds only the rows not sent
+yet, and the front-end a bounded view of the run (js/watch/store.js: an overview in bins, the latest rows, the
+zoomed window). A view that missed rows (it rendered late, or the page was reloaded) asks with a `sync` message
+and gets the run's overview (`w.lod`) and its latest rows; a zoom asks for its steps with a `window` message and
+gets them at full resolution (`w.rows`) or in bins as fine as its pixels (`w.lod`), of the one statistic the
+heatmap shows. Clicking a kept step
 opens its Trace in the trace explorer (a HookWidget, drawn by the same front-end code). In marimo the widget
 is a UI element (`mo.ui.anywidget(w.widget())`, or `w` as a cell's last expression); the rows stream there too.
 """
@@ -19,6 +23,7 @@ import time
 import weakref
 
 import anywidget
+import numpy as np
 import torch
 import traitlets
 
@@ -31,6 +36,9 @@ ESM = pathlib.Path(__file__).resolve().parents[1] / "static" / "watch.js"  # bui
 NOT_BUILT = ('export default { render({ el }) { el.textContent = "hookwidget: the watch front-end is not built '
              '(hookwidget/static/watch.js is missing): run `npm run build` or `pip install -e .`"; } };')
 SCHEMA = request_keys("watch")  # type -> the keys it must carry besides type and request_id
+OVERVIEW_BINS, OVERVIEW_BYTES = 2048, 48 * 2**20  # a view's overview: bins and memory at most (js/watch/bins.js)
+TAIL = 1024  # latest rows a view holds at full resolution (js/watch/store.js TAIL)
+WINDOW_BYTES = 8 * 2**20  # most bytes of a zoomed window's answer (one statistic of every layer)
 
 
 class KeptTraceWidget(HookWidget):
@@ -66,8 +74,7 @@ class WatchWidget(anywidget.AnyWidget):
         super().__init__(meta=meta, state="open" if watch.active else "closed", **kwargs)
         # Held weakly: a displayed widget lives as long as the kernel, and must not keep the watch's Traces.
         self._watch_ref = weakref.ref(watch)
-        self._chunks: list = []  # (stats, step_stats, steps) on the host, in order
-        self._unsent: list = []  # chunks not pushed yet
+        self._unsent: list = []  # (stats, step_stats, steps) on the host not pushed yet, in order
         self._rows = self._sent = self._anomalies_sent = 0
         self._last_push = time.monotonic()  # the first push after one interval: the front-end is listening by then
         self._trace = self._trace_widget = None  # the opened step's Trace and its HookWidget
@@ -104,7 +111,6 @@ class WatchWidget(anywidget.AnyWidget):
 
     def _add(self, stats, step_stats, steps, ps=None) -> None:
         chunk = (stats, step_stats, list(steps))
-        self._chunks.append(chunk)
         self._unsent.append(chunk)
         self._rows += len(chunk[2])
 
@@ -140,13 +146,13 @@ class WatchWidget(anywidget.AnyWidget):
         w = self._watch_ref()
         L, K = len(self.meta["layers"]), len(self.meta["stats"])
         if chunks:
-            stats = torch.cat([c[0] for c in chunks]).to(torch.float64).contiguous()
-            step_stats = torch.cat([c[1] for c in chunks]).to(torch.float64).contiguous()
+            stats = torch.cat([torch.as_tensor(c[0]) for c in chunks]).to(torch.float32).contiguous()
+            step_stats = torch.cat([torch.as_tensor(c[1]) for c in chunks]).to(torch.float32).contiguous()
         else:
-            stats, step_stats = torch.zeros(0, L, K, dtype=torch.float64), torch.zeros(0, 2, dtype=torch.float64)
+            stats, step_stats = torch.zeros(0, L, K), torch.zeros(0, 2)
         anomalies = w.found_anomalies if w is not None else []
         self._anomalies_sent = len(anomalies)
-        msg = {"type": "rows", "start": start, "count": int(stats.shape[0]),
+        msg = {"type": "rows", "start": start, "count": int(stats.shape[0]), "dtype": "float32",
                "steps": [int(s) for c in chunks for s in c[2]],
                "a_start": a_start,
                "anomalies": [anomaly_entry(a) for a in anomalies[a_start:]],
@@ -169,15 +175,49 @@ class WatchWidget(anywidget.AnyWidget):
             self._status(rid, "error", _one_line(e))
 
     def _do_sync(self, msg: dict) -> None:
-        """Every row from `have` on, every anomaly: for a view that missed some."""
-        have, taken, out = msg["have"], 0, []
-        for c in self._chunks:
-            n = len(c[2])
-            if taken + n > have:
-                cut = max(0, have - taken)
-                out.append((c[0][cut:], c[1][cut:], c[2][cut:]))
-            taken += n
-        self._send_rows(min(have, self._rows), out, 0)
+        """Every row recorded so far from `have` on, for a view that missed some: the latest TAIL at full resolution,
+        and, when more are missing, the overview of rows [0, sent) first (w.lod), which the view folds new rows into."""
+        self._unsent, self._sent, self._last_push = [], self._rows, time.monotonic()  # the answer carries them all
+        have, sent = min(msg["have"], self._sent), self._sent
+        start = max(have, sent - TAIL)
+        if start > have:
+            bins = overview_bins(len(self.meta["layers"]) * len(self.meta["stats"]))
+            self._send_lod("overview", self.watch.lod(bins, 0, sent), 0, sent)
+        steps, stats, step_stats = self.watch.rows(start, sent) if sent > start else ([], None, None)
+        chunks = [(stats, step_stats, [int(k) for k in steps])] if sent > start else []
+        self._send_rows(start, chunks, 0)
+
+    def _do_window(self, msg: dict) -> None:
+        """Rows [start, stop) of statistic `stat` for a zoomed view: at full resolution (w.rows) when they fit
+        WINDOW_BYTES, else in at most `bins` bins (w.lod), as few as fit."""
+        start, stop, k, L = msg["start"], min(msg["stop"], self._sent), msg["stat"], len(self.meta["layers"])
+        if k >= len(self.meta["stats"]) or stop <= start or msg["bins"] < 1:
+            raise ValueError(f"window: rows [{start}, {stop}) of statistic {k} are not in this watch "
+                             f"({self._sent} rows sent, {len(self.meta['stats'])} statistics)")
+        if (stop - start) * L * 4 <= WINDOW_BYTES:
+            steps, stats, step_stats = self.watch.rows(start, stop)
+            self.send({"type": "lod", "role": "window", "start": start, "stop": stop, "bins": msg["bins"], "stat": k,
+                       "size": 1, "first": [int(s) for s in steps], "last_step": [], "rows": [1] * len(steps),
+                       "nonfinite": "none"},
+                      [stats[:, :, k].float().contiguous().numpy().tobytes(),
+                       step_stats.float().contiguous().numpy().tobytes()])
+            return
+        bins = max(1, min(msg["bins"], WINDOW_BYTES // (16 * L)))
+        self._send_lod("window", self.watch.lod(bins, start, stop), start, stop, k, msg["bins"])
+
+    def _send_lod(self, role: str, b, start: int, stop: int, stat: int | None = None, asked: int = 0) -> None:
+        """A "lod" message of bins `b` (watch/lod.py Bins): all statistics, or the one `stat`; float32 buffers."""
+        pick = (lambda a: a) if stat is None else (lambda a: a[:, :, stat])
+        f32 = lambda a: np.ascontiguousarray(pick(a), dtype=np.float32).tobytes()  # noqa: E731
+        step = np.stack([b.step_min, b.step_max, b.step_mean, b.step_last], axis=1).astype(np.float32)
+        r0 = (int(b.start[0]) // b.size) * b.size if len(b) else start  # the bins are aligned to their size
+        msg = {"type": "lod", "role": role, "start": r0, "stop": stop, "bins": asked or len(b), "size": int(b.size),
+               "first": b.first.tolist(), "last_step": b.last_step.tolist(), "rows": b.rows.tolist(),
+               "nonfinite": "layer"}
+        if stat is not None:
+            msg["stat"] = stat
+        self.send(msg, [f32(b.min), f32(b.max), f32(b.mean), f32(b.last), step.tobytes(),
+                        np.ascontiguousarray(b.nonfinite, dtype=np.uint8).tobytes()])
 
     def _do_open(self, msg: dict) -> None:
         step = msg["step"]
@@ -194,10 +234,16 @@ class WatchWidget(anywidget.AnyWidget):
     def _status(self, request_id, state: str, text: str) -> None:
         self.send({"type": "status", "request_id": request_id, "state": state, "text": text})
 
-    def to_html(self, path):
-        from hookwidget.views.watch_export import to_html
+    def to_html(self, path, budget: int | None = None):
+        from hookwidget.views.watch_export import BUDGET, to_html
 
-        return to_html(self.watch, path)
+        return to_html(self.watch, path, BUDGET if budget is None else budget)
+
+
+def overview_bins(values_a_row: int) -> int:
+    """Bins of the overview a view holds for rows of `values_a_row` values: as js/watch/bins.js maxBinsFor (the view
+    goes on folding rows into the kernel's overview, so both must agree): 25 bytes a value a bin, OVERVIEW_BYTES."""
+    return max(64, min(OVERVIEW_BINS, OVERVIEW_BYTES // (25 * max(values_a_row, 1))))
 
 
 def validate(content) -> dict:

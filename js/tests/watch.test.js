@@ -2,7 +2,7 @@ import { beforeEach, describe, expect, it } from "vitest";
 import { liveOf } from "../watch/index.js";
 import { renderPage, storeFromData } from "../watch/standalone.js";
 import { createStore } from "../watch/store.js";
-import { bins, chooseScale, colourOf, INF_RGB, NAN_RGB, pick, position, ZERO_RGB } from "../watch/scale.js";
+import { bins, chooseScale, colourOf, INF_RGB, NAN_RGB, position, ZERO_RGB } from "../watch/scale.js";
 import { columnOf, createWatchView, rowHeight } from "../watch/view.js";
 import { fakeModel, rows, WATCH_META } from "./fake_model.js";
 
@@ -10,19 +10,19 @@ const EVIL = WATCH_META.layers[1];
 const META = WATCH_META;
 
 describe("store", () => {
-  it("places rows by index, reports a gap, fills it from a sync reply", () => {
+  it("folds rows in order, reports a gap (dropping what follows it), fills it from a sync reply", () => {
     const st = createStore(META);
     expect(st.apply(...rows(0, 2))).toBe(false);
     expect(st.value(1, 2, 1)).toBe(1021);
     expect(st.stepValue(1, 0)).toBe(0.5);
-    expect(st.apply(...rows(5, 3))).toBe(true); // rows 2..4 missing
-    expect([st.n, st.have]).toEqual([8, 2]);
+    expect(st.apply(...rows(5, 3))).toBe(true); // rows 2..4 missing: the kernel resends from row 2 on a sync
+    expect([st.n, st.have]).toEqual([2, 2]);
     expect(Number.isNaN(st.value(3, 0, 0))).toBe(true);
     expect(st.received(3)).toBe(false);
     expect(st.apply(...rows(2, 6))).toBe(false);
     expect([st.n, st.have]).toEqual([8, 8]);
     expect(st.value(7, 1, 0)).toBe(7010);
-    expect(st.steps.slice(0, 3)).toEqual([0, 2, 4]);
+    expect([0, 1, 2].map(st.stepOf)).toEqual([0, 2, 4]);
     expect(st.rowOf(14)).toBe(7);
   });
 
@@ -53,17 +53,13 @@ describe("scale", () => {
     expect(colourOf(1e-4, s)).not.toEqual(colourOf(1, s));
   });
 
-  it("bins rows into columns and picks the value a bin shows", () => {
+  it("bins rows into columns", () => {
     expect(bins(3, 10)).toEqual([[0, 1], [1, 2], [2, 3]]);
     const b = bins(10, 4);
     expect(b.length).toBe(4);
     expect(b[0][0]).toBe(0);
     expect(b[3][1]).toBe(10);
     for (let r = 0; r < 10; r++) { const c = columnOf(r, 10, 4); expect(b[c][0] <= r && r < b[c][1]).toBe(true); }
-    const v = [1, -5, 2, NaN, Infinity];
-    expect(pick((r) => v[r], 0, 3)).toBe(-5);
-    expect(Number.isNaN(pick((r) => v[r], 0, 4))).toBe(true);
-    expect(pick((r) => v[r], 0, 5)).toBe(Infinity);
     expect(rowHeight(3)).toBe(18);
     expect(rowHeight(1000)).toBe(3);
   });
@@ -118,17 +114,25 @@ describe("view", () => {
 });
 
 describe("many layers", () => {
-  it("writes every k-th name at a readable size, keeps the grid's cells, hides the sparklines", () => {
+  it("folds repeated blocks into rows that expand on a click; many rows write every k-th name, hide the sparklines", () => {
     const meta = { ...META, layers: Array.from({ length: 70 }, (_, i) => `h.${i}`) };
     const el = document.createElement("div");
-    createWatchView({ store: createStore(meta), el, openTrace: async () => ({ ok: true }) });
-    const labels = [...el.querySelectorAll(".hw-w-label")];
-    expect(labels.length).toBe(70);
-    expect(labels.map((n) => n.textContent).filter(Boolean)).toEqual(["h.0", "h.3", "h.6"].concat(Array.from({ length: 21 }, (_, i) => `h.${3 * (i + 3)}`)));
-    expect(labels.every((n) => n.title.startsWith("h."))).toBe(true);
+    const store = createStore(meta);
+    const view = createWatchView({ store, el, openTrace: async () => ({ ok: true }) });
+    let labels = [...el.querySelectorAll(".hw-w-label")];
+    expect(labels.map((n) => n.textContent)).toEqual(["▾ h.0 … h.69 (70 blocks, 70 layers)", "▸ h.0 … h.49 (50 layers)", "▸ h.50 … h.69 (20 layers)"]);
+    expect(labels.map((n) => n.dataset.layers)).toEqual(["70", "50", "20"]);
+    labels[1].click(); // expand the first 50
+    labels = [...el.querySelectorAll(".hw-w-label")];
+    expect(labels.length).toBe(53);
+    expect(view.rows.slice(2, 4).map((r) => r.layers)).toEqual([[0], [1]]);
+    expect(labels.filter((n) => n.textContent).length).toBeLessThan(30); // every k-th name: each readable
+    expect(labels.slice(2).every((n) => n.title.startsWith("h."))).toBe(true);
     const grid = el.querySelector(".hw-w-grid");
     expect(grid.className).toContain("no-spark");
     expect(grid.children.length % 4).toBe(0); // every row keeps its four cells: the grid places by order
+    labels[1].click(); // fold it again
+    expect(el.querySelectorAll(".hw-w-label").length).toBe(3);
   });
 });
 
@@ -148,15 +152,30 @@ describe("live model", () => {
 });
 
 describe("standalone page data", () => {
-  it("decodes the inlined base64 rows", () => {
+  it("decodes the inlined overview (bfloat16) and full-resolution segments (float32)", () => {
     const [msg, bufs] = rows(0, 3, { kept: [0, 4], anomalies: [[4, "loss", "spike"]] });
-    const b64 = (dv) => btoa(String.fromCharCode(...new Uint8Array(dv.buffer, dv.byteOffset, dv.byteLength)));
-    const data = { meta: META, steps: msg.steps, stats: b64(bufs[0]), step_stats: b64(bufs[1]), anomalies: msg.anomalies, kept: msg.kept, dropped: 0, state: "closed", traces: {} };
+    const P = META.layers.length * META.stats.length;
+    const b64 = (a) => btoa(String.fromCharCode(...new Uint8Array(a.buffer, a.byteOffset, a.byteLength)));
+    const f64 = (dv) => new Float64Array(dv.buffer.slice(dv.byteOffset, dv.byteOffset + dv.byteLength));
+    const stats = Float32Array.from(f64(bufs[0])), step = Float32Array.from(f64(bufs[1]));
+    // One bin of the 3 rows: min, max, mean as bfloat16 (the upper half of a float32: 2011 reads 2008).
+    const col = (f) => { const o = new Float32Array(P); for (let p = 0; p < P; p++) o[p] = f([0, 1, 2].map((r) => stats[r * P + p])); return o; };
+    const bf16 = (a) => new Uint16Array(new Uint32Array(a.buffer).map((u) => u >>> 16));
+    const sum = (v) => v.reduce((x, y) => x + y, 0);
+    const overview = { size: 4, first: [0], last_step: [4], rows: [3], min: b64(bf16(col((v) => Math.min(...v)))), max: b64(bf16(col((v) => Math.max(...v)))),
+      mean: b64(bf16(col((v) => sum(v) / 3))), step: b64(new Float32Array([1 / 3, 1, 11 / 18, 1 / 3, 0, 2, 1, 2])) };
+    const data = { meta: META, n_rows: 3, overview, segments: [{ start: 2, steps: [4], stats: b64(stats.subarray(2 * P)), step_stats: b64(step.subarray(4)) }],
+      held: "this page holds …", anomalies: msg.anomalies, kept: msg.kept, dropped: 0, state: "closed", traces: {} };
     const store = storeFromData(data);
-    expect(store.value(2, 1, 1)).toBe(2011);
+    expect(store.value(2, 1, 1)).toBe(2011); // the segment: exact
+    expect(Number.isNaN(store.value(1, 1, 1))).toBe(true); // row 1 is held in the bin only
+    expect(store.overview.max[1 * 2 + 1]).toBe(2008); // bfloat16 of 2011: 8 significant bits
     expect(store.state).toBe("closed");
+    expect([store.stepOf(0), store.stepOf(2), store.rowOf(4)]).toEqual([0, 4, 2]);
     const el = document.createElement("div");
     renderPage(data, el, "");
     expect(el.querySelector('[data-testid="watch-heatmap"]').dataset.steps).toBe("3");
+    expect(el.querySelector('[data-testid="watch-held"]').textContent).toBe("this page holds …");
+    expect(el.querySelector('[data-testid="watch-marks"]').dataset.anomalies).toBe("1");
   });
 });

@@ -1,5 +1,6 @@
-// Entry of the watch widget's ES module. The rows live in one store per model, filled from the moment the
-// model exists (initialize), so no message is lost before a view renders; every view draws that store.
+// Entry of the watch widget's ES module. What the view holds of the run lives in one store per model (store.js:
+// bounded, an overview in bins, the latest rows and the zoomed window), filled from the moment the model exists
+// (initialize), so no message is lost before a view renders; every view draws that store.
 // A kept step opens in the trace explorer: the kernel makes a HookWidget and names its model here.
 import { render as renderExplorer } from "../explorer/explorer.js";
 import { h } from "../shared/dom.js";
@@ -25,12 +26,16 @@ export function liveOf(model) {
       const gap = store.apply(msg, buffers || []);
       if (!gap) syncing = false;
       else if (!syncing) sync();
+    } else if (msg.type === "lod") {
+      store.applyLod(msg, buffers || []);
     } else if (msg.type === "status") {
       requests.settle(msg, buffers);
     }
   });
   sync(); // everything recorded so far (answered as soon as the kernel is idle)
-  entry = { store, request: requests.request };
+  // The zoomed steps at the resolution of the pixels (the kernel answers with a "lod" message); one at a time.
+  const requestWindow = ({ start, stop, bins, stat }) => model.send({ type: "window", start, stop, bins, stat, request_id: P.newRequestId() });
+  entry = { store, request: requests.request, requestWindow };
   live.set(key, entry);
   return entry;
 }
@@ -40,7 +45,7 @@ function initialize({ model }) {
 }
 
 function render({ model, el }) {
-  const { store, request } = liveOf(model);
+  const { store, request, requestWindow } = liveOf(model);
   let cleanup = null;
   async function mount(step, host) {
     const id = model.get("trace_model");
@@ -61,7 +66,7 @@ function render({ model, el }) {
     model.on("change:trace_model", done);
   });
   const view = createWatchView({
-    store, el,
+    store, el, requestWindow,
     async openTrace(step, host) {
       const r = await request(P.open(step));
       if (!r.ok) return r;

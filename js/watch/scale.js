@@ -49,15 +49,3 @@ export function bins(n, cols) {
   for (let c = 0; c < cols; c++) out.push([Math.floor((c * n) / cols), Math.floor(((c + 1) * n) / cols)]);
   return out;
 }
-
-/** The value a bin shows: a non-finite value wins (±Inf, then NaN: something went wrong there), else the largest |v|. */
-export function pick(get, first, end) {
-  let best = NaN, bestAbs = -1, inf = null, nan = false;
-  for (let r = first; r < end; r++) {
-    const v = get(r);
-    if (Number.isNaN(v)) nan = true;
-    else if (!Number.isFinite(v)) inf = v;
-    else if (Math.abs(v) > bestAbs) { bestAbs = Math.abs(v); best = v; }
-  }
-  return inf !== null ? inf : nan ? NaN : best;
-}

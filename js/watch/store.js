@@ -1,51 +1,143 @@
-// The rows of a watch on the front-end: steps × layers × statistics (float64), the per-step loss and
-// gradient norm, anomalies and kept steps. Filled from the kernel's "rows" messages (or a standalone
-// page's inlined data), by row index, so a message that arrives out of order or after a gap is kept;
-// a gap is reported so the caller can ask the kernel for the rows it missed (a "sync" message).
+// What the watch view holds of a run, bounded whatever its length: an overview (bins.js: the whole run in at most
+// maxBinsFor(layers × statistics) bins, 48 MiB at most, each streamed row folded in as it arrives), the latest TAIL rows at full resolution, and the
+// window the user zoomed to (full-resolution rows, or finer bins, that the kernel answered from w.rows / w.lod).
+// A standalone page's data fill the same: its overview, and the full-resolution segments it embeds (the last
+// steps, around each anomaly and kept step). Rows streamed in order are folded by row index; a gap is reported
+// so the caller asks the kernel for what it missed (a "sync" message).
 import { decodeTensor } from "../shared/protocol.js";
+import { accumulate, accumulateValue, binsOver, createLevel, foldRow, levelFrom, maxBinsFor } from "./bins.js";
+
+export const TAIL = 1024; // latest rows kept at full resolution
 
 export function createStore(meta) {
-  const L = meta.layers.length, K = meta.stats.length, P = L * K;
-  let cap = 0, data = new Float64Array(0), perStep = new Float64Array(0), present = new Uint8Array(0);
-  const steps = [];
+  const L = meta.layers.length, K = meta.stats.length, P = L * K, maxBins = maxBinsFor(P);
   const listeners = new Set();
+  let tail = null; // {r0, n, steps, stats, step}: the latest rows, compacted to TAIL past 2 × TAIL
   const store = {
-    meta, L, K, n: 0, have: 0, steps, anomalies: [], kept: [], dropped: 0, totalSteps: null, state: "open",
+    meta, L, K, P, n: 0, have: 0, anomalies: [], kept: [], dropped: 0, totalSteps: null, state: "open",
+    overview: createLevel(P), segments: [], window: null, // window: {start, stop, bins, level | seg}
     /** Onset step of each non-finite stretch -> the non-finite steps counted after it (Python's w.nonfinite). */
     nonfinite: new Map(),
-    /** Statistic k of layer l at row r (NaN where not received). */
-    value: (r, l, k) => (present[r] ? data[(r * L + l) * K + k] : NaN),
+    /** The full-resolution rows holding row r (statistic k: a zoomed window may hold one only), or null. */
+    segmentOf(r, k = null) {
+      for (const s of allSegments()) if (r >= s.r0 && r < s.r0 + s.n && (k === null || s.k === undefined || s.k === k)) return s;
+      return null;
+    },
+    /** Statistic k of layer l at row r (NaN where the row is not held at full resolution). */
+    value(r, l, k) { const s = store.segmentOf(r, k); return s ? s.stats[((r - s.r0) * L + l) * s.K + (s.k === undefined ? k : 0)] : NaN; },
     /** Per-step statistic j (0 loss, 1 global gradient norm) at row r. */
-    stepValue: (r, j) => (present[r] ? perStep[r * 2 + j] : NaN),
-    received: (r) => present[r] === 1,
+    stepValue(r, j) { const s = store.segmentOf(r); return s ? s.step[(r - s.r0) * 2 + j] : NaN; },
+    received: (r, k = null) => store.segmentOf(r, k) !== null,
     subscribe(fn) { listeners.add(fn); return () => listeners.delete(fn); },
-    /** Apply a rows message; returns true when rows or anomalies before it are missing (ask for a sync). */
+    /** Apply a rows message (streamed or a sync reply); returns true when rows or anomalies before it are missing. */
     apply(msg, buffers = []) {
-      const start = msg.start | 0, count = msg.count | 0;
+      const start = msg.start | 0, count = msg.count | 0, dtype = msg.dtype || "float64";
       let gap = start > store.have;
-      if (count > 0) {
-        const s = decodeTensor({ dtype: "float64", shape: [count * P] }, buffers[0]);
-        const t = decodeTensor({ dtype: "float64", shape: [count * 2] }, buffers[1]);
-        grow(start + count);
-        data.set(s, start * P);
-        perStep.set(t, start * 2);
-        for (let i = 0; i < count; i++) { present[start + i] = 1; steps[start + i] = msg.steps[i]; }
-        store.n = Math.max(store.n, start + count);
-        while (store.have < store.n && present[store.have]) store.have++;
+      if (count > 0 && !gap) {
+        const stats = decodeTensor({ dtype, shape: [count * P] }, buffers[0]);
+        const step = decodeTensor({ dtype, shape: [count * 2] }, buffers[1]);
+        for (let i = Math.max(0, store.have - start); i < count; i++)
+          foldRow(store.overview, start + i, msg.steps[i], stats.subarray(i * P, (i + 1) * P), step.subarray(i * 2, i * 2 + 2), maxBins);
+        addTail(start, msg.steps, stats, step);
+        store.have = Math.max(store.have, start + count);
+        store.n = Math.max(store.n, store.have);
       }
+      applyFacts(msg);
       const a0 = msg.a_start | 0, list = Array.isArray(msg.anomalies) ? msg.anomalies : [];
       if (a0 <= store.anomalies.length) store.anomalies.splice(a0, store.anomalies.length - a0, ...list);
       else gap = true;
-      if (Array.isArray(msg.nonfinite)) store.nonfinite = new Map(msg.nonfinite.map(([k, v]) => [k, v]));
-      if (Array.isArray(msg.kept)) store.kept = msg.kept;
-      if (typeof msg.dropped === "number") store.dropped = msg.dropped;
-      if (msg.total_steps !== undefined) store.totalSteps = msg.total_steps;
-      if (msg.state) store.state = msg.state;
-      for (const fn of listeners) fn(store);
+      notify();
       return gap;
     },
-    /** Row index of step `step` (or -1). */
-    rowOf(step) { return steps.indexOf(step); },
+    /** Apply a "lod" message: the kernel's overview of rows [0, stop) or the zoomed window's rows or bins. */
+    applyLod(msg, buffers = []) {
+      const { level, seg } = decodeLod(msg, buffers, L, K);
+      if (msg.role === "overview") {
+        store.overview = level;
+        store.have = Math.max(store.have, msg.stop);
+        store.n = Math.max(store.n, msg.stop);
+      } else {
+        store.window = { start: msg.start, stop: msg.stop, bins: msg.bins, level, seg };
+      }
+      notify();
+    },
+    /** Where rows [a, b) of statistic k are drawn from: full-resolution rows when held, else the finest bins (the
+     * zoomed window's, else the overview's). Given `base` (the source of the whole visible range), a column is
+     * drawn from the same level, so one view never mixes resolutions (a bin's spike drawn beside exact rows). */
+    source(a, b, k, base = null) {
+      if (base?.seg) return { seg: base.seg, a, b, size: 1 };
+      if (base?.level) return { level: base.level, range: binsOver(base.level, a, b), size: base.level.size };
+      for (const s of allSegments()) if (a >= s.r0 && b <= s.r0 + s.n && (s.k === undefined || s.k === k)) return { seg: s, a, b, size: 1 };
+      const w = store.window?.level, o = store.overview;
+      if (w && (w.k === undefined || w.k === k) && a >= w.r0 && b <= w.r0 + w.size * w.m && w.size < o.size) return { level: w, range: binsOver(w, a, b), size: w.size };
+      return { level: o, range: binsOver(o, a, b), size: o.size };
+    },
+    /** Add layer l's statistic k over a source's rows into `acc` (bins.js). */
+    acc(src, l, k, acc) {
+      const x = src.seg || src.level, p = x.k === undefined ? l * K + k : l;
+      if (src.level) return accumulate(src.level, src.range[0], src.range[1], p, acc);
+      const K1 = src.seg.K;
+      for (let r = src.a; r < src.b; r++) accumulateValue(acc, src.seg.stats[(r - src.seg.r0) * K1 * L + p]);
+      return acc;
+    },
+    /** Fill out[l] with the value a heatmap cell of layer l shows (bins.js shown) for statistic k over a source: the
+     * heatmap's inner loop, one pass over the layers without a call per cell. */
+    columnShown(src, k, out) {
+      const x = src.seg || src.level, one = x.k !== undefined, stride = one ? L : P;
+      for (let l = 0; l < L; l++) {
+        const p = one ? l : l * K + k;
+        let hi = -Infinity, lo = Infinity, nf = 0, any = false;
+        if (src.level) {
+          const lv = src.level;
+          for (let i = src.range[0]; i < src.range[1]; i++) {
+            if (!lv.rows[i]) continue;
+            const q = i * stride + p;
+            nf |= lv.nf[q];
+            if (!lv.finite[q]) continue;
+            any = true;
+            if (lv.max[q] > hi) hi = lv.max[q];
+            if (lv.min[q] < lo) lo = lv.min[q];
+          }
+        } else {
+          const sg = src.seg, st = sg.K * L;
+          for (let r = src.a; r < src.b; r++) {
+            const v = sg.stats[(r - sg.r0) * st + p];
+            if (v === v && v !== Infinity && v !== -Infinity) { any = true; if (v > hi) hi = v; if (v < lo) lo = v; }
+            else nf |= v !== v ? 1 : v > 0 ? 2 : 4;
+          }
+        }
+        out[l] = nf & 2 ? Infinity : nf & 4 ? -Infinity : nf & 1 || !any ? NaN : -lo > hi ? lo : hi;
+      }
+      return out;
+    },
+    /** Add per-step statistic j over a source's rows into `acc`. */
+    stepAcc(src, j, acc) {
+      if (src.level) return accumulate(src.level, src.range[0], src.range[1], j, acc, true);
+      for (let r = src.a; r < src.b; r++) accumulateValue(acc, src.seg.step[(r - src.seg.r0) * 2 + j]);
+      return acc;
+    },
+    /** Step of row r: exact where held, else from the overview's bin (its first and last step, evenly spaced). */
+    stepOf(r) {
+      const s = store.segmentOf(r);
+      if (s) return s.steps[r - s.r0];
+      const o = store.overview, i = Math.floor((r - o.r0) / o.size);
+      if (i < 0 || i >= o.m || !o.rows[i]) return NaN;
+      const f = o.first[i], l = o.lastStep[i], n = o.rows[i];
+      return n > 1 ? Math.round(f + ((l - f) * (r - o.r0 - i * o.size)) / (n - 1)) : f;
+    },
+    /** Row index of step `step` (or -1): exact where held, else the nearest row of the overview's bin holding it. */
+    rowOf(step) {
+      for (const s of allSegments()) {
+        if (!s.n || step < s.steps[0] || step > s.steps[s.n - 1]) continue;
+        const i = lowerBound(s.steps, step, s.n);
+        if (s.steps[i] === step) return s.r0 + i;
+      }
+      const o = store.overview;
+      const i = lowerBound(o.lastStep, step, o.m);
+      if (i >= o.m || !o.rows[i] || o.first[i] > step) return -1;
+      const f = o.first[i], l = o.lastStep[i], n = o.rows[i];
+      return o.r0 + i * o.size + (n > 1 && l > f ? Math.round(((step - f) * (n - 1)) / (l - f)) : 0);
+    },
     /** Anomalies by step: step -> [[where, reason], ...]. */
     anomalyMap() {
       const m = new Map();
@@ -55,14 +147,62 @@ export function createStore(meta) {
       }
       return m;
     },
+    /** Add full-resolution rows a page embeds (around anomalies, kept steps, the last steps). */
+    addSegment(seg) { store.segments.push(seg); store.segments.sort((x, y) => x.r0 - y.r0); },
   };
-  function grow(rows) {
-    if (rows <= cap) return;
-    const next = Math.max(rows, cap * 2, 64);
-    const d = new Float64Array(next * P); d.fill(NaN); d.set(data);
-    const p = new Float64Array(next * 2); p.fill(NaN); p.set(perStep);
-    const q = new Uint8Array(next); q.set(present);
-    [data, perStep, present, cap] = [d, p, q, next];
+  function allSegments() {
+    const out = [...store.segments];
+    if (store.window?.seg) out.push(store.window.seg);
+    if (tail) out.push(tail);
+    return out;
   }
+  function addTail(start, steps, stats, step) {
+    const count = steps.length;
+    if (!tail || start !== tail.r0 + tail.n) {
+      if (tail && start < tail.r0 + tail.n) return; // rows the tail already holds (a sync's overlap)
+      tail = { r0: start, n: 0, K, steps: [], stats: new Float32Array(0), step: new Float32Array(0) };
+    }
+    const keep = Math.min(tail.n, Math.max(0, TAIL - count)), n = keep + count, drop = tail.n - keep;
+    if (tail.stats.length < n * P || drop) {
+      const s = new Float32Array(Math.max(n, Math.min(2 * TAIL, n * 2)) * P), t = new Float32Array(s.length / P * 2);
+      s.set(tail.stats.subarray(drop * P, tail.n * P)); t.set(tail.step.subarray(drop * 2, tail.n * 2));
+      tail = { r0: tail.r0 + drop, n: keep, K, steps: tail.steps.slice(drop), stats: s, step: t };
+    }
+    const skip = Math.max(0, count - TAIL);
+    tail.stats.set(stats.subarray(skip * P), keep * P);
+    tail.step.set(step.subarray(skip * 2), keep * 2);
+    if (skip) { tail.r0 = start + skip; tail.steps = []; }
+    for (let i = skip; i < count; i++) tail.steps.push(steps[i]);
+    tail.n = tail.steps.length;
+  }
+  function applyFacts(msg) {
+    if (Array.isArray(msg.nonfinite)) store.nonfinite = new Map(msg.nonfinite.map(([k, v]) => [k, v]));
+    if (Array.isArray(msg.kept)) store.kept = msg.kept;
+    if (typeof msg.dropped === "number") store.dropped = msg.dropped;
+    if (msg.total_steps !== undefined) store.totalSteps = msg.total_steps;
+    if (typeof msg.n_rows === "number") store.n = Math.max(store.n, msg.n_rows);
+    if (msg.state) store.state = msg.state;
+  }
+  function notify() { for (const fn of listeners) fn(store); }
   return store;
+}
+
+/** First index i < n with xs[i] >= x (n when none). */
+function lowerBound(xs, x, n) {
+  let lo = 0, hi = n;
+  while (lo < hi) { const mid = (lo + hi) >> 1; if (xs[mid] < x) lo = mid + 1; else hi = mid; }
+  return lo;
+}
+
+/** A "lod" message's level (size > 1) or full-resolution segment (size 1), from its float32 buffers; `stat` set
+ * when it holds that one statistic only (a zoomed window of the heatmap's statistic). */
+export function decodeLod(msg, buffers, L, K) {
+  const one = typeof msg.stat === "number", K1 = one ? 1 : K, P = L * K1, k = one ? msg.stat : undefined;
+  const m = msg.rows.length, f32 = (i, n) => decodeTensor({ dtype: "float32", shape: [n] }, buffers[i]);
+  if (msg.size === 1) return { seg: { r0: msg.start, n: m, K: K1, k, steps: msg.first, stats: f32(0, m * P), step: f32(1, m * 2) } };
+  const nf = buffers[5] ? decodeTensor({ dtype: "uint8", shape: [m * L] }, buffers[5]) : null;
+  const level = levelFrom({ P, K: K1, size: msg.size, r0: msg.start, first: msg.first, lastStep: msg.last_step, rows: msg.rows,
+    min: f32(0, m * P), max: f32(1, m * P), mean: f32(2, m * P), last: f32(3, m * P), step: f32(4, m * 8), nonfinite: nf });
+  level.k = k;
+  return { level };
 }
