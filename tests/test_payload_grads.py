@@ -185,3 +185,15 @@ def test_large_float32_statistics_in_one_float64_pass_match_float64():
     s, ref = payload.stats(t), t.double()
     assert s["mean"] == pytest.approx(float(ref.mean()), rel=1e-12)
     assert s["std"] == pytest.approx(float(ref.std(unbiased=False)), rel=1e-10)
+
+
+def test_a_long_note_is_cut_in_the_detail_with_a_pointer_to_the_whole():
+    """GPT-2 124M's per-sample note lists 148 parameters (27,500 characters): the detail shows its start."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(30)])
+    x = torch.randn(4, 8)
+    t = hw.trace(lambda: model(x).sum().backward(), budget_mb=0.001)  # nothing kept: every parameter left out
+    whole = next(str(n) for n in t.note_records if "3" in n.layers and len(str(n)) > 1000)
+    meta, _ = payload.detail(t, "3")
+    cut = next(n for n in meta["notes"] if n.endswith("… (the whole note: t.notes)"))
+    assert whole.startswith(cut[:-len("… (the whole note: t.notes)")]) and len(cut) < 500

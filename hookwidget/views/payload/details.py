@@ -128,9 +128,18 @@ def _unsupported(trace, name: str) -> str | None:
 
 
 
+NOTE_CHARS = 400  # of a trace's note in a layer's detail (one on GPT-2 124M lists 148 parameters: 27,500 characters)
+
+
 def _layer_notes(trace, name: str) -> list[str]:
-    """The trace's notes that concern this layer (their `layers` field), one line each."""
-    return [str(n).splitlines()[0] for n in trace.note_records if name and name in n.layers][:10]
+    """The trace's notes that concern this layer (their `layers` field), one line each, a long one cut with a
+    pointer to the whole (the detail is read beside the graph: one note must not be pages of text)."""
+    out = []
+    for n in trace.note_records:
+        if name and name in n.layers and len(out) < 10:
+            line = str(n).splitlines()[0]
+            out.append(line if len(line) <= NOTE_CHARS else f"{line[:NOTE_CHARS]}… (the whole note: t.notes)")
+    return out
 
 
 

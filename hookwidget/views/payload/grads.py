@@ -64,7 +64,8 @@ def weight_grads(trace, name: str, w: torch.Tensor, autograd: torch.Tensor | Non
         if directions:
             meta["grad_check"] = along_directions(every, autograd, readers)
         else:
-            meta["max_abs_diff"] = _num(max_abs_diff(autograd, rebuilt if len(every) == len(own) else _summed(every)))
+            others = every[len(own):]
+            meta["max_abs_diff"] = _num(max_abs_diff(autograd, rebuilt + _summed(others) if others else rebuilt))
     return True
 
 
