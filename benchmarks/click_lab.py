@@ -56,7 +56,7 @@ def measure(rounds: int) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], rounds: int) -> tuple[dict, str]:
+def report(rows: list[dict], rounds: int, load: tuple) -> tuple[dict, str]:
     keys = sorted({(r["model"], r["layer"], r["width"]) for r in rows}, key=lambda k: (k[0] != "gpt2_124m", k))
     med = {f"{m} {layer} {w}": statistics.median(r["ms"] for r in rows if (r["model"], r["layer"], r["width"])
                                                  == (m, layer, w)) for m, layer, w in keys}
@@ -70,9 +70,10 @@ def report(rows: list[dict], rounds: int) -> tuple[dict, str]:
     for m, layer in dict.fromkeys((m, layer) for m, layer, _ in keys):
         lines.append(f"| {m} | `{layer}` | " + " | ".join(f"{med[f'{m} {layer} {w}']:.0f}" for w in WIDTHS) + " |")
     lines += ["", f"Every GPT-2 124M click: median {statistics.median(gpt2):.0f} ms, slowest {max(gpt2):.0f} ms "
-              f"({len(gpt2)} clicks)."]
-    return {"machine": machine, "rounds": rows, "median_ms": med, "gpt2_median_ms": statistics.median(gpt2),
-            "gpt2_max_ms": max(gpt2)}, "\n".join(lines) + "\n"
+              f"({len(gpt2)} clicks).", "",
+              f"Load average at start / end: {load[0]} / {load[1]} (other work shares this CPU)."]
+    return {"machine": machine, "load": list(load), "rounds": rows, "median_ms": med,
+            "gpt2_median_ms": statistics.median(gpt2), "gpt2_max_ms": max(gpt2)}, "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -80,7 +81,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
-    data, md = report(measure(args.rounds), args.rounds)
+    start = [round(v, 2) for v in os.getloadavg()]
+    rows = measure(args.rounds)
+    data, md = report(rows, args.rounds, (start, [round(v, 2) for v in os.getloadavg()]))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "click_lab.json").write_text(json.dumps(data, indent=1))

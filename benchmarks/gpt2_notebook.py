@@ -29,6 +29,7 @@ from hookwidget.views import payload
 CLICKS = ["lm_head", "transformer.wte", "transformer.wpe", "transformer.h.0.ln_1", "transformer.h.0.attn.c_attn",
           "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj",
           "transformer.ln_f"]
+AB_REPEATS = 3  # lm_head's detail, and the whole rebuild, each round
 KEPT_MB = 8192  # a budget that keeps every a and δ of GPT-2 124M at 4 × 128
 TINY = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 1000}  # --tiny: a smoke run of the script
 
@@ -53,15 +54,33 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
+def whole_rebuild(t, name: str):
+    """The detail as it was before a large weight's factors were pictured and checked along directions: W.grad
+    rebuilt whole and compared entry by entry (views/payload/grads.py with no size limit)."""
+    from hookwidget.views.payload import grads
+
+    limit, grads.WHOLE_LIMIT = grads.WHOLE_LIMIT, float("inf")
+    try:
+        return payload.detail(t, name)
+    finally:
+        grads.WHOLE_LIMIT = limit
+
+
 def one_round(step, tmp: pathlib.Path) -> dict:
     row = {"plain_s": timed(step)[0]}
     row["trace_s"], t = timed(lambda: hw.trace(step))
     row["summary_s"] = timed(lambda: payload.summary(t))[0]
     row["click_s"] = {name: timed(lambda name=name: payload.detail(t, name))[0] for name in CLICKS}
+    # A/B, interleaved: the head's detail again, beside the detail that rebuilds its W.grad whole (as before)
+    ab = [(timed(lambda: payload.detail(t, "lm_head"))[0], timed(lambda: whole_rebuild(t, "lm_head"))[0])
+          for _ in range(AB_REPEATS)]
+    row["click_again_s"] = statistics.median(a for a, _ in ab)
+    row["click_whole_s"] = statistics.median(b for _, b in ab)
     del t
     # The tied head with every reader's factors kept (the default budget keeps lm_head's but not wte's δ): its
     # detail then checks W.grad against both along random directions (views/payload/grads.py).
     kept = hw.trace(step, budget_mb=KEPT_MB)
+    payload.summary(kept)  # what the explorer computes before it paints, as for the clicks above
     row["click_kept_s"], (meta, _) = timed(lambda kept=kept: payload.detail(kept, "lm_head"))
     row["kept_check"] = meta.get("grad_check")
     del kept
@@ -93,6 +112,10 @@ def report(rows: list[dict], batch: int, seq: int, tiny: bool, load: tuple = ())
     lines += ["", "A click on a layer, the kernel's side (payload.detail, first click):", "",
               "| layer | seconds |", "|---|---|"]
     lines += [f"| `{n}` | {v:.2f} |" for n, v in clicks.items()]
+    lines += ["", f"A/B, {AB_REPEATS} times a round, interleaved: `lm_head`'s detail {med['click_again_s']:.2f} s; "
+              f"with its 50257 × 768 W.grad rebuilt whole and compared entry by entry, as before large weights were "
+              f"checked along directions, {med['click_whole_s']:.2f} s "
+              f"({med['click_whole_s'] / med['click_again_s']:.1f}×)."]
     check = rows[-1]["kept_check"]
     kept = (f"`lm_head` traced with budget_mb={KEPT_MB} (every reader of the tied weight kept): "
             f"{med['click_kept_s']:.2f} s")
