@@ -258,9 +258,9 @@ def test_full_tensor_statistics_count_nan_and_inf_and_describe_the_finite_entrie
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_large_tensor_statistics_are_accurate_without_cancellation(dtype):
-    """Past CHUNK entries the statistics of a float32 tensor come from torch's CPU kernel, which accumulates in
-    float64, and those of a half type a piece at a time in float64: a mean far from zero must not cancel the
-    std (E[x²] − mean² in float32 would print std 0 here); only the result is rounded to the tensor's dtype."""
+    """Past CHUNK entries the statistics of a float32 or half tensor are accumulated a piece at a time in float64:
+    a mean far from zero must not cancel the std (E[x²] − mean² in float32 would print std 0 here, and in float64
+    keep a few digits: a second pass takes Σ(x − mean)²)."""
     g = torch.Generator().manual_seed(0)
     spread = 1e-3 if dtype == torch.float32 else 1.0  # bfloat16 has no 1e-3 steps at 1000
     t = (1000.0 + spread * torch.randn(3 * payload.CHUNK + 17, generator=g)).to(dtype)

@@ -6,7 +6,8 @@ pass over W, where rebuilding Σ … costs O(BT·o·i) and a full-size compariso
 A missing contribution (a weight also read outside its layers' calls) changes uᵀ W v but for a measure-zero set
 of directions. δ and x are projected in their own dtype (a float32 product's rounding, ~1e-6 of the scale, is far
 inside the 3e-5 tolerance) and everything after in float64. Used by analysis (a finished trace's factors against
-the step's .grad) and by capture="norms" (factors projected as they stream, before they are freed).
+the step's .grad), by capture="norms" (factors projected as they stream, before they are freed) and by the explorer's
+detail of a large weight (views/payload/grads.py: the differences shown, not only a verdict).
 """
 
 from __future__ import annotations
@@ -53,12 +54,32 @@ def of_factor(f, U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.
     return (du * xv).sum((0, 1)), (du.abs() * xv.abs()).sum((0, 1))
 
 
-def of_grad(W: torch.Tensor, U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uᵀ W v for the two directions, a bound of the magnitudes that entered it: ‖u‖‖W‖_F‖v‖)."""
+def of_grad(W: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
+            norm: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uᵀ W v for the two directions, a bound of the magnitudes that entered it: ‖u‖‖W‖_F‖v‖). `norm`: ‖W‖_F where
+    the caller has it (a float64 norm of a large CPU tensor is a full-size float64 copy first)."""
     got = ((U.T.to(W.dtype) @ W).double() * V.T).sum(1)
-    bound = U.norm(dim=0) * V.norm(dim=0) * float(torch.linalg.vector_norm(W, dtype=torch.float64))
-    return got, bound
+    if norm is None:
+        norm = float(torch.linalg.vector_norm(W, dtype=torch.float64))
+    return got, U.norm(dim=0) * V.norm(dim=0) * norm
 
 
 def agree(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> bool:
-    return bool(((got - ref).abs() <= TOLERANCE * scale + 1e-30).all())
+    return bool(((got - ref).abs() <= allowed(scale)).all())
+
+
+def allowed(scale: torch.Tensor) -> torch.Tensor:
+    """The largest |uᵀ(Σ …)v − uᵀ W v| that agrees, for products whose magnitudes summed to `scale`."""
+    return TOLERANCE * scale + 1e-30
+
+
+def compare(fs: list, W: torch.Tensor, norm: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(uᵀ(Σ fs)v, uᵀ W v, the largest |difference| that agrees) for each direction: the numbers `agree` decides
+    on, for a view that shows them (every f projectable onto W's shape and dtype; `norm` as of_grad's)."""
+    U, V = directions(tuple(W.shape), W.device)
+    got = scale = 0
+    for f in fs:
+        g, s = of_factor(f, U, V)
+        got, scale = got + g, scale + s
+    ref, bound = of_grad(W, U, V, norm)
+    return got, ref, allowed(scale + bound)

@@ -45,12 +45,13 @@ function layerDetail(meta, t, summary) {
     out.push(h("div", { class: "hw-section", text: "W.grad: autograd vs rebuilt from Σ δ ⊗ a" }));
     out.push(h("div", { class: "hw-figs" },
       t.grad_autograd ? heatmap("W.grad (autograd)", t.grad_autograd, { absmax, testid: "heat-grad-autograd" }) : null,
-      t.grad_rebuilt ? heatmap("Σ δ⊗a (rebuilt)", t.grad_rebuilt, { absmax, testid: "heat-grad-rebuilt" }) : null,
+      t.grad_rebuilt ? heatmap(t.grad_rebuilt.stats ? "Σ δ⊗a (rebuilt)" : "Σ δ⊗a (block means from the factors)", t.grad_rebuilt, { absmax, testid: "heat-grad-rebuilt" }) : null,
       t.per_sample_grad0 ? heatmap("δ⊗a, sample 0", t.per_sample_grad0, { testid: "heat-per-sample" }) : null));
   }
   if (meta.max_abs_diff !== undefined) {
     out.push(h("div", { class: "hw-maxdiff" }, "max |W.grad − rebuilt| = ", h("b", { "data-testid": "maxdiff", "data-value": String(meta.max_abs_diff), text: fmt(meta.max_abs_diff) })));
   }
+  if (meta.grad_check) out.push(gradCheck(meta.grad_check));
   if (t.per_sample_norms) out.push(bars("per-sample ‖grad‖₂", t.per_sample_norms, { testid: "per-sample-norms" }));
   if (meta.storage) {
     const st = meta.storage;
@@ -64,6 +65,18 @@ function layerDetail(meta, t, summary) {
   }
   out.push(notes(meta.notes));
   return out;
+}
+
+/** A large weight's W.grad against Σ δ⊗a along random directions (not rebuilt whole): each direction's uᵀ W.grad v,
+ * the difference and the tolerance it is held to, so the figure says what it was measured along. */
+function gradCheck(c) {
+  const of = c.layers.length > 1 ? ` (${c.layers.join(" + ")})` : "";
+  return h("div", { class: "hw-maxdiff", "data-testid": "grad-check", "data-agree": String(c.agree) },
+    `W.grad vs Σ δ⊗a${of} along ${c.directions} random directions u, v (a weight this large is not rebuilt whole): `,
+    h("b", { text: c.agree ? "agree" : "differ" }),
+    h("ul", { class: "hw-notes" }, ...c.values.map((v, k) => h("li", {
+      text: `uᵀ W.grad v = ${fmt(v)}, |uᵀ(W.grad − Σ δ⊗a)v| = ${fmt(c.differences[k])} (tolerance ${fmt(c.tolerances[k])})`,
+    }))));
 }
 
 function nodeDetail(meta, t) {

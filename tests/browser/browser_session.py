@@ -79,6 +79,34 @@ def notebook(browser, url: str, width: int, height: int, *, failure=None, report
         yield page
 
 
+def default_layout(page) -> None:
+    """JupyterLab as a newcomer sees it: the file browser open beside the notebook (as JupyterLab opens it by
+    default; the output is ~850 px wide in a 1100 px window), and no "notified about news?" toast over the page."""
+    if not page.locator(".jp-FileBrowser").is_visible():
+        page.evaluate("window.jupyterapp.commands.execute('filebrowser:activate')")
+    page.locator(".jp-FileBrowser").wait_for(state="visible")
+
+
+def dismiss_news(page) -> None:
+    """Close JupyterLab's "would you like to be notified about news?" toast where it shows."""
+    news = page.get_by_role("button", name="No", exact=True)
+    if news.count():
+        news.first.click()
+
+
+# Whether an element's top shows: inside the window and inside every ancestor that clips it (the notebook panel).
+SHOWN = """el => {
+  const r = el.getBoundingClientRect();
+  let top = 0, bottom = innerHeight;
+  for (let p = el.parentElement; p; p = p.parentElement) {
+    if (getComputedStyle(p).overflowY !== 'visible' && p.scrollHeight > p.clientHeight) {
+      const b = p.getBoundingClientRect(); top = Math.max(top, b.top); bottom = Math.min(bottom, b.bottom);
+    }
+  }
+  return r.height > 0 && r.top >= top && r.bottom <= bottom;
+}"""
+
+
 def start_cell(page, i: int) -> None:
     """Run the notebook's i-th cell without waiting for it (the command's promise resolves when the cell ends)."""
     page.evaluate(f"window.jupyterapp.shell.currentWidget.content.activeCellIndex = {i}")

@@ -1,7 +1,8 @@
 """Issue 25's models for the explorer's browser tests: a small CNN whose pool is called twice (after conv1 and
 after conv2; its conv biases feed BatchNorms, so their gradients are float noise) and a 12-block Hugging Face
-GPT-2 (tiny config, random weights: nothing downloaded). Each `*_source` is the code of a notebook cell; the
-functions run the same code here (`exec` of the same text: one definition for both)."""
+GPT-2 (tiny config, random weights: nothing downloaded); issue 41's GPT-2 124M (the same class at its default size,
+batch 4 × 128). Each `*_source` is the code of a notebook cell; the functions run the same code here (`exec` of the
+same text: one definition for both)."""
 
 CNN_SOURCE = """\
 import torch
@@ -37,6 +38,20 @@ torch.manual_seed(0)
 gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=32, n_head=2, vocab_size=100, n_positions=32,
                                    bos_token_id=0, eos_token_id=0))
 ids = torch.randint(0, 100, (2, 16))
+
+def gpt2_step():
+    gpt2.zero_grad()
+    gpt2(ids, labels=ids).loss.backward()
+"""
+
+# GPT-2 small as issue 41 met it in a notebook: Hugging Face's 124M configuration, random weights, batch 4 × 128.
+GPT2_124M_SOURCE = """\
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+torch.manual_seed(0)
+gpt2 = GPT2LMHeadModel(GPT2Config(bos_token_id=0, eos_token_id=0))
+ids = torch.randint(0, gpt2.config.vocab_size, (4, 128))
 
 def gpt2_step():
     gpt2.zero_grad()

@@ -8,7 +8,7 @@ import contextlib
 import json
 
 import pytest
-from browser_session import notebook
+from browser_session import SHOWN, default_layout, dismiss_news, notebook
 from explorer_models import CNN_SOURCE, GPT2_SOURCE
 from lab_server import jupyter, write_notebook
 
@@ -64,16 +64,11 @@ def _shot(page, el, path):
 def _open(browser, url, width, img_dir):
     """The notebook with the file browser open, every cell run and both explorers drawn; closed on exit."""
     with notebook(browser, url, width, 900, failure=img_dir / f"notebook_failure_{width}.png") as page:
-        # The file browser open, as JupyterLab opens it by default.
-        if not page.locator(".jp-FileBrowser").is_visible():
-            page.evaluate("window.jupyterapp.commands.execute('filebrowser:activate')")
-        page.locator(".jp-FileBrowser").wait_for(state="visible")
+        default_layout(page)
         page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
         page.locator(".hw-root").nth(1).locator(".hw-nodes > g").first.wait_for(timeout=180_000)
         page.locator(".hw-root").nth(0).locator('[data-testid="diff"] tr[data-param]').first.wait_for(timeout=120_000)
-        news = page.get_by_role("button", name="No", exact=True)  # JupyterLab's "notified about news?" toast
-        if news.count():
-            news.first.click()
+        dismiss_news(page)
         page.wait_for_timeout(500)
         yield page
 
@@ -197,19 +192,6 @@ def test_explorer_in_jupyterlab(browser, lab, width, img_dir):
         gpt2.locator('[data-pane-toggle="left"]').click()
         assert ov.is_visible()
         assert page.errors == []
-
-
-# Whether an element's top shows: inside the window and inside every ancestor that clips it (the notebook panel).
-SHOWN = """el => {
-  const r = el.getBoundingClientRect();
-  let top = 0, bottom = innerHeight;
-  for (let p = el.parentElement; p; p = p.parentElement) {
-    if (getComputedStyle(p).overflowY !== 'visible' && p.scrollHeight > p.clientHeight) {
-      const b = p.getBoundingClientRect(); top = Math.max(top, b.top); bottom = Math.min(bottom, b.bottom);
-    }
-  }
-  return r.height > 0 && r.top >= top && r.bottom <= bottom;
-}"""
 
 
 def _fully_in_view(root, selector):

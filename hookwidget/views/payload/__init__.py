@@ -7,8 +7,9 @@ cells per side. Shared by the live widget (custom messages) and the standalone p
 The shapes of it all are written down once, in ../payload_schema.json, which the Python and the
 front-end tests both check.
 
-One module a job: summaries (before any click), details (one layer or node, on request), changes (what
-a rerun changed), tensors (pictures as buffers), numbers (JSON-safe values and whole-tensor statistics).
+One module a job: summaries (before any click), details (one layer or node, on request), grads (a layer's
+W.grad beside its factors' Σ δ⊗a, in a detail), changes (what a rerun changed), tensors (pictures as buffers),
+numbers (JSON-safe values and whole-tensor statistics).
 Imports stats, layers, interventions and analysis (lazily) below it; nothing outside views/ imports it.
 """
 

@@ -1,13 +1,13 @@
 """The detail of one layer or graph node, sent on request: its shapes, notes and health, and its tensors
-(a, δ, W.grad from autograd and rebuilt from the factors, sample 0's share, per-sample norms) as buffers
-(payload_schema.json, "detail_meta")."""
+(a, δ, W.grad from autograd beside Σ δ⊗a from the factors (grads.py), sample 0's share, per-sample norms) as
+buffers (payload_schema.json, "detail_meta")."""
 
 from __future__ import annotations
 
 import torch
 
-from hookwidget.views.payload import summaries
-from hookwidget.views.payload.numbers import _num, _shape, max_abs_diff
+from hookwidget.views.payload import grads, summaries
+from hookwidget.views.payload.numbers import _num, _shape
 from hookwidget.views.payload.summaries import _param_names, _supports, _tensor_info
 from hookwidget.views.payload.tensors import MAX_SIDE, _Buffers
 
@@ -60,11 +60,7 @@ def _layer_detail(trace, name: str, out: _Buffers) -> dict:
     if reason is not None:
         meta["unsupported"] = reason
         return meta
-    rebuilt = _try(lambda: trace.weight_grad(name), meta)
-    out.add("grad_rebuilt", rebuilt, "param")
-    if autograd is not None and rebuilt is not None and autograd.shape == rebuilt.shape:
-        meta["max_abs_diff"] = _num(max_abs_diff(autograd, rebuilt))
-    if rebuilt is not None and c is not None and c.a is not None:
+    if grads.weight_grads(trace, name, w, autograd, out, meta) and c is not None and c.a is not None:
         batch = c.a.shape[0]
         if batch * w.numel() <= PER_SAMPLE_LIMIT:
             out.add("per_sample_grad0", _try(lambda: first_sample_grad(trace, name), meta), "param")
@@ -132,9 +128,18 @@ def _unsupported(trace, name: str) -> str | None:
 
 
 
+NOTE_CHARS = 400  # of a trace's note in a layer's detail (one on GPT-2 124M lists 148 parameters: 27,500 characters)
+
+
 def _layer_notes(trace, name: str) -> list[str]:
-    """The trace's notes that concern this layer (their `layers` field), one line each."""
-    return [str(n).splitlines()[0] for n in trace.note_records if name and name in n.layers][:10]
+    """The trace's notes that concern this layer (their `layers` field), one line each, a long one cut with a
+    pointer to the whole (the detail is read beside the graph: one note must not be pages of text)."""
+    out = []
+    for n in trace.note_records:
+        if name and name in n.layers and len(out) < 10:
+            line = str(n).splitlines()[0]
+            out.append(line if len(line) <= NOTE_CHARS else f"{line[:NOTE_CHARS]}… (the whole note: t.notes)")
+    return out
 
 
 

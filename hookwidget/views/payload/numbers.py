@@ -34,15 +34,30 @@ def stats(t: torch.Tensor) -> dict:
     if f.numel() <= CHUNK or f.device.type != "cpu":  # small, or on an accelerator: float64 in one go
         std, mean = torch.std_mean(f.double(), unbiased=False)
         mean, std = float(mean), float(std)
-    elif f.dtype in (torch.float32, torch.float64):  # torch's CPU kernel accumulates these in float64 (Welford):
-        std, mean = torch.std_mean(f, unbiased=False)  # no copy; only the result is rounded to f's dtype
+    elif f.dtype == torch.float64:  # torch's CPU kernel accumulates it in float64 (Welford), with no copy
+        std, mean = torch.std_mean(f, unbiased=False)
         mean, std = float(mean), float(std)
-    else:  # half types accumulate in float32 on the CPU: two passes a piece at a time in float64 instead
-        f = f.reshape(-1)
-        mean = sum(float(p.sum()) for _, p in _pieces(f)) / f.numel()
-        std = math.sqrt(sum(float(torch.linalg.vector_norm(p.sub_(mean))) ** 2 for _, p in _pieces(f)) / f.numel())
+    else:  # float32 and half types: a piece at a time in float64 (Welford on float32 is 7x slower on GPT-2's head)
+        mean, std = _mean_std(f.reshape(-1))
     return {"numel": int(n), "min": _num(float(lo)), "max": _num(float(hi)), "mean": _num(mean),
             "std": _num(std), "norm": _num(_norm(x)), "nan": nan, "inf": inf}
+
+
+
+def _mean_std(f: torch.Tensor) -> tuple[float, float]:
+    """Mean and std of a flat CPU tensor from Σx and Σx², accumulated in float64 a piece at a time, in one pass
+    (GPT-2's 38M-float head gradient: 15 ms, where torch.std_mean takes 110 ms). Where the mean dominates the
+    spread (E[x²] − mean² would keep fewer than ~10 digits of the variance) a second pass takes Σ(x − mean)²."""
+    n = f.numel()
+    total = squares = 0.0
+    for _, p in _pieces(f):
+        total += float(p.sum())
+        squares += float(torch.dot(p, p))
+    mean = total / n
+    var = squares / n - mean * mean
+    if not var > 1e-6 * (squares / n):
+        var = sum(float(torch.linalg.vector_norm(p.sub_(mean))) ** 2 for _, p in _pieces(f)) / n
+    return mean, math.sqrt(var)
 
 
 

@@ -38,8 +38,12 @@ class _Buffers:
             data = view.tobytes()
             if self.memo is not None:
                 self.memo[(id(t), layout)] = (t, data, info)  # holds t: its id is not reused meanwhile
+        self.add_picture(key, data, info)
+
+    def add_picture(self, key: str, data, info: dict) -> None:
+        """A picture made elsewhere (bytes or a float32 array) with its description."""
         self.meta[key] = {**info, "buffer": len(self.buffers)}
-        self.buffers.append(data)
+        self.buffers.append(data if isinstance(data, bytes) else data.tobytes())
 
 
 
@@ -72,7 +76,7 @@ def downsample(t: torch.Tensor, layout: str = "rows", max_side: int = MAX_SIDE) 
         arr = x.contiguous().numpy()
         shape = [int(arr.shape[0]), int(arr.shape[1])]
     arr = np.ascontiguousarray(arr, dtype="<f4")
-    return arr, _describe(arr, shape, t, "matrix")
+    return arr, describe(arr, shape, list(t.shape), "matrix", t)
 
 
 
@@ -95,16 +99,17 @@ def samples(t: torch.Tensor, max_side: int = MAX_SIDE) -> tuple[np.ndarray, dict
             x = F.adaptive_avg_pool2d(x.unsqueeze(1), (min(tt, max_side), min(d, max_side)))[:, 0]
         layout = "sequence"
     arr = np.ascontiguousarray(x.contiguous().numpy(), dtype="<f4")
-    info = _describe(arr, [int(v) for v in arr.shape], t, layout)
+    info = describe(arr, [int(v) for v in arr.shape], list(t.shape), layout, t)
     info["samples"] = int(arr.shape[0])
     return arr, info
 
 
 
-def _describe(arr: np.ndarray, shape: list, t: torch.Tensor, layout: str) -> dict:
-    """The picture's own range (for its colour scale) and the statistics of the FULL tensor beside it."""
+def describe(arr: np.ndarray, shape: list, true_shape: list, layout: str, t: torch.Tensor | None = None) -> dict:
+    """The picture's own range (for its colour scale) and the statistics of the FULL tensor `t` beside it; null
+    statistics for a picture made without the tensor (views/payload/grads.py's, from the factors)."""
     finite = arr[np.isfinite(arr)]
-    return {"dtype": "float32", "shape": shape, "true_shape": [int(s) for s in t.shape], "layout": layout,
+    return {"dtype": "float32", "shape": shape, "true_shape": [int(s) for s in true_shape], "layout": layout,
             "min": _num(float(finite.min())) if finite.size else None,
             "max": _num(float(finite.max())) if finite.size else None,
-            "nonfinite": int(arr.size - finite.size), "stats": stats(t)}
+            "nonfinite": int(arr.size - finite.size), "stats": stats(t) if t is not None else None}
