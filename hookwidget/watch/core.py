@@ -27,6 +27,7 @@ from hookwidget.watch import amp, compiled
 from hookwidget.watch.amp import ScaleTrack
 from hookwidget.watch.detect import Detector
 from hookwidget.watch.flight import FlightRecorder
+from hookwidget.watch.gather import RankViews
 from hookwidget.watch.history import History
 from hookwidget.watch.host import HostRows
 from hookwidget.watch.ranks import MODES
@@ -50,7 +51,7 @@ NOT_CALLED = ("hw.watch: no call of {layers} reached backward in the first recor
               "(nn.MultiheadAttention's out_proj); a layer a step skips (a routed expert, a branch) has no call")
 
 
-class Watch(Reads):
+class Watch(Reads, RankViews):
     """Hooks on a model across a training loop, and what they recorded: statistics per step and layer, anomalies,
     kept Traces.
 
@@ -328,8 +329,24 @@ class Watch(Reads):
 
     def count_optimizer_steps(self) -> None:
         """From now on each row is an optimizer step (the backward passes it accumulated, or ran inside
-        step(closure), added up), as it is anyway from the first such step the watch sees; call it before the
-        loop's first backward where the first optimizer step accumulates (the callbacks do)."""
+        step(closure), added up), as it is anyway from the first such step the watch sees.
+
+        Call it before the loop's first backward where the first optimizer step accumulates several backward
+        passes (the callbacks do): until the watch has seen an optimizer step, each backward pass is a row.
+
+        Example:
+
+        ```python
+        with hw.watch(model) as w:
+            w.count_optimizer_steps()
+            for k, (xb, yb) in enumerate(loader):       # 4 micro-batches, an optimizer step every 2
+                loss_fn(model(xb), yb).backward()
+                if k % 2 == 1:
+                    opt.step()
+                    opt.zero_grad()
+        w.steps, w.micro_batches                      # ([0, 1], {0: [0, 1], 1: [2, 3]})
+        ```
+        """
         self._stats.count_optimizer_steps()
 
     @property
@@ -341,10 +358,32 @@ class Watch(Reads):
         return {k: micro[k][0] if k in micro else [k] for k in self._history.steps}
 
     def micro(self, step: int) -> tuple:
-        """(stats, step_stats) of the backward passes of recorded step `step`, as the watch records a pass
-        (w.micro_batches[step] lists them): (passes, layers, statistics) and (passes, 2) float64. A pass's
-        grad_norm is ‖.grad‖ as its backward left it (accumulated so far), its update_ratio NaN, its loss the
-        loss backward started from."""
+        """The statistics of each backward pass of recorded step `step`, as the watch records a pass
+        (`w.micro_batches[step]` lists them).
+
+        A pass's grad_norm is ‖.grad‖ as its backward left it (accumulated so far), its update_ratio NaN, its loss
+        the loss backward started from.
+
+        Args:
+
+        - `step`: a recorded step (`w.steps`).
+
+        Returns:
+
+        `(stats, step_stats)`: (passes, layers, statistics) and (passes, 2) tensors, laid out as `w.stats` and
+        `w.step_stats`; a step of one pass gives its own row.
+
+        Raises:
+
+        - `KeyError`: `step` was not recorded (`w.steps` lists those that were).
+
+        Example:
+
+        ```python
+        stats, step_stats = w.micro(w.steps[-1])
+        stats.shape, step_stats[:, 0]                 # (passes, layers, statistics); each pass's loss
+        ```
+        """
         self._flush()
         if step in self._rows.micro:
             _, stats, step_stats = self._rows.micro[step]
@@ -417,26 +456,6 @@ class Watch(Reads):
         return torch.from_numpy(self._history.column(0, self.n_rows, (), "per_sample").reshape(-1, 2))
 
     @property
-    def local_stats(self) -> torch.Tensor:
-        """Like w.stats, as this rank held them (a shard's norms under FSDP2/DTensor, its own batch's δ and a);
-        w.stats itself where the model is not spread over ranks (w.scope says which figure is whose)."""
-        return self._local()[0]
-
-    @property
-    def local_step_stats(self) -> torch.Tensor:
-        """Like w.step_stats, as this rank held them: its own loss, the norm of its own (local) gradients."""
-        return self._local()[1]
-
-    @property
-    def scope(self) -> dict:
-        """statistic -> whose figure w.stats holds: "global" (over ranks) or "rank r"; {} for one process."""
-        return dict(self._spread.scope) if self._spread is not None else {}
-
-    def _local(self) -> tuple:
-        stats, step_stats = self.stats, self.step_stats
-        return self._spread.local_tables(stats, step_stats) if self._spread is not None else (stats, step_stats)
-
-    @property
     def found_nonfinite(self) -> dict:
         """w.nonfinite among the rows already on the host (no transfer: the live view reads it)."""
         return dict(self._detector.stretches)
@@ -474,15 +493,6 @@ class Watch(Reads):
         return (f"Watch ({state}): {len(self.layer_names)} layers, {self.seen} steps, {n} recorded, "
                 f"{len(self._detector.anomalies)} anomalies" + (f", traces kept at steps {self.kept}"
                                                                 if self.flight_recorder else ""))
-
-    def gather(self, dst: int = 0, group=None):
-        """Distributed: every rank's own statistics (w.local_stats) on rank `dst` (list of RankStats indexed by
-        rank; None on the others), in one gather_object call at the end; call it on every rank. Each rank's own:
-        δ and a of its own batch; .grad as backward leaves it (DDP: all-reduced; FSDP2: the rank's local shard
-        of the reduce-scattered gradient, and ‖W‖ of its local shard). w.stats holds the global figures."""
-        from hookwidget.watch.gather import gather
-
-        return gather(self, dst, group)
 
     @property
     def dropped_traces(self) -> int:

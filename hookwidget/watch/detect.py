@@ -37,6 +37,13 @@ class Anomaly(tuple):
       `layers`, where it left its window ([] for the global norm); `ratio`, how far (median over those layers;
       inf for a jump to +Inf); `base` and `value`, its window's level and its value there; `lr`, a learning-rate
       (or optimizer) change; `text`, the one line the view and the logs show.
+
+    Example:
+
+    ```python
+    step, where, reason = spiked.anomalies[0]     # a tuple: unpack it, compare it
+    spiked.anomalies[0].lead.text                 # where its cause shows first, in one line
+    ```
     """
     # the lead: watch/leads.py's Lead
 
