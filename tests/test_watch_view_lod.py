@@ -150,3 +150,12 @@ def test_a_window_outside_the_watch_is_refused_in_one_line(wide):
     wid._on_msg(wid, {"type": "sync", "have": 0, "request_id": "s"}, [])
     wid._on_msg(wid, {"type": "window", "start": 10, "stop": 20, "bins": 5, "stat": 99, "request_id": "w"}, [])
     assert sent[-1][0]["state"] == "error" and "statistic 99" in sent[-1][0]["text"]
+
+
+def test_a_watch_writes_its_page_within_the_budget_it_is_given(wide, tmp_path):
+    """w.to_html(path, budget=) is the public way to the page's byte budget (views.watch_export's own)."""
+    path = wide.to_html(tmp_path / "w.html", budget=2 * 2**20)
+    assert 2**20 < path.stat().st_size <= 2 * 2**20
+    with pytest.raises(ValueError, match=r"^to_html\(budget=1000\): .* at least 1 MiB"):
+        wide.to_html(tmp_path / "small.html", budget=1000)
+    assert not (tmp_path / "small.html").exists()

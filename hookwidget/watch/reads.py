@@ -214,11 +214,27 @@ class Reads:
 
         return mimebundle(self, include, exclude)
 
-    def to_html(self, path):
-        """Write the explorer of this watch (statistics, anomalies, kept Traces) as one standalone page."""
-        from hookwidget.views.watch_export import to_html
+    def to_html(self, path, budget: int | None = None):
+        """Write the explorer of this watch (statistics, anomalies, kept Traces) as one standalone page.
 
-        return to_html(self, path)
+        Args:
+
+        - `path`: the HTML file to write.
+        - `budget`: the page's size in bytes at most (default 16 MiB): a long run's page holds an overview of every
+          step in bins and full-resolution rows around anomalies, kept steps and the last steps, as many as fit;
+          the page says which.
+
+        Returns:
+
+        The path written (`pathlib.Path`).
+
+        Raises:
+
+        - `ValueError`: `budget` is not an int of at least 1 MiB (2**20).
+        """
+        from hookwidget.views.watch_export import BUDGET, to_html
+
+        return to_html(self, path, BUDGET if budget is None else budget)
 
     def to_tensorboard(self, log_dir) -> str:
         """Write what was recorded so far as TensorBoard scalars (`{stat}/{layer}`, `step/loss`,
