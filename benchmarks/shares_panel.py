@@ -1,6 +1,6 @@
 """The explorer's shares panel (issue 43) on GPT-2 124M: what it adds to the explorer's paint, and what it costs
-when opened. Hugging Face's GPT2LMHeadModel with random weights (attn_implementation="eager": the fused kernel
-hides the batch, and shares would leave most layers out), batch 4 × 128, on this CPU; each round traces the step
+when opened. Hugging Face's GPT2LMHeadModel with random weights (attn_implementation="eager", as the figures
+in results/shares_panel.md were measured), batch 4 × 128, on this CPU; each round traces the step
 afresh with budget_mb=inf (every a and δ kept: the default 512 MB keeps summaries past the first blocks) and then,
 in turn:
 

@@ -1396,15 +1396,12 @@ NB06 = [
     print(tok.decode(batch()[0][0]))
     """),
     md("""
-    A GPT-2 of two blocks from `GPT2Config` (random weights, CPU), trained a few dozen steps. Its
-    attention is set to `"eager"`: hookwidget follows the batch through its plain matrix products (with
-    the default fused attention it cannot prove which dim holds the samples, and leaves those layers out,
-    saying so in `t.shares().left_out`).
+    A GPT-2 of two blocks from `GPT2Config` (random weights, CPU, its default attention), trained a few
+    dozen steps.
     """),
     code("""
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=len(vocab), n_positions=T, n_embd=32, n_layer=2, n_head=2,
-                                     attn_implementation="eager")
+    config = transformers.GPT2Config(vocab_size=len(vocab), n_positions=T, n_embd=32, n_layer=2, n_head=2)
     model = transformers.GPT2LMHeadModel(config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 

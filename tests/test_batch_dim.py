@@ -381,3 +381,44 @@ def test_the_watch_follows_the_samples_of_its_first_input():
     assert not any("per-sample norms leave out" in n for n in w.notes)
     assert w.per_sample[0, 0].item() == pytest.approx(want.max().item(), rel=1e-5)
     assert int(w.per_sample[0, 1]) == int(want.argmax())
+
+
+class MaskedAttention(nn.Module):
+    """q, k, v projections, F.scaled_dot_product_attention with a boolean causal mask (Hugging Face's default "sdpa"
+    attention on the CPU: torch's math path, whose softmax is SafeSoftmaxBackward0, saving dim -1 as an unsigned
+    64-bit value), then an output projection. The samples are in dim `batch` of the (…, T, d) input."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x):
+        T, d = x.shape[-2], x.shape[-1]
+        q, k, v = (t.unflatten(-1, (self.heads, d // self.heads)).transpose(-3, -2)
+                   for t in self.qkv(x).chunk(3, -1))
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(h.transpose(-3, -2).flatten(-2))
+
+
+def test_masked_sdpa_attention_is_exact():
+    """Before: the layers after the attention were left out ("holds none of the samples"): the walk misread the
+    softmax's saved dim -1 (18446744073709551615 % ndim) and found no proof."""
+    torch.manual_seed(0)
+    B, T = 3, 5
+    model = MaskedAttention()
+    x = torch.randn(B, T, 8)  # q, k, v (B, heads, T, d/heads), as Hugging Face's attention lays them out
+    names, stack = set(), [model(x).grad_fn]
+    while stack:  # a small graph: walked whole, no node skipped
+        fn = stack.pop()
+        if fn is not None:
+            names.add(fn.name())
+            stack.extend(n for n, _ in fn.next_functions)
+    assert "SafeSoftmaxBackward0" in names or any(n.startswith("ScaledDotProduct") for n in names)
+    names = [n for n, _ in model.named_parameters()]
+    ref = loop_reference(model, x, 0, names)
+    t = trace_of(model, x)
+    assert not t.per_sample_left_out, t.per_sample_left_out
+    close(t.per_sample_grads("out"), ref["out.weight"], "out.weight")
+    close(t.per_sample_grads("qkv"), ref["qkv.weight"], "qkv.weight")
+    close(t.per_sample_grad_norms(), ref_norms(ref), "norms")

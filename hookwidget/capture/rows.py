@@ -279,12 +279,18 @@ def _input_dim(node, name: str, d: int, ndim: int):
             return None if d in {x % ndim for x in saved(node, "dims")} else d
         if name in BATCH_NORMS:  # statistics per channel (dim 1), shared by all samples: each keeps its place
             return None if d == 1 else d
-        if name in ("SoftmaxBackward0", "LogSoftmaxBackward0", "CatBackward0", "SliceBackward0",
-                    "SplitBackward0", "SplitWithSizesBackward0"):
-            return None if saved(node, "dim") % ndim == d else d
+        if name in ("SoftmaxBackward0", "LogSoftmaxBackward0", "SafeSoftmaxBackward0", "CatBackward0",
+                    "SliceBackward0", "SplitBackward0", "SplitWithSizesBackward0"):
+            return None if _signed(saved(node, "dim")) % ndim == d else d
     except (AttributeError, TypeError, ZeroDivisionError):
         return None
     return None
+
+
+def _signed(dim: int) -> int:
+    """A saved dim as given: a negative one may come back as an unsigned 64-bit one (SafeSoftmaxBackward0's -1 reads
+    18446744073709551615), which % ndim would misplace."""
+    return dim - 2**64 if dim >= 2**63 else dim
 
 
 def _reduced_input_dim(node, d: int, ndim: int):
@@ -292,7 +298,7 @@ def _reduced_input_dim(node, d: int, ndim: int):
     dims = saved(node, "dim")
     keep = bool(saved(node, "keepdim"))
     dims = [dims] if isinstance(dims, int) else list(dims)
-    dims = [x - 2**64 if x >= 2**63 else x for x in dims]  # a negative dim may come back as an unsigned one
+    dims = [_signed(x) for x in dims]
     n_in = ndim if keep else ndim + len(dims)
     reduced = sorted({x % n_in for x in dims}) if dims else list(range(n_in))
     if keep:
