@@ -422,3 +422,51 @@ def test_masked_sdpa_attention_is_exact():
     close(t.per_sample_grads("out"), ref["out.weight"], "out.weight")
     close(t.per_sample_grads("qkv"), ref["qkv.weight"], "qkv.weight")
     close(t.per_sample_grad_norms(), ref_norms(ref), "norms")
+
+
+class KeywordsModel(nn.Module):
+    """A model called with keywords only, as Hugging Face's Trainer calls one (`model(**batch)`): no global forward
+    pre-hook sees keywords, so the pass's samples are found once its forward hook gives them."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.body = nn.Embedding(11, 6), TimeMajorMLP(6, 5, 4)
+
+    def forward(self, input_ids=None, scale=None):
+        return self.body(self.emb(input_ids)) * scale
+
+
+def test_a_model_called_with_keywords_only_is_exact():
+    """Before: every layer was left out ("the model's input has no batch dim to follow")."""
+    torch.manual_seed(0)
+    model, ids = KeywordsModel(), torch.randint(0, 11, (3, 4))
+    names = [n for n, _ in model.named_parameters()]
+
+    class Positional(nn.Module):  # the reference loop calls the same model with the ids as its one input
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            return self.m(input_ids=x, scale=2.0)
+
+    ref = loop_reference(Positional(), ids, 0, [f"m.{n}" for n in names])
+    t = hw.trace(lambda: model(input_ids=ids, scale=2.0).pow(2).sum().backward())
+    assert not t.per_sample_left_out, t.per_sample_left_out
+    close(t.per_sample_grads("emb"), ref["m.emb.weight"], "emb.weight")
+    close(t.per_sample_grads("body.fc1"), ref["m.body.fc1.weight"], "body.fc1.weight")
+    close(t.per_sample_grad_norms(), ref_norms(ref), "norms")
+
+
+def test_a_hugging_face_model_called_with_keywords_covers_what_a_positional_call_does():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=1, eos_token_id=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    ids = torch.randint(0, 50, (3, 8))
+    by_keywords = hw.trace(lambda: model(input_ids=ids, labels=ids).loss.backward())
+    model.zero_grad(set_to_none=True)
+    positional = hw.trace(lambda: model(ids, labels=ids).loss.backward())
+    assert not by_keywords.per_sample_left_out and not positional.per_sample_left_out
+    torch.testing.assert_close(by_keywords.per_sample_grad_norms(), positional.per_sample_grad_norms(), rtol=0, atol=0)

@@ -58,12 +58,14 @@ class Samples:
         self._how = None  # where the pass's batch came from: "declared", "convention" (dim 0, batch_first), "stated"
         self._placed = None  # the pass's placed calls, while its batch rests on the convention alone and the model
         # holds an EmbeddingBag (_restate), else None
+        self._late = None  # (outermost call, its calls' placements and outputs so far) while that call's tensors,
+        # keywords only, wait for its forward hook (keywords)
 
     def clear(self) -> None:
         """A new forward pass, or the trace ends: the roots and the memo hold the last pass's tensors and nodes."""
         self.roots.clear()
         self._proofs.clear()
-        self._start = self._pass = self._outer = self._how = self._placed = None
+        self._start = self._pass = self._outer = self._how = self._placed = self._late = None
 
     def start(self, module, call: Call, args, kwargs, a, stated: int | None = None) -> None:
         """An outermost call: its inputs are the pass's roots along the batch dimension (call.batch: its size).
@@ -75,6 +77,8 @@ class Samples:
         if stated is not None:
             self._stated_start(module, call, args, kwargs, stated)
             return
+        if a is None and not args:  # keywords only, which no global pre-hook sees: they come with its forward hook
+            self._late = (call, [])
         if a is None or not a.dim():
             return
         own = declared_batch_dim(module)
@@ -88,6 +92,27 @@ class Samples:
             self._placed = []
         if self.declared is None and own is None and _declares(module):
             self._start, self._pass = (call, args, kwargs, a), []
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the pass waits for its outermost call's keywords (keywords): its calls' outputs are kept."""
+        return self._late is not None and self.batch is None
+
+    def keywords(self, module, call: Call, kwargs, stated: int | None) -> bool:
+        """The forward hook of an outermost call that took its tensors as keywords only (`model(**batch)`, as
+        Hugging Face's Trainer calls a model): the pass starts from them now, as start() would have, and the calls
+        it made meanwhile are placed again in the order they were met. False where `call` is no such call."""
+        if self._late is None or self._late[0] is not call:
+            return False
+        events = self._late[1]
+        a = next(iter(_tensors((), kwargs)), None)
+        self.start(module, call, (), kwargs, a, stated)
+        for module_i, c, x, out in events:
+            if out is None:
+                self.place(module_i, c, x)
+            else:
+                self.output(module_i, c, x, out)
+        return True
 
     def _stated_start(self, module, call: Call, args, kwargs, n: int) -> None:
         self.batch, self.dim, self._how = n, None, "stated"
@@ -167,6 +192,8 @@ class Samples:
     def place(self, module, call: Call, a) -> None:
         """call.sample_dim: the proven dim of the call's input that holds the samples; else call.folded_from."""
         B = self.batch
+        if B is None and self._late is not None and a is not None:
+            self._late[1].append((module, call, a, None))  # placed once the outermost call's keywords are seen
         if B is None or a is None or not a.dim():
             return
         call.in_shape = tuple(a.shape)
@@ -252,6 +279,9 @@ class Samples:
     def output(self, module, call: Call, a, out) -> None:
         """A placed call's output becomes a root: where its samples are, as the layer declares it (what its rule
         assumes: leading dims kept by a token layer, dim 0 by a convolution), else proven through the graph."""
+        if self.batch is None and self._late is not None:
+            self._late[1].append((module, call, a, out))
+            return
         if self.batch is None or (call.sample_dim is None and call.folded_from is None):
             return
         if out.grad_fn is None and out.requires_grad:

@@ -360,7 +360,10 @@ class Tracer:
             a = first_tensor(kwargs)
             if a is not None and not call.recomputed:
                 stated = stated_samples(module, inputs, kwargs)
-                if stated is not None:
+                if self.run.samples.keywords(module, call, kwargs, stated):  # the outermost call: the pass starts
+                    if call.batch is not None:
+                        self.run.batches[call.batch] += 1
+                elif stated is not None:
                     self.run.samples.stated(module, call, inputs, kwargs, stated)
                 else:
                     self.run.samples.place(module, call, a)
@@ -369,7 +372,8 @@ class Tracer:
 
     def _on_output(self, module, rec: ModuleRecord, call: Call, out: torch.Tensor, inputs, kwargs) -> None:
         call.output_shape = tuple(out.shape)
-        if not call.recomputed and (call.sample_dim is not None or call.folded_from is not None and rec.keeps_rows):
+        if not call.recomputed and (call.sample_dim is not None or call.folded_from is not None and rec.keeps_rows
+                                    or self.run.samples.waiting):
             self.run.samples.output(module, call, first_tensor(inputs) if inputs else first_tensor(kwargs), out)
         # A rerun of non-reentrant checkpointing builds a graph backward never runs: a reference to its output's
         # node would keep that graph's saved tensors (the activations checkpointing frees) until the step ends.
