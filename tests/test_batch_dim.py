@@ -470,3 +470,32 @@ def test_a_hugging_face_model_called_with_keywords_covers_what_a_positional_call
     positional = hw.trace(lambda: model(ids, labels=ids).loss.backward())
     assert not by_keywords.per_sample_left_out and not positional.per_sample_left_out
     torch.testing.assert_close(by_keywords.per_sample_grad_norms(), positional.per_sample_grad_norms(), rtol=0, atol=0)
+
+
+class TokenMixer(nn.Module):
+    """MLP-Mixer's token mixing on (B, T, d) written with negative dims: x.transpose(-2, -1) puts the T positions
+    last, a Linear mixes them, and the transpose back restores (B, T, d). torch saves -2 and -1 as unsigned 64-bit
+    values, which read modulo 3 name other dims."""
+
+    def __init__(self, T: int, d: int = 4):
+        super().__init__()
+        self.mix, self.head = nn.Linear(T, T), nn.Linear(d, 2)
+
+    def forward(self, x):
+        return self.head(self.mix(x.transpose(-2, -1)).transpose(-2, -1))
+
+
+@pytest.mark.parametrize("sizes", list(SHAPES), ids=list(SHAPES))
+def test_negative_dims_of_a_three_dim_transpose_are_read_as_given(sizes):
+    """Before: the transposes were read as swapping dims 2 and 0, so head, after the transpose back, was left out
+    ("holds none of the samples"); mix was placed from its input's rows."""
+    torch.manual_seed(0)
+    T, B = SHAPES[sizes]
+    model, x = TokenMixer(T), torch.randn(B, T, 4)
+    names = [n for n, _ in model.named_parameters()]
+    ref = loop_reference(model, x, 0, names)
+    t = trace_of(model, x)
+    assert not t.per_sample_left_out, t.per_sample_left_out
+    close(t.per_sample_grads("mix"), ref["mix.weight"], "mix.weight")
+    close(t.per_sample_grads("head"), ref["head.weight"], "head.weight")
+    close(t.per_sample_grad_norms(), ref_norms(ref), "norms")

@@ -260,23 +260,23 @@ def _input_dim(node, name: str, d: int, ndim: int):
     """The input's dim that the output's dim d comes from, where the op leaves it whole; else None."""
     try:
         if name == "TransposeBackward0":
-            a, b = (x % ndim for x in (saved(node, "dim0"), saved(node, "dim1")))
+            a, b = (_signed(saved(node, k)) % ndim for k in ("dim0", "dim1"))
             return b if d == a else a if d == b else d
         if name == "PermuteBackward0":
-            return saved(node, "dims")[d] % ndim
+            return _signed(saved(node, "dims")[d]) % ndim
         if name in ("UnbindBackward0", "SelectBackward0"):  # the input has one more dim, at `dim`
-            u = saved(node, "dim") % (ndim + 1)
+            u = _signed(saved(node, "dim")) % (ndim + 1)
             return d + 1 if u <= d else d
         if name in ("UnsqueezeBackward0", "StackBackward0"):  # the output has one more dim, at `dim`
-            u = saved(node, "dim") % ndim
+            u = _signed(saved(node, "dim")) % ndim
             return None if u == d else d - 1 if u < d else d
         if name == "SqueezeBackward1":  # the input had a size-1 dim at `dim`
-            s = saved(node, "dim") % (ndim + 1)
+            s = _signed(saved(node, "dim")) % (ndim + 1)
             return d + 1 if s <= d else d
         if name in REDUCTIONS:  # over `dim` (each sample's own values where d is none of them)
             return _reduced_input_dim(node, d, ndim)
         if name == "FlipBackward0":  # reverses the dims in `dims`: a sample's index moves along them only
-            return None if d in {x % ndim for x in saved(node, "dims")} else d
+            return None if d in {_signed(x) % ndim for x in saved(node, "dims")} else d
         if name in BATCH_NORMS:  # statistics per channel (dim 1), shared by all samples: each keeps its place
             return None if d == 1 else d
         if name in ("SoftmaxBackward0", "LogSoftmaxBackward0", "SafeSoftmaxBackward0", "CatBackward0",
@@ -288,8 +288,9 @@ def _input_dim(node, name: str, d: int, ndim: int):
 
 
 def _signed(dim: int) -> int:
-    """A saved dim as given: a negative one may come back as an unsigned 64-bit one (SafeSoftmaxBackward0's -1 reads
-    18446744073709551615), which % ndim would misplace."""
+    """A saved dim as given: torch hands a negative one back as an unsigned 64-bit one (transpose(-2, -1) saves
+    dim0 18446744073709551614, softmax(-1) 18446744073709551615), which % ndim misplaces wherever ndim is not a
+    power of two (a (B, T, d) tensor's -1 read as dim 0)."""
     return dim - 2**64 if dim >= 2**63 else dim
 
 
