@@ -401,13 +401,16 @@ class MaskedAttention(nn.Module):
         return self.out(h.transpose(-3, -2).flatten(-2))
 
 
-def test_masked_sdpa_attention_is_exact():
+@pytest.mark.parametrize("layout", ["(B,T,d)", "(B,G,T,d)"])
+def test_masked_sdpa_attention_is_exact(layout):
     """Before: the layers after the attention were left out ("holds none of the samples"): the walk misread the
     softmax's saved dim -1 (18446744073709551615 % ndim) and found no proof."""
     torch.manual_seed(0)
     B, T = 3, 5
     model = MaskedAttention()
-    x = torch.randn(B, T, 8)  # q, k, v (B, heads, T, d/heads), as Hugging Face's attention lays them out
+    # q, k, v (B, heads, T, d/heads) as Hugging Face's attention lays them out; or (B, G, heads, T, d/heads), whose
+    # math path folds (B, G, heads) into bmm's batch and reads transpose(-2, -1) of a 5-dim tensor
+    x = torch.randn(B, T, 8) if layout == "(B,T,d)" else torch.randn(B, 2, T, 8)
     names, stack = set(), [model(x).grad_fn]
     while stack:  # a small graph: walked whole, no node skipped
         fn = stack.pop()
