@@ -248,13 +248,7 @@ def factors_add_up(fs: list, want: torch.Tensor) -> bool:
     it (layers/freivalds.py: no rebuilt gradient, no full-size comparison), else summed and compared whole."""
     if not projectable(fs, want):
         return facts.allclose_grad(sum(_summed(f) for f in fs), want)
-    U, V = freivalds.directions(tuple(want.shape), want.device)
-    got = scale = 0
-    for f in fs:
-        g, s = freivalds.of_factor(f, U, V)
-        got, scale = got + g, scale + s
-    ref, bound = freivalds.of_grad(want, U, V)
-    return freivalds.agree(got, ref, scale + bound)
+    return freivalds.adds_up(fs, want)
 
 
 def projectable(fs: list, want: torch.Tensor) -> bool:

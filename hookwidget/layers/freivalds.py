@@ -68,6 +68,12 @@ def agree(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> bool:
     return bool(((got - ref).abs() <= allowed(scale)).all())
 
 
+def adds_up(fs: list, W: torch.Tensor) -> bool:
+    """Whether the factors fs add up to W along both directions (compare's numbers, decided)."""
+    got, ref, tol = compare(fs, W)
+    return bool(((got - ref).abs() <= tol).all())
+
+
 def allowed(scale: torch.Tensor) -> torch.Tensor:
     """The largest |uᵀ(Σ …)v − uᵀ W v| that agrees, for products whose magnitudes summed to `scale`."""
     return TOLERANCE * scale + 1e-30
