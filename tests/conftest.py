@@ -17,6 +17,16 @@ def close_open_watches():
 
 
 @pytest.fixture
+def float64_default():
+    """References and traces in float64 (restored after the test: other files share the process). A file uses it
+    as `pytestmark = pytest.mark.usefixtures("float64_default")`."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+@pytest.fixture
 def fresh_shell(tmp_path, monkeypatch):
     """IPython's test shell with an empty namespace, in a temporary working directory: a README quick start or a
     docs page runs in it as pasted into a new notebook (magics included)."""

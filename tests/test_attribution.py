@@ -11,14 +11,7 @@ from torch import nn
 
 import hookwidget as hw
 
-
-@pytest.fixture(autouse=True)
-def float64():
-    """References and traces in float64 (restored after each test: other files share the process)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 # -- models ----------------------------------------------------------------------------------------------------

@@ -20,12 +20,7 @@ SPEC = json.loads(PAYLOAD_SCHEMA.read_text(encoding="utf-8"))
 V, D, T, B = 11, 5, 6, 4
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 class PerToken(nn.Module):
