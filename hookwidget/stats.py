@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hookwidget._torch import host_reads
 from hookwidget._torch.norms import foreach_norm
 from hookwidget._torch.tensors import sparse_values, version
 
@@ -258,7 +259,7 @@ def _safe(xs: list, ns: list) -> list:
     """The norms `ns` of `xs` with the overflowed ones (inf; NaN stays NaN) taken again in float64."""
     if ns[0].dtype == torch.float64:
         return ns
-    if ns[0].device.type == "cpu" and not torch.compiler.is_compiling():
+    if host_reads.free(ns[0].device) and not torch.compiler.is_compiling():
         bad = torch.isinf(torch.stack(ns)).tolist() if len(ns) > 16 else [math.isinf(n.item()) for n in ns]
         return [torch.linalg.vector_norm(x, dtype=torch.float64) if b else n for x, n, b in zip(xs, ns, bad)]
     if torch.compiler.is_compiling():  # the cast is fused there: no copy

@@ -705,8 +705,8 @@ def test_statistics_move_to_host_in_batches(monkeypatch):
     opt = torch.optim.SGD(model.parameters(), 0.01)
     x, y = data()
     transfers = []
-    cpu = torch.Tensor.cpu
-    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: transfers.append(t.shape) or cpu(t, *a, **k))
+    moving = host.InFlight
+    monkeypatch.setattr(host, "InFlight", lambda t: transfers.append(t.shape) or moving(t))  # a row's way home
     monkeypatch.setattr(host, "FLUSH_SECONDS", 1e9)  # on CPU rows also move every FLUSH_SECONDS: not in this test
     w = watch(model, flight_recorder=False, batch=64)
     try:
@@ -787,17 +787,20 @@ def test_a_layer_called_twice_counts_both_calls():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("per_sample", [False, True])
-def test_no_host_sync_per_step_on_gpu(per_sample):
+@pytest.mark.parametrize("per_sample, flight", [(False, False), (True, False), (False, True), (True, True)])
+def test_no_host_sync_per_step_on_gpu(per_sample, flight):
+    """Statistics only, per-sample norms, and the flight recorder (its judgement sent ahead in a non-blocking copy:
+    tests/test_watch_no_sync.py counts the same on the CPU) run with no host sync a step."""
     torch.manual_seed(0)
     model = Net(bn=True).cuda()
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     x, y = (t.cuda() for t in data())
     run_loop(model, opt, x, y, 2)  # warm up outside the check
-    with watch(model, flight_recorder=False, batch=64, per_sample=per_sample) as w:
+    with watch(model, flight_recorder=flight, batch=64, per_sample=per_sample) as w:
+        run_loop(model, opt, x, y, 2)  # the first steps build the watch's index tensors (a copy to the device each)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for _ in range(20):
+            for _ in range(18):
                 opt.zero_grad()
                 F.mse_loss(model(x), y).backward()
                 opt.step()
@@ -811,7 +814,7 @@ def test_no_host_sync_per_step_on_gpu(per_sample):
 @pytest.mark.parametrize("flight", [False, True])
 def test_learning_rate_on_device_without_a_sync(flight):
     """A capturable optimizer's LR is a device tensor, changed in place (as a scheduler does): the watch records it
-    per step with no host sync (flight recorder off; moved with the rows), as plain PyTorch reads it."""
+    per step with no host sync, flight recorder on or off (moved with the rows), as plain PyTorch reads it."""
     torch.manual_seed(0)
     model = Net(bn=False, p=0.0).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), capturable=True)
@@ -820,7 +823,7 @@ def test_learning_rate_on_device_without_a_sync(flight):
     with watch(model, flight_recorder=flight, batch=64) as w:
         for k in range(20):
             if k == 2:  # the first steps build the watch's index tensors (a copy to the device each, once)
-                torch.cuda.set_sync_debug_mode("default" if flight else "error")
+                torch.cuda.set_sync_debug_mode("error")
             try:
                 opt.zero_grad()
                 F.mse_loss(model(x), y).backward()

@@ -251,9 +251,9 @@ def test_steps_are_judged_from_their_scalars_while_rows_move_in_batches(monkeypa
     moves = []
     real = Watch._flush
 
-    def counting(self, upto=None):
+    def counting(self, upto=None, wait=True):
         moves.append(any(upto is None or s.index <= upto for s in self._rows.pending))
-        return real(self, upto)
+        return real(self, upto, wait)
 
     monkeypatch.setattr(Watch, "_flush", counting)
 

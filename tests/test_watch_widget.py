@@ -132,9 +132,9 @@ def test_no_extra_transfer_and_nothing_changed(clock, monkeypatch):
     calls = {"n": 0}
     real = Watch._flush
 
-    def counting(self, upto=None):  # count the calls that move rows (one device-to-host transfer each)
+    def counting(self, upto=None, wait=True):  # count the calls that move rows (one device-to-host transfer each)
         calls["n"] += any(upto is None or s.index <= upto for s in self._rows.pending)
-        return real(self, upto)
+        return real(self, upto, wait)
 
     monkeypatch.setattr(Watch, "_flush", counting)
     monkeypatch.setattr(host, "FLUSH_SECONDS", 1e9)  # by the batch only

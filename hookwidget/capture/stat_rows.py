@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from hookwidget._torch import host_reads
 from hookwidget.stats import l2, l2_batch
 
 # Per-layer statistics, in this order along the last axis of Watch.stats.
@@ -41,7 +42,7 @@ def reduce_delta(g: torch.Tensor) -> tuple:
     n = l2(g)
     lo, hi = torch.aminmax(g)
     counts = None
-    if g.device.type != "cpu" or not math.isfinite(n.item()):
+    if not host_reads.free(g.device) or not math.isfinite(n.item()):
         counts = torch.stack([torch.isnan(g).sum(dtype=F64), torch.isinf(g).sum(dtype=F64)])
     return n, lo, hi, counts
 
@@ -55,7 +56,7 @@ def reduce_input(a: torch.Tensor) -> tuple:
         return z, z, 0, None
     n = l2(a)
     bad = None
-    if a.device.type != "cpu" or not math.isfinite(n.item()):  # ‖a‖ is finite where every entry is (stats.l2)
+    if not host_reads.free(a.device) or not math.isfinite(n.item()):  # ‖a‖ is finite where every entry is (stats.l2)
         bad = k - torch.isfinite(a).sum(dtype=F64)
     # a.bool().sum(), not torch.count_nonzero: that one branches per entry on CPU (~10x slower on fresh data)
     return n, a.bool().sum(), k, bad
@@ -290,7 +291,7 @@ class Rows:
 def _grad_counts(grads: list, total: torch.Tensor, dev) -> torch.Tensor | None:
     """(grads, 2) float64 [NaN, Inf] counts of each .grad; None where they are 0: on CPU only where the global
     norm `total` is not finite (reading it there is no sync), elsewhere always (no sync)."""
-    if not grads or dev.type == "cpu" and math.isfinite(total.item()):
+    if not grads or host_reads.free(dev) and math.isfinite(total.item()):
         return None
     return _stack([c for g in grads for c in (torch.isnan(g).sum(), torch.isinf(g).sum())], dev).view(-1, 2).double()
 

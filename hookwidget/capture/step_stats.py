@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from hookwidget._torch import host_reads
 from hookwidget._torch.autograd import checkpoint_frame
 from hookwidget._torch.norms import foreach_copy_, foreach_sub_
 from hookwidget.capture import compiled_stats
@@ -429,7 +430,7 @@ def learning_rates(opt, layer_groups: list) -> dict:
     for g in opt.param_groups:
         lr = g.get("lr")
         if isinstance(lr, torch.Tensor):
-            lr = float(lr) if lr.device.type == "cpu" else lr.detach().reshape(()).clone()
+            lr = float(lr) if host_reads.free(lr.device) else lr.detach().reshape(()).clone()
         lrs.append(lr if isinstance(lr, (torch.Tensor, float, int)) else None)
     return {li: lrs[gi] for li, gi in layer_groups if lrs[gi] is not None}
 

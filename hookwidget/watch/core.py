@@ -25,6 +25,7 @@ from hookwidget.capture.step_stats import STATS, Watched
 from hookwidget.capture.tracer import Tracer
 from hookwidget.watch import amp, compiled
 from hookwidget.watch.amp import ScaleTrack
+from hookwidget.watch.arrivals import InFlight
 from hookwidget.watch.detect import Detector
 from hookwidget.watch.flight import FlightRecorder
 from hookwidget.watch.gather import RankViews
@@ -206,7 +207,7 @@ class Watch(Reads, RankViews):
             self._flush()
             self._history.finish()
             if self._flight is not None:
-                self._flight.finish(self._detector.rank)
+                self._flight.finish(self._verdict, self._detector.rank)
             self._tell("closed")
 
     def _scale_now(self):
@@ -237,11 +238,12 @@ class Watch(Reads, RankViews):
             if note not in self.notes:
                 self.notes.append(note)
         if self._flight is not None:
-            if self._flight.latest is not None:  # no forward ran since the step before (compiled code): judged now
+            if self._flight.waiting:  # no forward ran since the step before (compiled code): judged now
                 self._judge(upto=step.index - 1)
-            self._flight.step_ended(step.index, self._detector.rank)
-        if self._rows.due(self.batch, timed=self._flight is not None or self._params[0].device.type == "cpu"):
-            self._flush(upto=step.index - 1)
+            self._flight.step_ended(step.index)
+            self._flight.settle(self._verdict, self._detector.rank)
+        if self._rows.due(self.batch):
+            self._flush(upto=step.index - 1, wait=False)
 
     def _take_back(self, steps: list) -> bool:
         """The first accumulating optimizer step holds `steps` (backward passes made steps of their own, their rows
@@ -263,26 +265,44 @@ class Watch(Reads, RankViews):
 
     def _step_began(self, step) -> None:
         """The forward of `step` began: the step before is complete (its optimizer steps have run), so the flight
-        recorder judges it now, before this forward allocates: at most one step's detail alive beside the kept
-        Traces while the model runs."""
-        if self._flight is not None and self._flight.latest is not None:
+        recorder judges it now, before this forward allocates, if its values are on the host already; else at the
+        end of this step's backward (waiting for them then): at most two steps' detail alive beside the kept
+        Traces while the model runs, the running step's and the one before."""
+        if self._flight is not None and self._flight.waiting:
             self._judge(upto=step.index - 1)
-            self._flight.judge(self._detector.rank)
+            self._flight.settle(self._verdict, self._detector.rank)
 
     def _judge(self, upto: int) -> None:
-        """Judge the steps up to `upto` for the flight recorder from their scalars (loss, global gradient norm) and
-        one flag (a non-finite count in the row), read in one small transfer; their rows stay on the device until
-        the batch moves. Where the verdict needs the whole row (a non-finite count to locate, a keep= predicate,
-        a GradScaler's skipped steps) the rows move to the host now."""
-        if self._detector.keep is not None or self._amp is not None:
-            self._flush(upto=upto)
+        """Send what judges the steps up to `upto` to the host, without waiting: their scalars (loss, global
+        gradient norm) and one flag (a non-finite count in the row), in one small non-blocking transfer a step
+        (arrivals.py); their rows stay on the device until the batch moves. Where the verdict needs the whole row
+        (a keep= predicate, a GradScaler's skipped steps) the rows are sent instead."""
+        if self._whole_rows():
+            self._flush(upto=upto, wait=False)
             return
         for s in self._rows.pending:
             if s.index > upto or self._detector.judged(s.index):
                 continue
             self._rows.settle(s)  # spread over ranks: judged on the global row, the same verdict on every rank
-            if self._detector.judge_on_device(s.index, s.row, s.step_row, s.has_loss):
-                self._flush(upto=s.index)
+            self._detector.judge_later(s.index, InFlight(self._detector.scalars(s.row, s.step_row)), s.has_loss)
+
+    def _whole_rows(self) -> bool:
+        return self._detector.keep is not None or self._amp is not None
+
+    def _verdict(self, step: int, force: bool) -> bool:
+        """Whether the verdict on `step` is in (the flight recorder decides on it then); `force`: wait for what it
+        needs (a step late: FlightRecorder.settle)."""
+        if self._rows.holds(step) and not self._detector.judged(step):  # nothing sent to judge it yet
+            if not force:
+                return False
+            self._judge(upto=step)
+        needs_row = self._detector.arrived(step, wait=force)
+        if needs_row is None:
+            return False
+        if (needs_row or self._whole_rows()) and self._rows.holds(step):
+            self._flush(upto=step, wait=force)  # to locate a non-finite count, or for keep= and the scaler
+            return not self._rows.holds(step)
+        return True
 
     def _not_called(self, step) -> None:
         """Watched layers no call of which reached backward in the first recorded step: named in one note."""
@@ -400,9 +420,10 @@ class Watch(Reads, RankViews):
         """Steps whose optimizer step the GradScaler skipped (found inf/NaN), among the rows on the host."""
         return self._rows.skipped
 
-    def _flush(self, upto: int | None = None) -> None:
-        """Move the statistics of pending steps (those up to `upto`) to the host in one transfer."""
-        self._rows.flush(upto)
+    def _flush(self, upto: int | None = None, wait: bool = True) -> None:
+        """Move the statistics of pending steps (those up to `upto`) to the host in one transfer; `wait` for every
+        row in flight (a read), else land those that have arrived (HostRows.flush)."""
+        self._rows.flush(upto, wait)
 
     def _tell(self, event: str, *args) -> None:
         """Call the listeners (the live widget) with host data only: they never cause a device sync."""

@@ -75,7 +75,9 @@ class Detector:
         self.anomalies: list[Anomaly] = []
         self._ranks: dict = {}  # step -> the highest _rank of its anomalies
         self._early: dict = {}  # step -> its scalars' verdicts (judge), until check() lists them
-        self._count_index: dict = {}  # device -> the count columns' indices (judge_on_device)
+        self._count_index: dict = {}  # device -> the count columns' indices (scalars)
+        self._later: dict = {}  # step -> (its scalars on their way to the host, has_loss): judge_later
+        self._counted: set = set()  # judged steps with a non-zero count, whose row check() has not located yet
         self._history = {"loss": deque(maxlen=window), "grad_norm": deque(maxlen=window)}
         self.stretches: dict = {}  # onset step of a non-finite stretch -> non-finite recorded steps after it
         self._onset = None  # the onset of the stretch running now
@@ -92,26 +94,45 @@ class Detector:
             ranks += [NONFINITE] * bool(bad_loss) + [WARNING] * bool(spikes)
         return max(ranks, default=None)
 
-    def judge_on_device(self, step: int, row: torch.Tensor, step_row: torch.Tensor, has_loss: bool) -> bool:
-        """judge() a step whose row is still on its device: its scalars and the row's count columns read in one
-        small transfer. True where a count is non-zero (a non-finite δ, input or .grad): the row must come to the
-        host for check() to locate it."""
+    def scalars(self, row: torch.Tensor, step_row: torch.Tensor) -> torch.Tensor:
+        """What judges a step whose row is still on its device, as one small device tensor: its scalars (loss,
+        global gradient norm) and the row's count columns (non-finite δ, input, .grad): judge_later moves it."""
         index = self._count_index.get(row.device)
         if index is None:
             index = self._count_index[row.device] = torch.tensor(_COUNTS, device=row.device)
-        loss, gnorm, *counts = torch.cat([step_row, row.index_select(1, index).flatten()]).tolist()
-        self.judge(step, loss if has_loss else None, gnorm)
-        return any(c > 0 for c in counts)  # NaN (not counted) is not > 0
+        return torch.cat([step_row, row.index_select(1, index).flatten()])
+
+    def judge_later(self, step: int, values, has_loss: bool) -> None:
+        """Judge `step` once `values` (arrivals.InFlight of scalars()) reach the host: `arrived` asks."""
+        self._later[step] = (values, has_loss)
+
+    def arrived(self, step: int, wait: bool = False) -> bool | None:
+        """Judge `step` if its values (judge_later) have reached the host, or (`wait`) once they have. None while
+        they are on their way; else whether a count is non-zero (a non-finite δ, input or .grad), so that the
+        row must come to the host for check() to locate it."""
+        if step in self._later:
+            values, has_loss = self._later[step]
+            if not (wait or values.arrived()):
+                return None
+            del self._later[step]
+            loss, gnorm, *counts = values.read()
+            self.judge(step, loss if has_loss else None, gnorm)
+            if any(c > 0 for c in counts):  # NaN (not counted) is not > 0
+                self._counted.add(step)
+        return step in self._counted
 
     def forget(self, steps: list) -> None:
         """Early verdicts on `steps`, whose rows are to be added up into one (the values they added to the spike
         history stay: a spike is judged against `window` steps)."""
         for k in steps:
             self._early.pop(k, None)
+            self._later.pop(k, None)
+            self._counted.discard(k)
 
     def judged(self, step: int) -> bool:
-        """Whether the step's scalars were judged ahead of its row (judge), not yet listed by check."""
-        return step in self._early
+        """Whether the step's scalars were judged ahead of its row (judge), or are on their way to be
+        (judge_later), not yet listed by check."""
+        return step in self._early or step in self._later
 
     def _add(self, step: int, where: str, reason: str, rank: int = NONFINITE) -> None:
         self.anomalies.append(Anomaly(step, where, reason))
@@ -141,6 +162,8 @@ class Detector:
         """`row`, `step_row`: host float64 rows. skipped: why a GradScaler skipped this step (its non-finite
         values are then said to be the scaler's found-inf, not left to read as the model's fault)."""
         first = len(self.anomalies)
+        self.arrived(step, wait=True)  # its scalars were sent before its row: they have arrived
+        self._counted.discard(step)
         if skipped is not None:
             self._add(step, "scaler", skipped, WARNING)
         loss, gnorm = step_row.tolist()

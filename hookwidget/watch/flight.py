@@ -2,10 +2,11 @@
 predicate asks for) and the latest step's Traces are kept.
 
 A recording costs what the running step already holds: references to a and δ (copy-on-write clones where the
-code may write them later), no gradient norms at graph nodes, and no Trace record assembled. When a step is
-judged (as the next step's forward begins, its optimizer steps done; else when the next backward ends), a kept
-step's record is assembled from those references; a dropped step's are let go, so while the model runs at most one
-step's detail (within `budget_mb`) is alive besides the kept Traces: the running step's."""
+code may write them later), no gradient norms at graph nodes, and no Trace record assembled. A step is decided on
+once its verdict is in (its scalars on the host: as the next step's forward begins if they have arrived, else
+when the next backward ends, waiting for them then): a kept step's record is assembled from those references; a
+dropped step's are let go, so while the model runs at most two steps' detail (each within `budget_mb`) is alive
+besides the kept Traces: the running step's, and the one before it while its values are on their way."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from hookwidget.capture import backward as autograd_calls
 
 class FlightRecorder:
     """Recording k runs from the end of backward k-1 (or the opening of the watch) to the end of
-    backward k. When step k+1's forward begins (or, if no hook saw it, its backward ends), step k is kept (its
-    Trace assembled) or dropped."""
+    backward k. Once the verdict on step k is in (settle), step k is kept (its Trace assembled) or dropped."""
 
     def __init__(self, tracer, model, budget_mb: float, max_kept: int):
         from hookwidget.session import Deferred, Session
@@ -26,7 +26,7 @@ class FlightRecorder:
         self._recorder = None  # the recording's one Tracer, its hooks on from open() to close(), cut every step
         self._new = lambda: Deferred(self.session)
         self._rec = None  # the open recording (session.Deferred)
-        self.latest = None  # (step, Deferred) of the latest completed step, not judged yet
+        self.waiting: list = []  # (step, Deferred) of the completed steps not decided on yet, oldest first (<= 2)
         self.kept: dict = {}
         self._ranks: dict = {}  # kept step -> its Detector.rank (the latest, kept at the end, has none)
         self.dropped = 0  # anomalous steps whose Trace was not kept or was given up (max_kept reached)
@@ -53,26 +53,33 @@ class FlightRecorder:
         later.ended(records, recorder)
         return later if later.steps else None
 
-    def step_ended(self, step: int, rank) -> None:
+    def step_ended(self, step: int) -> None:
         """Backward of `step` ended: cut its recording off (what the recorder holds of it, settled: unassembled and
-        uncopied), start the next, decide on the step before."""
+        uncopied) to wait for its verdict, and start the next."""
         later = self._ended(self._recorder.cut(), self._recorder)
         self._rec = self._new()
-        self.judge(rank)
-        self.latest = (step, later) if later is not None else None
+        if later is not None:
+            self.waiting.append((step, later))
 
-    def judge(self, rank) -> None:
-        """Keep or let go the latest completed step (judged from its scalars by `rank`: Watch._judge,
-        Detector.rank)."""
-        if self.latest is not None:
-            latest, self.latest = self.latest, None
-            self.decide(*latest, rank)
+    def settle(self, verdict, rank) -> None:
+        """Keep or let go the completed steps whose verdict is in, oldest first: `verdict(step, force)` says
+        whether it is (force: wait for it, as for every step but the latest: at most one step waits), `rank` what
+        it is worth (Detector.rank)."""
+        while self.waiting:
+            step, later = self.waiting[0]
+            if not verdict(step, len(self.waiting) > 1):
+                return
+            self.waiting.pop(0)
+            self.decide(step, later, rank)
 
-    def finish(self, rank) -> None:
+    def finish(self, verdict, rank) -> None:
+        """The watch closes: every waiting step decided on, the latest kept whatever its verdict."""
         self.close()
-        if self.latest is not None:
-            self.decide(*self.latest, rank, latest=True)
-            self.latest = None
+        if self.waiting:
+            *older, latest = self.waiting
+            self.waiting = older
+            self.settle(lambda step, force: verdict(step, True), rank)
+            self.decide(*latest, rank, latest=True)
 
     def decide(self, step: int, later, rank, latest: bool = False) -> None:
         """Keep step `step`'s Trace (assembled now, from what its recording holds) or let the recording go. First
@@ -98,9 +105,10 @@ class FlightRecorder:
 
     def rekey(self, old: list, new: int) -> None:
         """Steps `old` are now part of step `new` (the first optimizer step that accumulated them): their
-        recording, the latest, is the new step's (a Trace is of the step's last backward pass)."""
-        if self.latest is not None and self.latest[0] in old:
-            self.latest = (new, self.latest[1])
+        recordings waiting for a verdict are the new step's, the latest of them only (a Trace is of the step's
+        last backward pass)."""
+        waiting = [(new if k in old else k, later) for k, later in self.waiting]
+        self.waiting = [w for i, w in enumerate(waiting) if all(k != w[0] for k, _ in waiting[i + 1:])]
         for k in old:
             if k in self.kept:
                 self.kept[new] = self.kept.pop(k)
@@ -108,11 +116,12 @@ class FlightRecorder:
                     self._ranks[new] = self._ranks.pop(k)
 
     def steps(self) -> list:
-        return sorted(set(self.kept) | ({self.latest[0]} if self.latest is not None else set()))
+        return sorted(set(self.kept) | {k for k, _ in self.waiting})
 
     def trace(self, k: int):
-        if self.latest is not None and self.latest[0] == k:
-            return self.latest[1].assemble()  # asked before it is judged: assembled now (once)
+        for step, later in self.waiting:
+            if step == k:
+                return later.assemble()  # asked before it is decided on: assembled now (once)
         if k not in self.kept:
             raise KeyError(f"step {k} was not kept; kept steps: {self.steps()} (the latest and "
                            "anomalous ones; keep=lambda step, stats: step == 0 keeps the first)")

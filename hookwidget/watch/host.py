@@ -1,6 +1,6 @@
-"""The watch's rows on their way to the host: recorded steps wait on device and move in one transfer, `batch`
-steps at a time or when read; on the CPU, or with the flight recorder on (it reads each step's scalars anyway),
-also at least every FLUSH_SECONDS while steps end, so that a slow run's live view and log_dir keep up. Each moved
+"""The watch's rows on their way to the host: recorded steps wait on device and move in one non-blocking transfer
+(arrivals.py), `batch` steps at a time, at least every FLUSH_SECONDS while steps end (so that a slow run's live
+view and log_dir keep up), or when read; they land when the transfer has arrived (a read waits for it). Each moved
 row is judged by the detector (on its float64 figures), then kept in the storage's dtype by the watch's History
 (history.py: a window in RAM, a summary, the disk) and told to the listeners."""
 
@@ -14,6 +14,7 @@ import torch
 from hookwidget.capture.stat_rows import F64, NAN, STAT_NAMES, S
 from hookwidget.capture.step_stats import lr_column
 from hookwidget.watch.amp import SKIPPED
+from hookwidget.watch.arrivals import InFlight
 
 FLUSH_SECONDS = 0.5  # rows waiting on device move at the end of a step this long after the last move
 
@@ -28,6 +29,7 @@ class HostRows:
         self.ranks = ranks  # a model spread over ranks: ranks.Ranks makes each row global before it is read
         self.pending: list = []  # recorded steps whose statistics are still on device
         self.history = history
+        self._moving: deque = deque()  # (steps, their rows in flight to the host, what they hold): _launch
         self._recent: deque = deque(maxlen=2)  # (float64 rows, kept rows) of the latest moves: see changed()
         self.skipped: list = []  # steps whose optimizer step the GradScaler skipped (found inf/NaN)
         self.micro: dict = {}  # an optimizer step of several passes -> (their indices, (P, L, K) rows, (P, 2))
@@ -43,10 +45,10 @@ class HostRows:
         if self.ranks is not None:
             self.ranks.settle(step)
 
-    def due(self, batch: int, timed: bool) -> bool:
-        """Whether the waiting rows should move now: more than `batch` of them, or (`timed`: where moving them costs
-        no sync of its own) FLUSH_SECONDS since the last move."""
-        return len(self.pending) > batch or timed and bool(self.pending) and time.monotonic() >= self._due
+    def due(self, batch: int) -> bool:
+        """Whether the waiting rows should move now: more than `batch` of them, or FLUSH_SECONDS since the last
+        move (moving them never waits for the device: flush)."""
+        return len(self.pending) > batch or bool(self.pending) and time.monotonic() >= self._due
 
     def changed(self) -> None:
         """A host row was written into (an optimizer step after the row was read: its update ratio, computed from
@@ -56,16 +58,27 @@ class HostRows:
             if kept is not rows:
                 kept.copy_(rows)
 
-    def flush(self, upto: int | None = None) -> None:
-        """Move the statistics of pending steps (those up to `upto`) to the host in one transfer."""
+    def holds(self, step: int) -> bool:
+        """Whether `step`'s row is still on its way: on device, or in flight to the host."""
+        return any(s.index == step for s in self.pending) or any(s.index == step for m in self._moving
+                                                                 for s in m[0])
+
+    def flush(self, upto: int | None = None, wait: bool = True) -> None:
+        """Move the statistics of pending steps (those up to `upto`) to the host in one transfer. `wait`: land
+        every row in flight now (a read); else only those that have arrived (the step's path: no sync)."""
         take = [s for s in self.pending if upto is None or s.index <= upto]
-        if not take:
-            return
-        self._due = time.monotonic() + FLUSH_SECONDS
-        self.pending = self.pending[len(take):]
+        if take:
+            self._due = time.monotonic() + FLUSH_SECONDS
+            self.pending = self.pending[len(take):]
+            self._moving.append(self._launch(take))
+        while self._moving and (wait or self._moving[0][1].arrived()):
+            self._land(*self._moving.popleft())
+
+    def _launch(self, take: list) -> tuple:
+        """Start moving the rows of `take` (with their per-sample maxima, GradScaler scales, device learning rates
+        and accumulated passes) in one non-blocking transfer: (take, the transfer, what it holds)."""
         for s in take if self.ranks is not None else ():
             self.ranks.settle(s)
-        n, L = len(take), self.L
         track = self.amp()
         scales = [track.pairs(take, take[0].row.device).flatten()] if track is not None else []
         ps = [torch.stack([s.ps for s in take]).flatten()] if self.per_sample else []
@@ -75,20 +88,27 @@ class HostRows:
         micro = [t.to(dev).flatten() for s in grouped for t in s.micro]
         both = torch.cat([torch.stack([s.row for s in take]).flatten(),
                           torch.stack([s.step_row for s in take]).flatten(), *ps, *scales,
-                          *([torch.stack([v.to(dev, F64) for v in lrs])] if lrs else []), *micro]).cpu()  # one transfer
-        if micro:
+                          *([torch.stack([v.to(dev, F64) for v in lrs])] if lrs else []), *micro])
+        for s in take:
+            s.ps = None
+        return take, InFlight(both), (bool(scales), bool(ps), len(lrs), grouped)
+
+    def _land(self, take: list, moving: InFlight, holds: tuple) -> None:
+        """The rows of `take` have arrived: judged, kept and told."""
+        both = moving.wait()
+        scales, ps, n_lrs, grouped = holds
+        n, L = len(take), self.L
+        if grouped:
             both = self._micro(grouped, both)
-        if lrs:
-            _read_lrs(take, both[-len(lrs):].tolist())
-            both = both[:-len(lrs)]
+        if n_lrs:
+            _read_lrs(take, both[-n_lrs:].tolist())
+            both = both[:-n_lrs]
         skipped = both[-2 * n:].view(n, 2) if scales else None  # (scale, scale after) per step
         both = both[:-2 * n] if scales else both
         maxima = None  # this chunk's per-sample maxima (n, 2)
         if ps:
             maxima = both[-2 * n:].view(n, 2)
             both = both[:-2 * n]
-            for s in take:
-                s.ps = None
         rows, step_rows = both[:n * L * len(STAT_NAMES)].view(n, L, -1), both[n * L * len(STAT_NAMES):].view(n, 2)
         view = rows.numpy()  # the same memory: a row's small writes cost a fraction of torch indexing's
         for r, s in enumerate(take):
