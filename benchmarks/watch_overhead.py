@@ -53,6 +53,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from benchmarks.watch_peers import LABELS as PEER_LABELS
 from benchmarks.watch_peers import PEERS, Monitor, loss_of, missing  # noqa: F401 - watch_gpu.py imports loss_of here
+from hookwidget._torch import host_reads
 from hookwidget.watch import watch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,7 +163,7 @@ class Floor:
         self.layers = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
         self.params = [p for m in self.layers for p in m.parameters(recurse=False)]
         self.device = self.params[0].device
-        self.on_host = self.device.type == "cpu"
+        self.on_host = host_reads.free(self.device)  # reading a value is free (the CPU)
         owner = [i for i, m in enumerate(self.layers) for _ in m.parameters(recurse=False)]
         self.owner, self.L = torch.tensor(owner, device=self.device), len(self.layers)
         self.copies = [torch.empty_like(p) for p in self.params]

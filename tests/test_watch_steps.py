@@ -4,6 +4,7 @@ register_step_post_hook) read ‖p.grad‖ as the step uses it and copy the para
 and tensor hooks on the layers' outputs sum ‖δ‖² and Σa² over the micro-batches. Nothing comes from hookwidget."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -206,7 +207,7 @@ def test_a_plain_loop_is_one_row_per_backward_pass():
     finally:
         ref.remove()
     check(w, ref)
-    assert not w._stats.grouped and w._rows.micro == {}
+    assert not w._stats.grouped and not w._rows.micro.ram and all(len(v) == 1 for v in w.micro_batches.values())
 
 
 def test_passes_no_optimizer_step_used_make_a_step_of_their_own():
@@ -332,3 +333,39 @@ def test_per_sample_maxima_over_the_micro_batches(monkeypatch):
     assert w.steps == [0, 1]
     for k, (n, i) in enumerate(want):
         assert close(w.per_sample[k, 0].item(), n) and w.per_sample[k, 1].item() == i
+
+
+def test_accumulated_passes_leave_ram_for_the_log_and_read_back_equal(monkeypatch):
+    """An optimizer step's passes (w.micro) stay in RAM for the latest MICRO_KEPT steps only, once the log has
+    written them: a long accumulating run does not grow the watch's memory by its passes' rows; w.micro of an early
+    step reads them back from the log, equal to a watch that kept them all in RAM."""
+    from hookwidget.views import watch_log
+    from hookwidget.watch import micro
+
+    monkeypatch.setattr(watch_log, "SHARD_SECONDS", 0.0)  # a shard with every rows handed over
+    runs = []
+    for kept in (3, 10**6):
+        monkeypatch.setattr(micro, "MICRO_KEPT", kept)
+        torch.manual_seed(0)
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with hw.watch(model, batch=1) as w:
+            w.count_optimizer_steps()
+            for k in range(24):  # 12 optimizer steps of 2 passes
+                nn.functional.mse_loss(model(torch.randn(4, 6)), torch.randn(4, 3)).backward()
+                if k % 2:
+                    opt.step()
+                    opt.zero_grad()
+                    w.sync()
+                    for _ in range(5000):  # the log's thread writes the passes of the step before: wait for it
+                        if w._log.micro_written >= k // 2 - 1:
+                            break
+                        time.sleep(0.001)
+        runs.append(w)
+    small, big = runs
+    assert len(small._rows.micro.ram) <= 4 and len(big._rows.micro.ram) == 12  # 3 kept, +1 the log had not yet
+    assert small.micro_batches == big.micro_batches == {s: [2 * s, 2 * s + 1] for s in range(12)}
+    for s in range(12):
+        for a, b in zip(small.micro(s), big.micro(s)):
+            assert a.shape[0] == 2 and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))  # NaN: not measured
+    assert small.memory < big.memory

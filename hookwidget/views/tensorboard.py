@@ -50,12 +50,14 @@ class TensorBoardLog:
             text = "\n".join(f"- step {a.step}, {a.where}: {a.reason}" for a in found)
             self.writer.add_text("anomalies", text, found[-1].step)
 
+    QUEUED = ("rows",)  # the events the thread writes (a method of each name)
+
     def __call__(self, event: str, *args) -> None:
-        if event == "rows":
+        if event in self.QUEUED:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drain, name="hookwidget-tensorboard", daemon=True)
                 self._thread.start()
-            self._queue.put(args)
+            self._queue.put((getattr(self, event), args))
         elif event == "closed":
             if self._thread is not None:
                 self._queue.put(None)
@@ -69,7 +71,8 @@ class TensorBoardLog:
         while (item := self._queue.get()) is not None:
             if self.error is None:
                 try:
-                    self.rows(*item)
+                    write, args = item
+                    write(*args)
                     self.writer.flush()
                 except Exception as e:  # noqa: BLE001 - reported in w.notes at close
                     self.error = e

@@ -9,6 +9,9 @@ reads alone, each shard readable by row range without reading the rest (np.load(
                               model holds float64 parameters: "dtype"), step_stats (2,) float64, per_sample (2,)
                               float64 [max norm, its sample] where recorded. Uncompressed: memory-mapped, a column
                               or a row range is read alone.
+    d/micro-<first>-<n>.npy   the backward passes of the optimizer steps that accumulated several (w.micro): n
+                              passes, the first being pass <first> in the files' order: step int64, pass int64,
+                              stats (layers, stats), step_stats (2,) float64; written with the rows' shards
     d/events.json             {"anomalies": [[step, where, reason], ...], "skipped": [...], "nonfinite": {...}}:
                               few; rewritten whole after a shard that brought new ones, and at close
     d/lod.npz                 at close: the watch's level-of-detail summary (watch/lod.py), so that hw.load draws
@@ -25,6 +28,7 @@ eagerly.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import queue
@@ -39,6 +43,7 @@ from hookwidget.views.tensorboard import TensorBoardLog
 FORMAT, VERSION, META, EVENTS, LOD = "hookwidget-watch-log", 2, "watch.json", "events.json", "lod.npz"
 SHARD = re.compile(r"rows-(\d+)-(\d+)\.npy")
 SHARD_V1 = re.compile(r"rows-(\d+)\.npz")
+MICRO = re.compile(r"micro-(\d+)-(\d+)\.npy")
 SHARD_SECONDS = 10.0  # a shard at least this often while rows arrive, however few
 
 
@@ -67,6 +72,7 @@ class WatchLog(TensorBoardLog):
     its RAM from there); `written`: the rows on disk."""
 
     LABEL = "log_dir"
+    QUEUED = ("rows", "micro")
 
     def __init__(self, log_dir, watch, dtype, durable: bool = True):
         d = Path(log_dir)
@@ -82,6 +88,9 @@ class WatchLog(TensorBoardLog):
         self._held: list = []  # (stats, step_stats, steps, per-sample) handed over, not written yet
         self.index: list = []  # (first row, rows, path) of each whole shard
         self.written = 0
+        self._held_micro: list = []  # (step, passes, (P, L, K) rows, (P, 2)) handed over, not written yet
+        self.micro_index: list = []  # (last step, path) of each whole micro shard
+        self.micro_written, self._passes_written = -1, 0  # the last step whose passes are on disk; passes there
         self.lod_source = None  # () -> the watch's summary as arrays, saved at close (the watch sets it)
         self._events = (0, 0)  # anomalies and skipped steps written so far
         self._due = time.monotonic() + SHARD_SECONDS
@@ -96,6 +105,35 @@ class WatchLog(TensorBoardLog):
         if sum(len(h[2]) for h in self._held) > self.watch.batch or time.monotonic() >= self._due:
             self._shard(keep_last=True)
 
+    def micro(self, step: int, passes: list, stats, step_stats) -> None:
+        """On the thread: hold an optimizer step's passes (written with the next shard of rows)."""
+        self._held_micro.append((step, passes, stats, step_stats))
+
+    def _micro_shard(self) -> None:
+        held, self._held_micro = self._held_micro, []
+        if not held:
+            return
+        n = sum(len(h[1]) for h in held)
+        out = np.empty(n, np.dtype([("step", "<i8"), ("pass", "<i8"), ("stats", self._row.fields["stats"][0]),
+                                    ("step_stats", "<f8", (2,))]))
+        out["step"] = [step for step, passes, _, _ in held for _ in passes]
+        out["pass"] = [k for _, passes, _, _ in held for k in passes]
+        out["stats"] = np.concatenate([np.asarray(h[2]) for h in held])
+        out["step_stats"] = np.concatenate([np.asarray(h[3]) for h in held])
+        path = Path(self.log_dir) / f"micro-{self._passes_written:09d}-{n}.npy"
+        _replace(path, lambda f: np.save(f, out, allow_pickle=False), self.durable)
+        self.micro_index.append((held[-1][0], str(path)))
+        self._passes_written += n
+        self.micro_written = held[-1][0]
+
+    def read_micro(self, step: int) -> tuple:
+        """(stats, step_stats) of the passes of optimizer step `step` from the micro shards (numpy)."""
+        lasts = [last for last, _ in self.micro_index]
+        i = bisect.bisect_left(lasts, step)
+        m = np.load(self.micro_index[i][1], mmap_mode="r")
+        at = m["step"] == step
+        return m["stats"][at], m["step_stats"][at]
+
     def flush(self) -> None:
         """The thread's flush after each item: the shard is written when due (rows)."""
 
@@ -106,7 +144,7 @@ class WatchLog(TensorBoardLog):
         """At the watch's close (the thread has stopped): the rows held, events.json, then watch.json marked
         closed."""
         try:
-            if self.error is None and self._held:
+            if self.error is None and (self._held or self._held_micro):
                 self._shard(keep_last=False)
             self._write_events(force=True)
             if self.error is None and self.lod_source is not None:  # the watch's summary (watch/history.py)
@@ -117,6 +155,7 @@ class WatchLog(TensorBoardLog):
             self.error = self.error or e
 
     def _shard(self, keep_last: bool) -> None:
+        self._micro_shard()
         held, self._held = self._held, []
         self._due = time.monotonic() + SHARD_SECONDS
         stats = np.concatenate([np.asarray(h[0]) for h in held])

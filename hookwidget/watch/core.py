@@ -375,7 +375,7 @@ class Watch(Reads, RankViews):
         steps; a step is one pass until the watch counts optimizer steps."""
         self._flush()
         micro = self._rows.micro
-        return {k: micro[k][0] if k in micro else [k] for k in self._history.steps}
+        return {k: micro.passes(k) or [k] for k in self._history.steps}
 
     def micro(self, step: int) -> tuple:
         """The statistics of each backward pass of recorded step `step`, as the watch records a pass
@@ -405,9 +405,9 @@ class Watch(Reads, RankViews):
         ```
         """
         self._flush()
-        if step in self._rows.micro:
-            _, stats, step_stats = self._rows.micro[step]
-            return stats, step_stats
+        got = self._rows.micro.rows(step)
+        if got is not None:
+            return got
         steps = self._history.steps
         r = bisect.bisect_left(steps, step)
         if r == len(steps) or steps[r] != step:
@@ -445,8 +445,9 @@ class Watch(Reads, RankViews):
     @property
     def memory(self) -> int:
         """Bytes of RAM the watch's rows take on the host: the full-resolution window, the summary and the step
-        indices (watch/history.py); the rest of the run is on disk."""
-        return self._history.nbytes
+        indices (watch/history.py), the latest accumulated passes (watch/micro.py); the rest of the run is on
+        disk."""
+        return self._history.nbytes + self._rows.micro.nbytes
 
     def _settle(self) -> None:
         self._flush()

@@ -15,6 +15,7 @@ from hookwidget.capture.stat_rows import F64, NAN, STAT_NAMES, S
 from hookwidget.capture.step_stats import lr_column
 from hookwidget.watch.amp import SKIPPED
 from hookwidget.watch.arrivals import InFlight
+from hookwidget.watch.micro import MicroRows
 
 FLUSH_SECONDS = 0.5  # rows waiting on device move at the end of a step this long after the last move
 
@@ -32,7 +33,7 @@ class HostRows:
         self._moving: deque = deque()  # (steps, their rows in flight to the host, what they hold): _launch
         self._recent: deque = deque(maxlen=2)  # (float64 rows, kept rows) of the latest moves: see changed()
         self.skipped: list = []  # steps whose optimizer step the GradScaler skipped (found inf/NaN)
-        self.micro: dict = {}  # an optimizer step of several passes -> (their indices, (P, L, K) rows, (P, 2))
+        self.micro = MicroRows(history.log, history.dtype)  # each optimizer step of several passes: theirs
         self._due = time.monotonic() + FLUSH_SECONDS
 
     def add(self, step) -> None:
@@ -142,7 +143,9 @@ class HostRows:
             P = s.micro[0].shape[0]
             rows = tail[off:off + P * self.L * K].view(P, self.L, K)
             off += P * self.L * K
-            self.micro[s.index] = (list(s.passes), rows, tail[off:off + 2 * P].view(P, 2))
+            step_rows = tail[off:off + 2 * P].view(P, 2)
+            self.micro.add(s.index, list(s.passes), rows, step_rows)
+            self.tell("micro", s.index, list(s.passes), self.micro.ram[s.index][0], step_rows)
             off += 2 * P
             s.micro = None
         return both
