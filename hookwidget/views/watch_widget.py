@@ -37,7 +37,7 @@ NOT_BUILT = ('export default { render({ el }) { el.textContent = "hookwidget: th
              '(hookwidget/static/watch.js is missing): run `npm run build` or `pip install -e .`"; } };')
 SCHEMA = request_keys("watch")  # type -> the keys it must carry besides type and request_id
 OVERVIEW_BINS, OVERVIEW_BYTES = 2048, 48 * 2**20  # a view's overview: bins and memory at most (js/watch/bins.js)
-TAIL = 1024  # latest rows a view holds at full resolution (js/watch/store.js TAIL)
+TAIL, TAIL_BYTES = 1024, 16 * 2**20  # latest rows a view holds at full resolution: at most, their memory (store.js)
 WINDOW_BYTES = 8 * 2**20  # most bytes of a zoomed window's answer (one statistic of every layer)
 
 
@@ -179,7 +179,7 @@ class WatchWidget(anywidget.AnyWidget):
         and, when more are missing, the overview of rows [0, sent) first (w.lod), which the view folds new rows into."""
         self._unsent, self._sent, self._last_push = [], self._rows, time.monotonic()  # the answer carries them all
         have, sent = min(msg["have"], self._sent), self._sent
-        start = max(have, sent - TAIL)
+        start = max(have, sent - tail_rows(len(self.meta["layers"]) * len(self.meta["stats"])))
         if start > have:
             bins = overview_bins(len(self.meta["layers"]) * len(self.meta["stats"]))
             self._send_lod("overview", self.watch.lod(bins, 0, sent), 0, sent)
@@ -244,6 +244,13 @@ def overview_bins(values_a_row: int) -> int:
     """Bins of the overview a view holds for rows of `values_a_row` values: as js/watch/bins.js maxBinsFor (the view
     goes on folding rows into the kernel's overview, so both must agree): 25 bytes a value a bin, OVERVIEW_BYTES."""
     return max(64, min(OVERVIEW_BINS, OVERVIEW_BYTES // (25 * max(values_a_row, 1))))
+
+
+def tail_rows(values_a_row: int) -> int:
+    """Latest rows a view holds at full resolution for rows of `values_a_row` values, as js/watch/store.js tailRows:
+    TAIL, fewer where they pass TAIL_BYTES as float32 (322 rows for 1,000 layers × 13 statistics), 64 at least. A
+    sync sends no more (a view that opens on a wide run decodes 16 MiB of rows, not 53)."""
+    return max(64, min(TAIL, TAIL_BYTES // (4 * max(values_a_row, 1))))
 
 
 def validate(content) -> dict:
