@@ -75,13 +75,15 @@ class WatchWidget(anywidget.AnyWidget):
         # Held weakly: a displayed widget lives as long as the kernel, and must not keep the watch's Traces.
         self._watch_ref = weakref.ref(watch)
         self._unsent: list = []  # (stats, step_stats, steps) on the host not pushed yet, in order
-        self._rows = self._sent = self._anomalies_sent = 0
+        # Rows recorded before the widget existed are not pushed: a view's first message is a sync, answered with the
+        # run's overview and latest rows (_do_sync), a bounded answer where pushing them was the whole run in one
+        # message (62 MB for 1,200 steps of 1,000 layers, and decoded twice with the sync's answer).
+        self._rows = self._sent = int(watch.n_rows)
+        self._anomalies_sent = 0
         self._last_push = time.monotonic()  # the first push after one interval: the front-end is listening by then
         self._trace = self._trace_widget = None  # the opened step's Trace and its HookWidget
         self.pushes = 0  # messages with rows sent (tests, and a cheap look at the throttle)
         self._cell = _marimo_cell()  # in marimo: the cell that made this widget, for the explorers it opens
-        if len(watch.steps):  # rows recorded before the widget existed (public reads: one flush, outside the loop)
-            self._add(watch.stats, watch.step_stats, watch.steps)
         watch.listen(self._on_watch)
         self._ip = _kernel_shell()
         if self._ip is not None and watch.active:

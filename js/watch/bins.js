@@ -103,17 +103,18 @@ function mergeBin(level, to, from) {
 }
 
 function mergeValues(a, to, from, n) {
+  const { nf, last, finite, min, max, mean } = a; // locals: the loop runs over every value of a bin (13,000 at 1,000 layers)
   for (let p = 0; p < n; p++) {
     const i = to * n + p, j = from * n + p;
-    a.nf[i] |= a.nf[j];
-    a.last[i] = a.last[j];
-    const fa = a.finite[i], fb = a.finite[j];
+    nf[i] |= nf[j];
+    last[i] = last[j];
+    const fa = finite[i], fb = finite[j];
     if (!fb) continue;
-    if (!fa) { a.min[i] = a.min[j]; a.max[i] = a.max[j]; a.mean[i] = a.mean[j]; a.finite[i] = fb; continue; }
-    if (a.min[j] < a.min[i]) a.min[i] = a.min[j];
-    if (a.max[j] > a.max[i]) a.max[i] = a.max[j];
-    a.mean[i] = (a.mean[i] * fa + a.mean[j] * fb) / (fa + fb);
-    a.finite[i] = fa + fb;
+    if (!fa) { min[i] = min[j]; max[i] = max[j]; mean[i] = mean[j]; finite[i] = fb; continue; }
+    if (min[j] < min[i]) min[i] = min[j];
+    if (max[j] > max[i]) max[i] = max[j];
+    mean[i] = (mean[i] * fa + mean[j] * fb) / (fa + fb);
+    finite[i] = fa + fb;
   }
 }
 
@@ -183,7 +184,11 @@ export function shown(acc) {
 export function levelFrom({ P, K, size, r0, first, lastStep, rows, min, max, mean, last, step, nonfinite }) {
   const m = rows.length;
   const col = (q) => { const o = new Float32Array(m * 2); for (let i = 0; i < m * 2; i++) o[i] = step[Math.floor(i / 2) * 8 + q * 2 + (i % 2)]; return o; };
-  const counts = (hi, n) => { const c = new Int32Array(m * n); for (let i = 0; i < m * n; i++) c[i] = Number.isNaN(hi[i]) ? 0 : rows[Math.floor(i / n)]; return c; };
+  const counts = (hi, n) => { // a bin's rows where its max is a number (a loop a bin: 1.3 M values at 1,000 layers)
+    const c = new Int32Array(m * n);
+    for (let b = 0, i = 0; b < m; b++) for (let e = i + n, r = rows[b]; i < e; i++) c[i] = hi[i] === hi[i] ? r : 0;
+    return c;
+  };
   const smax = col(1);
   return { P, K, size, r0, m, cap: m, perStat: true, first: Float64Array.from(first), lastStep: Float64Array.from(lastStep),
     rows: Int32Array.from(rows), min, max, mean, last: last || Float32Array.from(max), finite: counts(max, P),

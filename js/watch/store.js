@@ -6,7 +6,7 @@
 // steps, around each anomaly and kept step). Rows streamed in order are folded by row index; a gap is reported
 // so the caller asks the kernel for what it missed (a "sync" message).
 import { decodeTensor } from "../shared/protocol.js";
-import { accumulate, accumulateValue, binsOver, createLevel, foldRow, levelFrom, maxBinsFor } from "./bins.js";
+import { accumulate, accumulateValue, binsOver, createLevel, foldRow, levelFrom, maxBinsFor, NAN, NEG_INF, POS_INF } from "./bins.js";
 
 export const TAIL = 1024, TAIL_BYTES = 16 * 2 ** 20; // latest rows kept at full resolution: at most, and their memory
 /** Latest rows the view holds at full resolution for P values a row: TAIL, fewer where they pass TAIL_BYTES (322
@@ -114,6 +114,38 @@ export function createStore(meta) {
       }
       return out;
     },
+    /** Each layer's summary of statistic k over a source, what acc() adds up layer by layer, in one pass over the
+     * layers: into `out` ({min, max, sum, w, nf, last}, typed arrays of L; see layerSums) and returned. */
+    columnAcc(src, k, out) {
+      const x = src.seg || src.level, one = x.k !== undefined, stride = one ? L : P;
+      const { min, max, sum, w, nf, last } = out;
+      min.fill(Infinity); max.fill(-Infinity); sum.fill(0); w.fill(0); nf.fill(0); last.fill(NaN);
+      if (src.level) {
+        const lv = src.level, mins = lv.min, maxs = lv.max, means = lv.mean, lasts = lv.last, fin = lv.finite, nfs = lv.nf;
+        for (let i = src.range[0]; i < src.range[1]; i++) {
+          if (!lv.rows[i]) continue;
+          for (let l = 0, q = i * stride + (one ? 0 : k); l < L; l++, q += one ? 1 : K) {
+            nf[l] |= nfs[q]; last[l] = lasts[q];
+            const c = fin[q];
+            if (!c) continue;
+            if (mins[q] < min[l]) min[l] = mins[q];
+            if (maxs[q] > max[l]) max[l] = maxs[q];
+            sum[l] += means[q] * c; w[l] += c;
+          }
+        }
+        return out;
+      }
+      const sg = src.seg, st = sg.K * L, stats = sg.stats;
+      for (let r = src.a; r < src.b; r++) {
+        for (let l = 0, q = (r - sg.r0) * st + (one ? 0 : k); l < L; l++, q += one ? 1 : K) {
+          const v = stats[q];
+          last[l] = v;
+          if (v === v && v !== Infinity && v !== -Infinity) { if (v < min[l]) min[l] = v; if (v > max[l]) max[l] = v; sum[l] += v; w[l]++; }
+          else nf[l] |= v !== v ? NAN : v > 0 ? POS_INF : NEG_INF;
+        }
+      }
+      return out;
+    },
     /** Add per-step statistic j over a source's rows into `acc`. */
     stepAcc(src, j, acc) {
       if (src.level) return accumulate(src.level, src.range[0], src.range[1], j, acc, true);
@@ -195,6 +227,9 @@ export function createStore(meta) {
   function notify() { for (const fn of listeners) fn(store); }
   return store;
 }
+
+/** Per-layer summaries for store.columnAcc: min, max, the sum of finite values and their count, the non-finite codes, the last value. */
+export const layerSums = (L) => ({ min: new Float64Array(L), max: new Float64Array(L), sum: new Float64Array(L), w: new Float64Array(L), nf: new Uint8Array(L), last: new Float64Array(L) });
 
 /** First index i < n with xs[i] >= x (n when none). */
 function lowerBound(xs, x, n) {
