@@ -1,5 +1,5 @@
 import { beforeEach, describe, expect, it } from "vitest";
-import { accumulate, coarsen, createLevel, foldRow, fromBfloat16, NAN, newAcc, POS_INF, shown, summarise } from "../watch/bins.js";
+import { accumulate, coarsen, createLevel, foldRow, fromBfloat16, levelFrom, NAN, newAcc, POS_INF, shown, summarise } from "../watch/bins.js";
 import { initialExpanded, layerTree, visibleRows } from "../watch/groups.js";
 import { createStore, TAIL, tailRows } from "../watch/store.js";
 import { createWatchView } from "../watch/view.js";
@@ -77,6 +77,16 @@ function rowsMsg(start, count, extra = {}) {
   return [{ type: "rows", start, count, dtype: "float32", steps: Array.from({ length: count }, (_, i) => start + i), a_start: 0, anomalies: [], kept: [], dropped: 0, total_steps: start + count, state: "open", ...extra },
     [new DataView(s.buffer), new DataView(t.buffer)]];
 }
+
+describe("the kernel's bins", () => {
+  it("count a bin's rows as its finite values where its max is a number, none where it is NaN", () => {
+    const rows = [4, 2, 3], P = 2, f = (xs) => Float32Array.from(xs);
+    const max = f([1, NaN, 5, 6, NaN, NaN]), step = f([0, 0, NaN, NaN, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 3, 3, 3, 3, 0, 0, 0, 0]);
+    const lv = levelFrom({ P, K: 1, size: 4, r0: 0, first: [0, 4, 8], lastStep: [3, 5, 10], rows, min: max, max, mean: max, last: null, step, nonfinite: null });
+    expect(Array.from(lv.finite)).toEqual([4, 0, 2, 2, 0, 0]); // plain reading: rows[b] where max[b, p] is a number
+    expect(Array.from(lv.sfinite)).toEqual([0, 0, 2, 2, 3, 3]); // the per-step max (the second of 4 pairs a bin) NaN in bin 0
+  });
+});
 
 describe("the live store", () => {
   it("holds a bounded amount whatever the run's length: the overview's bins and the last TAIL to 2 × TAIL rows", () => {
