@@ -1,5 +1,5 @@
 import { beforeEach, describe, expect, it } from "vitest";
-import { accumulate, coarsen, createLevel, foldRow, fromBfloat16, levelFrom, NAN, newAcc, POS_INF, shown, summarise } from "../watch/bins.js";
+import { accumulate, coarsen, completeBins, createLevel, foldRow, fromBfloat16, levelFrom, NAN, newAcc, POS_INF, shown, summarise } from "../watch/bins.js";
 import { initialExpanded, layerTree, visibleRows } from "../watch/groups.js";
 import { createStore, TAIL, tailRows } from "../watch/store.js";
 import { createWatchView } from "../watch/view.js";
@@ -77,6 +77,25 @@ function rowsMsg(start, count, extra = {}) {
   return [{ type: "rows", start, count, dtype: "float32", steps: Array.from({ length: count }, (_, i) => start + i), a_start: 0, anomalies: [], kept: [], dropped: 0, total_steps: start + count, state: "open", ...extra },
     [new DataView(s.buffer), new DataView(t.buffer)]];
 }
+
+describe("a figure of the whole run kept up while rows stream (completeBins)", () => {
+  it("adds each complete bin once and the filling one afresh: the same as from every bin, across merges", () => {
+    const P = 2, level = createLevel(P), span = completeBins(), r = rand(11);
+    let done = -Infinity, added = 0, plain = -Infinity;
+    for (let row = 0; row < 5000; row++) {
+      const v = f32(r() * 100 + (row === 1234 ? 1e4 : 0)), stats = Float32Array.of(v, -v);
+      foldRow(level, row, row, stats, Float32Array.of(0, 0), 64);
+      plain = Math.max(plain, v); // plain reading: the largest value streamed so far
+      if (row % 37) continue;
+      const s = span(level, 0);
+      if (s.reset) done = -Infinity;
+      for (let i = s.from; i < s.to; i++) { done = Math.max(done, level.max[i * P]); added++; }
+      expect(Math.max(done, level.max[(level.m - 1) * P])).toBe(plain);
+    }
+    expect(level.size).toBeGreaterThan(32); // bins merged many times on the way
+    expect(added).toBeLessThan(64 * 8); // about once a bin per bin size, not m bins a call (135 calls)
+  });
+});
 
 describe("the kernel's bins", () => {
   it("count a bin's rows as its finite values where its max is a number, none where it is NaN", () => {

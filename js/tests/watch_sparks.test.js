@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { summary } from "../watch/bins.js";
+import { completeBins, summary } from "../watch/bins.js";
 import { blockValue, infiniteRows, rowsOverColumns } from "../watch/sparks.js";
 import { createStore } from "../watch/store.js";
 
@@ -68,6 +68,24 @@ describe("rows of many layers", () => {
     expect(infiniteRows(st, ROWS, 0, [])).toEqual([true, false, true, false]); // no counts: any Inf (layers 3, 4)
     expect(infiniteRows(st, [{ layers: [4] }], 0, [1, 2])).toEqual([false]);
     expect(infiniteRows(st, [{ layers: [4] }], 0, [])).toEqual([true]);
+  });
+
+  it("flag them the same while rows stream a few at a time, looking at each complete bin once", () => {
+    const st = createStore(META), memo = { span: completeBins(), bad: null }, n = 3000;
+    const s = new Float32Array(L * K), t = new Float32Array(2);
+    let seen = 0;
+    const span = memo.span;
+    memo.span = (o, k) => { const r = span(o, k); seen += r.to - r.from; return r; };
+    for (let r = 0; r < n; r++) {
+      for (let l = 0; l < L; l++) for (let k = 0; k < K; k++) s[l * K + k] = value(r % 40 === 31 ? 31 : r % 40 === 23 ? 23 : 1, l, k);
+      st.apply({ type: "rows", start: r, count: 1, dtype: "float32", steps: [r], a_start: 0, anomalies: [], kept: [], dropped: 0, total_steps: r + 1, state: "open" }, [new DataView(s.buffer.slice(0)), new DataView(t.buffer)]);
+      if (r % 97 !== 0 && r !== 31 && r !== 32 && r !== n - 1) continue;
+      // Plain reading of the rows so far: layer 3 has a real Inf from row 31 on (its NaN count is 2), layer 4 an overflow.
+      const want = ROWS.map((row) => row.layers.includes(3) && r >= 31);
+      expect(infiniteRows(st, ROWS, 0, [1, 2], memo)).toEqual(want);
+    }
+    expect(st.overview.size).toBeGreaterThan(1); // bins merged on the way (the memo started over then)
+    expect(seen).toBeLessThan(3 * st.overview.m + 200); // complete bins looked at about once, not once a call
   });
 
   it("give a block's cell: +Inf, then -Inf, then NaN win, else the largest |value|", () => {

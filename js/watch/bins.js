@@ -38,6 +38,9 @@ function grow(level, m) {
   Object.assign(level, next, { cap });
 }
 
+/** `level` with room for m bins (allocated and copied now, once, rather than when a streamed row first needs it). */
+export function reserve(level, m) { grow(level, m); return level; }
+
 /** Add one value into slot i of (min, max, mean, last, finite count, nf). */
 function addValue(a, i, v) {
   a.last[i] = v;
@@ -194,6 +197,23 @@ export function levelFrom({ P, K, size, r0, first, lastStep, rows, min, max, mea
     rows: Int32Array.from(rows), min, max, mean, last: last || Float32Array.from(max), finite: counts(max, P),
     smin: col(0), smax, smean: col(2), slast: col(3), sfinite: counts(smax, 2), nf: new Uint8Array(m * P), snf: new Uint8Array(m * 2),
     nfLayer: nonfinite || null };
+}
+
+/** A tracker of a level's complete bins, for figures of the whole run redrawn while rows stream (the colour scale,
+ * the layers' Inf flags): `span(level, key)` says which bins [from, to) to add to the caller's running result since
+ * its last call, and `reset` when that result must start over (another level, merged bins, another key). Bins before
+ * the last never change until bins merge (foldRow writes the last), so each is added once; the last, still
+ * filling, is the caller's to add afresh each time. The figure is then the same as from every bin, at the cost of
+ * the new ones. */
+export function completeBins() {
+  let level = null, size = 0, key = null, done = 0;
+  return (lv, k) => {
+    const reset = lv !== level || lv.size !== size || k !== key;
+    if (reset) { level = lv; size = lv.size; key = k; done = 0; }
+    const from = done;
+    done = Math.max(done, lv.m - 1);
+    return { reset, from, to: done };
+  };
 }
 
 /** bfloat16 (the upper half of a float32: its range, NaN and ±Inf, 3 significant digits) to float32. */

@@ -3,7 +3,7 @@
 // column (store.columnAcc, one pass over the layers) then combined per row, instead of a summary call per layer per
 // row per column (the first row alone holds every layer: at 1,000 layers that was 180,000 calls each time the
 // sparklines were redrawn, their largest cost), and whether a row held a real ±Inf.
-import { NEG_INF, POS_INF } from "./bins.js";
+import { completeBins, NEG_INF, POS_INF } from "./bins.js";
 import { layerSums } from "./store.js";
 
 /** An accumulator (bins.js newAcc's fields) of the layers `layers` from per-layer sums: as adding those layers one
@@ -33,14 +33,20 @@ export function rowsOverColumns(store, srcs, rows, k) {
 }
 
 /** Per row, whether one of its layers held a real ±Inf of statistic k in a bin of the overview (not an overflowed
- * norm: the statistic's `counts`, indices of its non-finite counts, say its entries were finite). */
-export function infiniteRows(store, rows, k, counts) {
-  const o = store.overview, L = store.L, K = store.K, bad = new Uint8Array(L);
-  for (let b = 0; b < o.m; b++) for (let l = 0; l < L; l++) {
-    const q = (b * L + l) * K;
-    if (bad[l] || !(o.nf[q + k] & (POS_INF | NEG_INF))) continue;
-    if (!counts.length || counts.some((j) => o.max[q + j] > 0 || o.nf[q + j])) bad[l] = 1;
-  }
+ * norm: the statistic's `counts`, indices of its non-finite counts, say its entries were finite). With `memo`
+ * ({span: bins.js completeBins(), bad}), the complete bins already looked at are not looked at again. */
+export function infiniteRows(store, rows, k, counts, memo = { span: completeBins(), bad: null }) {
+  const o = store.overview, L = store.L, K = store.K, nfs = o.nf, maxs = o.max, span = memo.span(o, k);
+  const look = (b, bad) => {
+    for (let l = 0, q = b * L * K; l < L; l++, q += K) {
+      if (bad[l] || !(nfs[q + k] & (POS_INF | NEG_INF))) continue;
+      if (!counts.length || counts.some((j) => maxs[q + j] > 0 || nfs[q + j])) bad[l] = 1;
+    }
+  };
+  if (span.reset || !memo.bad) memo.bad = new Uint8Array(L);
+  for (let b = span.from; b < span.to; b++) look(b, memo.bad);
+  const bad = memo.bad.slice();
+  if (o.m) look(o.m - 1, bad); // the bin still filling
   return rows.map((row) => row.layers.some((l) => bad[l]));
 }
 

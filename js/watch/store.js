@@ -6,7 +6,7 @@
 // steps, around each anomaly and kept step). Rows streamed in order are folded by row index; a gap is reported
 // so the caller asks the kernel for what it missed (a "sync" message).
 import { decodeTensor } from "../shared/protocol.js";
-import { accumulate, accumulateValue, binsOver, createLevel, foldRow, levelFrom, maxBinsFor, NAN, NEG_INF, POS_INF } from "./bins.js";
+import { accumulate, accumulateValue, binsOver, createLevel, foldRow, levelFrom, maxBinsFor, NAN, NEG_INF, POS_INF, reserve } from "./bins.js";
 
 export const TAIL = 1024, TAIL_BYTES = 16 * 2 ** 20; // latest rows kept at full resolution: at most, and their memory
 /** Latest rows the view holds at full resolution for P values a row: TAIL, fewer where they pass TAIL_BYTES (322
@@ -57,7 +57,7 @@ export function createStore(meta) {
     applyLod(msg, buffers = []) {
       const { level, seg } = decodeLod(msg, buffers, L, K);
       if (msg.role === "overview") {
-        store.overview = level;
+        store.overview = reserve(level, maxBins + 1); // the room the stream folds into, now: no 40 MB copy mid-stream
         store.have = Math.max(store.have, msg.stop);
         store.n = Math.max(store.n, msg.stop);
       } else {
@@ -206,7 +206,7 @@ export function createStore(meta) {
       tail.steps = tail.steps.slice(drop); tail.r0 += drop; tail.n = keep;
     }
     if ((tail.n + add) * P > tail.stats.length) { // grow (doubling, up to cap rows)
-      const rows = Math.min(cap, Math.max(tail.n + add, 2 * (tail.stats.length / P | 0), 16));
+      const rows = Math.min(cap, Math.max(2 * (tail.n + add), 2 * (tail.stats.length / P | 0), 16)); // a sync's 322 rows: all 644 at once
       const s = new Float32Array(rows * P), t = new Float32Array(rows * 2);
       s.set(tail.stats.subarray(0, tail.n * P)); t.set(tail.step.subarray(0, tail.n * 2));
       tail.stats = s; tail.step = t;

@@ -7,8 +7,8 @@
 // below (the live widget asks the kernel, the standalone page uses its inlined data).
 // Layer names come from user code: they are set as text only.
 import { fmt } from "../shared/format.js";
-import { bins, chooseScale, colourOf, cssOf, INF_RGB, NAN_RGB, ZERO_RGB } from "./scale.js";
-import { newAcc, resetAcc, shown, summary } from "./bins.js";
+import { addToScale, bins, chooseScale, colourOf, cssOf, INF_RGB, NAN_RGB, newScaleAcc, scaleOf, ZERO_RGB } from "./scale.js";
+import { completeBins, newAcc, resetAcc, shown, summary } from "./bins.js";
 import { series } from "./draw.js";
 import { blockValue, infiniteRows, rowsOverColumns } from "./sparks.js";
 import { initialExpanded, layerTree, visibleRows } from "./groups.js";
@@ -37,7 +37,9 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   let openStep = null, frame = 0, layout = null, scaleMemo = null, asked = null;
   let view = null, selected = null; // view: the rows shown (axis.js); selected: a clicked step
   const acc = newAcc();
-  let sparkKey = null, sparkAt = 0, heatImg = null, lists = null, legendKey = null, opColour = "#8b5cf6", scaleBuf = new Float32Array(0);
+  let sparkKey = null, sparkAt = 0, heatImg = null, lists = null, legendKey = null, opColour = "#8b5cf6";
+  const scaleBins = completeBins(), infinite = { span: completeBins(), bad: null }; // what the whole-run figures have added
+  let scaleDone = newScaleAcc();
   const redraws = []; // the last 200 redraws' durations (ms): the live benchmark reads them (tests/browser)
 
   const select = h("select", { "data-testid": "watch-stat", title: "the statistic the heatmap, sparklines and values show", onchange: () => { stat = select.value; redraw(); } },
@@ -226,17 +228,18 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     requestWindow({ start: layout.v0, stop: layout.v1, bins: layout.cols, stat: k });
   }
 
-  /** The colour scale of statistic k: over the overview's bins (every step's min and max), refreshed at most once a
-   * second while rows stream. */
+  /** The colour scale of statistic k: over the overview's bins (every step's min and max) and the latest row, refreshed
+   * at most once a second while rows stream; the complete bins are added once (bins.js completeBins). */
   function scaleOfStat(k) {
-    const o = store.overview, now = Date.now();
+    const o = store.overview, now = Date.now(), K = store.K;
     if (scaleMemo && scaleMemo.k === k && scaleMemo.o === o && (scaleMemo.have === store.have || now - scaleMemo.t < 1000)) return scaleMemo.scale;
-    if (scaleBuf.length < o.m * L * 2 + L) scaleBuf = new Float32Array(o.m * L * 2 + L); // reused: 1.2 MB at 1,000 layers
-    const vals = scaleBuf;
-    let j = 0;
-    for (let i = 0; i < o.m; i++) for (let l = 0; l < L; l++) { const x = (i * L + l) * store.K + k; vals[j++] = o.min[x]; vals[j++] = o.max[x]; }
-    for (let l = 0; l < L && store.n; l++) vals[j++] = store.value(store.n - 1, l, k);
-    scaleMemo = { k, o, have: store.have, t: now, scale: chooseScale(vals.subarray(0, j)) };
+    const span = scaleBins(o, k), add = (acc, i) => { for (let l = 0, x = i * L * K + k; l < L; l++, x += K) { addToScale(acc, o.min[x]); addToScale(acc, o.max[x]); } };
+    if (span.reset) scaleDone = newScaleAcc();
+    for (let i = span.from; i < span.to; i++) add(scaleDone, i);
+    const acc = { ...scaleDone };
+    if (o.m) add(acc, o.m - 1); // the bin still filling
+    for (let l = 0; l < L && store.n; l++) addToScale(acc, store.value(store.n - 1, l, k));
+    scaleMemo = { k, o, have: store.have, t: now, scale: scaleOf(acc) };
     return scaleMemo.scale;
   }
 
@@ -294,7 +297,7 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
 
   /** Per visible row, whether a layer of it held a real ±Inf of statistic k (sparks.js infiniteRows). */
   function infiniteIn(k) {
-    return infiniteRows(store, rows, k, (COUNTS[stat] || []).map((c) => meta.stats.indexOf(c)).filter((j) => j >= 0));
+    return infiniteRows(store, rows, k, (COUNTS[stat] || []).map((c) => meta.stats.indexOf(c)).filter((j) => j >= 0), infinite);
   }
 
   function drawLegend(scale) {
