@@ -201,6 +201,8 @@ def measure_log(L: int, n: int, tmp: pathlib.Path) -> dict:
     page = watch_export.to_html(w, tmp / f"log_{L}_{n}.html")
     row["to_html_s"] = round(time.perf_counter() - t0, 2)
     row["peak_rss_growth_mb"] = round((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024)
+    status = dict(line.split(":", 1) for line in pathlib.Path("/proc/self/status").read_text().splitlines())
+    row["rss_anon_mb"], row["rss_file_mb"] = (round(int(status[k].split()[0]) / 1024) for k in ("RssAnon", "RssFile"))
     row["page_bytes"] = page.stat().st_size
     row.update(open_and_look(page))
     row["anomalies"] = [a[0] for a in anomalies]
@@ -291,7 +293,9 @@ def log_main(L: int = 1000, n: int = 100_000) -> None:
              f"{row['js_heap_mb']} MB | {'yes' if row['every_anomaly_marked'] else 'NO'} ({row['marks']}) | "
              f"{row['load_average_before'][0]:.1f} before, {row['load_average_after'][0]:.1f} after |", "",
              f"The page says: {row['held']}", "",
-             f"Peak RSS growth of the process while loading and writing the page: {row['peak_rss_growth_mb']} MB."]
+             f"Peak RSS growth of the process while loading and writing the page: {row['peak_rss_growth_mb']} MB; "
+             f"after it, {row['rss_anon_mb']} MB anonymous and {row['rss_file_mb']} MB of memory-mapped shards (page "
+             "cache the kernel can drop: the shards are read through np.load(mmap_mode='r'))."]
     (RESULTS / "watch_page_log.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
