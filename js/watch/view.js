@@ -179,7 +179,8 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   }
 
   function draw() {
-    opColour = getOp();
+    // The series' colour (the theme's --hw-op), read before this redraw writes to the page: after, it forces a style recalc.
+    opColour = globalThis.getComputedStyle?.(root).getPropertyValue("--hw-op").trim() || "#8b5cf6";
     layout = measure();
     const k = meta.stats.indexOf(stat);
     const N = store.n, last = N ? store.stepOf(N - 1) : NaN, total = store.totalSteps ?? (N ? last + 1 : 0);
@@ -341,13 +342,6 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
       const pts = perRow[i].map(summary);
       series(ctx, pts, chooseScale(pts.flatMap((p) => [p.min, p.max])), { y: i * rowH + 1, dx, boxH: rowH - 2, colour: opColour, band: bs.some(([a, b]) => b - a > 1) || rows[i].layers.length > 1 });
     }
-  }
-
-  /** The series' colour (the theme's --hw-op): read once a redraw, before it writes to the page (a read after a
-   * write forces the page's styles to be recomputed). */
-  function getOp() {
-    const v = globalThis.getComputedStyle?.(root).getPropertyValue("--hw-op").trim();
-    return v || "#8b5cf6";
   }
 
   function drawChart(canvas, j, valueEl, rangeEl) {
