@@ -5,7 +5,9 @@ gap (wall time and the thread's own CPU time: a task whose CPU time is far below
 core, not working), what those tasks ran (the functions called, the V8 CPU profile's samples), garbage collection,
 style and layout, and the load average of the machine.
 
+    npx esbuild js/watch/index.js --bundle --format=esm --outfile=hookwidget/static/watch.js  # unminified: named
     PYTHONPATH=. .venv/bin/python tests/browser/trace_watch_live.py [--long 100] [--keep trace.json]
+    npm run build  # the minified bundle again
 
 Prints a JSON summary (the figures in benchmarks/results/watch_live_frames.md come from it)."""
 
