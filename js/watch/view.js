@@ -422,6 +422,7 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   }
 
   function hover(e, where) {
+    if (frame) { (globalThis.cancelAnimationFrame || clearTimeout)(frame); frame = 0; redraw(); } // rows came: fresh layout first
     const at = locate(e, where);
     if (!at) return;
     const { c, first, end, row } = at, src = layout.sources[c];
