@@ -126,7 +126,10 @@ def test_a_wide_window_is_answered_in_bins_of_one_statistic_from_w_lod(wide):
     check("reply_rows", rows)
     assert over["role"] == "overview" and over["stop"] == 3000
     assert len(over["rows"]) <= ww.overview_bins(300 * 13) < 3000
-    assert rows["start"] == 3000 - ww.TAIL and rows["count"] == ww.TAIL
+    assert rows["start"] == 3000 - 1024 and rows["count"] == 1024  # 1,024 rows of 300 × 13 float32: under 16 MiB
+    # A wider run's tail is as many rows as 16 MiB of float32 holds (a view opening on it decodes no more).
+    wide_row = 1000 * 13 * 4
+    assert ww.tail_rows(1000 * 13) * wide_row <= 16 * 2**20 < (ww.tail_rows(1000 * 13) + 1) * wide_row
     k = list(wide.stat_names).index("update_ratio")
     old = ww.WINDOW_BYTES
     ww.WINDOW_BYTES = 300 * 4 * 50  # 50 rows of one statistic: 1,000 rows go as bins

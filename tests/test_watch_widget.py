@@ -274,3 +274,25 @@ def test_a_watch_left_open_across_cells_is_pushed_after_each_cell(clock):
     w.close()
     assert [(m["start"], m["count"], m["state"]) for m, _ in sent][1:] == [(2, 1, "closed")]
     np.testing.assert_array_equal(rows_of(sent, len(w.layer_names), len(w.stat_names))[0], w.stats.float().numpy())
+
+
+def test_rows_recorded_before_the_widget_come_in_the_views_sync_not_in_a_push(clock):
+    """A widget made after 4 steps pushes only the steps after it; the 4 before reach a view through its sync (the
+    answer a view asks for when it opens: bounded, where a push of them was the whole run in one message)."""
+    model, opt, x, y = setup()
+    w = watch(model, flight_recorder=False)
+    for _ in range(4):
+        step(model, opt, x, y)
+    before = len(w.steps)  # a read: the rows reach the host
+    assert before == w.n_rows >= 3
+    wid = w.widget()
+    sent = capture(wid)
+    for _ in range(2):
+        step(model, opt, x, y)
+    wid._after_cell()
+    assert [m["start"] for m, _ in sent if m["type"] == "rows"] == [before]  # the new steps only
+    w.close()
+    sent.clear()
+    wid._on_msg(wid, {"type": "sync", "have": 0, "request_id": "s"}, [])
+    assert [(m["type"], m["start"]) for m, _ in sent] == [("rows", 0)]  # a short run: every row, no overview
+    np.testing.assert_array_equal(rows_of(sent, len(w.layer_names), len(w.stat_names))[0], w.stats.float().numpy())

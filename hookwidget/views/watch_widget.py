@@ -37,7 +37,7 @@ NOT_BUILT = ('export default { render({ el }) { el.textContent = "hookwidget: th
              '(hookwidget/static/watch.js is missing): run `npm run build` or `pip install -e .`"; } };')
 SCHEMA = request_keys("watch")  # type -> the keys it must carry besides type and request_id
 OVERVIEW_BINS, OVERVIEW_BYTES = 2048, 48 * 2**20  # a view's overview: bins and memory at most (js/watch/bins.js)
-TAIL = 1024  # latest rows a view holds at full resolution (js/watch/store.js TAIL)
+TAIL, TAIL_BYTES = 1024, 16 * 2**20  # latest rows a view holds at full resolution: at most, their memory (store.js)
 WINDOW_BYTES = 8 * 2**20  # most bytes of a zoomed window's answer (one statistic of every layer)
 
 
@@ -75,13 +75,15 @@ class WatchWidget(anywidget.AnyWidget):
         # Held weakly: a displayed widget lives as long as the kernel, and must not keep the watch's Traces.
         self._watch_ref = weakref.ref(watch)
         self._unsent: list = []  # (stats, step_stats, steps) on the host not pushed yet, in order
-        self._rows = self._sent = self._anomalies_sent = 0
+        # Rows recorded before the widget existed are not pushed: a view's first message is a sync, answered with the
+        # run's overview and latest rows (_do_sync), a bounded answer where pushing them was the whole run in one
+        # message (62 MB for 1,200 steps of 1,000 layers, and decoded twice with the sync's answer).
+        self._rows = self._sent = int(watch.n_rows)
+        self._anomalies_sent = 0
         self._last_push = time.monotonic()  # the first push after one interval: the front-end is listening by then
         self._trace = self._trace_widget = None  # the opened step's Trace and its HookWidget
         self.pushes = 0  # messages with rows sent (tests, and a cheap look at the throttle)
         self._cell = _marimo_cell()  # in marimo: the cell that made this widget, for the explorers it opens
-        if len(watch.steps):  # rows recorded before the widget existed (public reads: one flush, outside the loop)
-            self._add(watch.stats, watch.step_stats, watch.steps)
         watch.listen(self._on_watch)
         self._ip = _kernel_shell()
         if self._ip is not None and watch.active:
@@ -179,7 +181,7 @@ class WatchWidget(anywidget.AnyWidget):
         and, when more are missing, the overview of rows [0, sent) first (w.lod), which the view folds new rows into."""
         self._unsent, self._sent, self._last_push = [], self._rows, time.monotonic()  # the answer carries them all
         have, sent = min(msg["have"], self._sent), self._sent
-        start = max(have, sent - TAIL)
+        start = max(have, sent - tail_rows(len(self.meta["layers"]) * len(self.meta["stats"])))
         if start > have:
             bins = overview_bins(len(self.meta["layers"]) * len(self.meta["stats"]))
             self._send_lod("overview", self.watch.lod(bins, 0, sent), 0, sent)
@@ -244,6 +246,13 @@ def overview_bins(values_a_row: int) -> int:
     """Bins of the overview a view holds for rows of `values_a_row` values: as js/watch/bins.js maxBinsFor (the view
     goes on folding rows into the kernel's overview, so both must agree): 25 bytes a value a bin, OVERVIEW_BYTES."""
     return max(64, min(OVERVIEW_BINS, OVERVIEW_BYTES // (25 * max(values_a_row, 1))))
+
+
+def tail_rows(values_a_row: int) -> int:
+    """Latest rows a view holds at full resolution for rows of `values_a_row` values, as js/watch/store.js tailRows:
+    TAIL, fewer where they pass TAIL_BYTES as float32 (322 rows for 1,000 layers × 13 statistics), 64 at least. A
+    sync sends no more (a view that opens on a wide run decodes 16 MiB of rows, not 53)."""
+    return max(64, min(TAIL, TAIL_BYTES // (4 * max(values_a_row, 1))))
 
 
 def validate(content) -> dict:

@@ -1,7 +1,7 @@
 import { beforeEach, describe, expect, it } from "vitest";
-import { accumulate, coarsen, createLevel, foldRow, fromBfloat16, NAN, newAcc, POS_INF, shown, summarise } from "../watch/bins.js";
+import { accumulate, coarsen, completeBins, createLevel, foldRow, fromBfloat16, levelFrom, NAN, newAcc, POS_INF, shown, summarise } from "../watch/bins.js";
 import { initialExpanded, layerTree, visibleRows } from "../watch/groups.js";
-import { createStore, TAIL } from "../watch/store.js";
+import { createStore, TAIL, tailRows } from "../watch/store.js";
 import { createWatchView } from "../watch/view.js";
 
 // References: plain loops over the rows (min/max/mean over the finite values), never the code under test.
@@ -78,15 +78,44 @@ function rowsMsg(start, count, extra = {}) {
     [new DataView(s.buffer), new DataView(t.buffer)]];
 }
 
+describe("a figure of the whole run kept up while rows stream (completeBins)", () => {
+  it("adds each complete bin once and the filling one afresh: the same as from every bin, across merges", () => {
+    const P = 2, level = createLevel(P), span = completeBins(), r = rand(11);
+    let done = -Infinity, added = 0, plain = -Infinity;
+    for (let row = 0; row < 5000; row++) {
+      const v = f32(r() * 100 + (row === 1234 ? 1e4 : 0)), stats = Float32Array.of(v, -v);
+      foldRow(level, row, row, stats, Float32Array.of(0, 0), 64);
+      plain = Math.max(plain, v); // plain reading: the largest value streamed so far
+      if (row % 37) continue;
+      const s = span(level, 0);
+      if (s.reset) done = -Infinity;
+      for (let i = s.from; i < s.to; i++) { done = Math.max(done, level.max[i * P]); added++; }
+      expect(Math.max(done, level.max[(level.m - 1) * P])).toBe(plain);
+    }
+    expect(level.size).toBeGreaterThan(32); // bins merged many times on the way
+    expect(added).toBeLessThan(64 * 8); // about once a bin per bin size, not m bins a call (135 calls)
+  });
+});
+
+describe("the kernel's bins", () => {
+  it("count a bin's rows as its finite values where its max is a number, none where it is NaN", () => {
+    const rows = [4, 2, 3], P = 2, f = (xs) => Float32Array.from(xs);
+    const max = f([1, NaN, 5, 6, NaN, NaN]), step = f([0, 0, NaN, NaN, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 3, 3, 3, 3, 0, 0, 0, 0]);
+    const lv = levelFrom({ P, K: 1, size: 4, r0: 0, first: [0, 4, 8], lastStep: [3, 5, 10], rows, min: max, max, mean: max, last: null, step, nonfinite: null });
+    expect(Array.from(lv.finite)).toEqual([4, 0, 2, 2, 0, 0]); // plain reading: rows[b] where max[b, p] is a number
+    expect(Array.from(lv.sfinite)).toEqual([0, 0, 2, 2, 3, 3]); // the per-step max (the second of 4 pairs a bin) NaN in bin 0
+  });
+});
+
 describe("the live store", () => {
-  it("holds a bounded amount whatever the run's length: the overview's bins and the last TAIL rows", () => {
+  it("holds a bounded amount whatever the run's length: the overview's bins and the last TAIL to 2 × TAIL rows", () => {
     const st = createStore(META);
     for (let r = 0; r < 10_000; r += 500) st.apply(...rowsMsg(r, 500));
     expect(st.n).toBe(10_000);
     expect(st.overview.m).toBeLessThanOrEqual(2048);
     expect(st.overview.size).toBe(8);
     expect(st.received(10_000 - TAIL)).toBe(true);
-    expect(st.received(10_000 - TAIL - 1)).toBe(false);
+    expect(st.received(10_000 - 2 * TAIL - 1)).toBe(false);
     expect(st.value(9999, 6, 0)).toBe(f32(9999.6));
     // The spike at row 3000 (layer 4) lives on in its bin's max, and the source for a column over it says bins.
     const src = st.source(2990, 3010, 0);
@@ -94,6 +123,30 @@ describe("the live store", () => {
     expect(shown(st.acc(src, 4, 0, newAcc()))).toBe(f32(3000.4 + 1000));
     expect(st.rowOf(3003)).toBe(3003);
     expect(st.stepOf(3003)).toBe(3003);
+  });
+
+  it("keeps the latest rows exact through the tail's compactions, in buffers that stop being reallocated", () => {
+    const st = createStore(META), cap = 2 * tailRows(L * K), bufs = new Set();
+    let r = 0;
+    for (const count of [1, 7, 1, 300, 1, 1, 1000, 3, 1200, 1, 5, 2047, 2, 9]) {
+      for (let i = 0; i < 40; i++, r += count) {
+        st.apply(...rowsMsg(r, count));
+        const seg = st.segmentOf(r + count - 1);
+        expect(seg.n).toBeLessThanOrEqual(cap);
+        expect(seg.n).toBeGreaterThanOrEqual(Math.min(r + count, tailRows(L * K)));
+        if (seg.stats.length === cap * L * K) bufs.add(seg.stats);
+        for (const q of [seg.r0, seg.r0 + (seg.n >> 1), r + count - 1]) // what rowsMsg sent for row q
+          for (const l of [0, L - 1]) expect(st.value(q, l, 1)).toBe(f32(q + l / 10));
+        expect(st.stepOf(r + count - 1)).toBe(r + count - 1);
+      }
+    }
+    expect(bufs.size).toBe(1); // once grown to 2 × tailRows rows, the same buffer for every later message
+  });
+
+  it("holds fewer latest rows where a row is wide: 16 MiB of them, 32 at most", () => {
+    expect(tailRows(1000 * 13) * 1000 * 13 * 4).toBeLessThanOrEqual(16 * 2 ** 20);
+    expect((tailRows(1000 * 13) + 1) * 1000 * 13 * 4).toBeGreaterThan(16 * 2 ** 20);
+    expect(tailRows(10)).toBe(TAIL);
   });
 
   it("takes a zoomed window's full-resolution rows (one statistic) and draws those columns from them", () => {

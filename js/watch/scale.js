@@ -9,14 +9,21 @@ const VIRIDIS = colourMap(interpolateViridis);
 
 /** The scale of `values` (finite ones count): log10 when all are >= 0 and the positive ones span >= 2 decades. */
 export function chooseScale(values) {
-  let lo = Infinity, hi = -Infinity, minPos = Infinity, neg = false;
-  for (const v of values) {
-    if (!Number.isFinite(v)) continue;
-    if (v < lo) lo = v;
-    if (v > hi) hi = v;
-    if (v > 0 && v < minPos) minPos = v;
-    if (v < 0) neg = true;
-  }
+  const acc = newScaleAcc();
+  for (const v of values) addToScale(acc, v);
+  return scaleOf(acc);
+}
+
+/** chooseScale in parts, for values met a few at a time: an accumulator, a value added, the scale of what it saw. */
+export const newScaleAcc = () => ({ lo: Infinity, hi: -Infinity, minPos: Infinity, neg: false });
+export function addToScale(acc, v) {
+  if (!Number.isFinite(v)) return;
+  if (v < acc.lo) acc.lo = v;
+  if (v > acc.hi) acc.hi = v;
+  if (v > 0 && v < acc.minPos) acc.minPos = v;
+  if (v < 0) acc.neg = true;
+}
+export function scaleOf({ lo, hi, minPos, neg }) {
   if (lo === Infinity) return { log: false, lo: 0, hi: 1, empty: true };
   if (!neg && minPos < Infinity && hi / minPos >= 100) return { log: true, lo: Math.log10(minPos), hi: Math.log10(hi) };
   return { log: false, lo, hi };

@@ -1,18 +1,22 @@
 // What the watch view holds of a run, bounded whatever its length: an overview (bins.js: the whole run in at most
-// maxBinsFor(layers × statistics) bins, 48 MiB at most, each streamed row folded in as it arrives), the latest TAIL rows at full resolution, and the
+// maxBinsFor(layers × statistics) bins, 48 MiB at most, each streamed row folded in as it arrives), the latest rows
+// at full resolution (tailRows of them to twice that, 32 MiB at most, in buffers reused from message to message), and the
 // window the user zoomed to (full-resolution rows, or finer bins, that the kernel answered from w.rows / w.lod).
 // A standalone page's data fill the same: its overview, and the full-resolution segments it embeds (the last
 // steps, around each anomaly and kept step). Rows streamed in order are folded by row index; a gap is reported
 // so the caller asks the kernel for what it missed (a "sync" message).
 import { decodeTensor } from "../shared/protocol.js";
-import { accumulate, accumulateValue, binsOver, createLevel, foldRow, levelFrom, maxBinsFor } from "./bins.js";
+import { accumulate, accumulateValue, binsOver, createLevel, foldRow, levelFrom, maxBinsFor, NAN, NEG_INF, POS_INF, reserve } from "./bins.js";
 
-export const TAIL = 1024; // latest rows kept at full resolution
+export const TAIL = 1024, TAIL_BYTES = 16 * 2 ** 20; // latest rows kept at full resolution: at most, and their memory
+/** Latest rows the view holds at full resolution for P values a row: TAIL, fewer where they pass TAIL_BYTES (322
+ * for 1,000 layers × 13 statistics), 64 at least; views/watch_widget.py tail_rows says the same (its sync). */
+export const tailRows = (P) => Math.max(64, Math.min(TAIL, Math.floor(TAIL_BYTES / (4 * Math.max(P, 1)))));
 
 export function createStore(meta) {
-  const L = meta.layers.length, K = meta.stats.length, P = L * K, maxBins = maxBinsFor(P);
+  const L = meta.layers.length, K = meta.stats.length, P = L * K, maxBins = maxBinsFor(P), TAIL_ROWS = tailRows(P);
   const listeners = new Set();
-  let tail = null; // {r0, n, steps, stats, step}: the latest rows, compacted to TAIL past 2 × TAIL
+  let tail = null; // {r0, n, steps, stats, step}: the latest rows, tailRows(P) to 2 × tailRows(P) of them
   const store = {
     meta, L, K, P, n: 0, have: 0, anomalies: [], kept: [], dropped: 0, totalSteps: null, state: "open",
     overview: createLevel(P), segments: [], window: null, // window: {start, stop, bins, level | seg}
@@ -53,7 +57,7 @@ export function createStore(meta) {
     applyLod(msg, buffers = []) {
       const { level, seg } = decodeLod(msg, buffers, L, K);
       if (msg.role === "overview") {
-        store.overview = level;
+        store.overview = reserve(level, maxBins + 1); // the room the stream folds into, now: no 40 MB copy mid-stream
         store.have = Math.max(store.have, msg.stop);
         store.n = Math.max(store.n, msg.stop);
       } else {
@@ -110,6 +114,38 @@ export function createStore(meta) {
       }
       return out;
     },
+    /** Each layer's summary of statistic k over a source, what acc() adds up layer by layer, in one pass over the
+     * layers: into `out` ({min, max, sum, w, nf, last}, typed arrays of L; see layerSums) and returned. */
+    columnAcc(src, k, out) {
+      const x = src.seg || src.level, one = x.k !== undefined, stride = one ? L : P;
+      const { min, max, sum, w, nf, last } = out;
+      min.fill(Infinity); max.fill(-Infinity); sum.fill(0); w.fill(0); nf.fill(0); last.fill(NaN);
+      if (src.level) {
+        const lv = src.level, mins = lv.min, maxs = lv.max, means = lv.mean, lasts = lv.last, fin = lv.finite, nfs = lv.nf;
+        for (let i = src.range[0]; i < src.range[1]; i++) {
+          if (!lv.rows[i]) continue;
+          for (let l = 0, q = i * stride + (one ? 0 : k); l < L; l++, q += one ? 1 : K) {
+            nf[l] |= nfs[q]; last[l] = lasts[q];
+            const c = fin[q];
+            if (!c) continue;
+            if (mins[q] < min[l]) min[l] = mins[q];
+            if (maxs[q] > max[l]) max[l] = maxs[q];
+            sum[l] += means[q] * c; w[l] += c;
+          }
+        }
+        return out;
+      }
+      const sg = src.seg, st = sg.K * L, stats = sg.stats;
+      for (let r = src.a; r < src.b; r++) {
+        for (let l = 0, q = (r - sg.r0) * st + (one ? 0 : k); l < L; l++, q += one ? 1 : K) {
+          const v = stats[q];
+          last[l] = v;
+          if (v === v && v !== Infinity && v !== -Infinity) { if (v < min[l]) min[l] = v; if (v > max[l]) max[l] = v; sum[l] += v; w[l]++; }
+          else nf[l] |= v !== v ? NAN : v > 0 ? POS_INF : NEG_INF;
+        }
+      }
+      return out;
+    },
     /** Add per-step statistic j over a source's rows into `acc`. */
     stepAcc(src, j, acc) {
       if (src.level) return accumulate(src.level, src.range[0], src.range[1], j, acc, true);
@@ -156,24 +192,29 @@ export function createStore(meta) {
     if (tail) out.push(tail);
     return out;
   }
+  /** Append streamed rows to the tail. Its buffers grow to 2 × tailRows rows once, then are reused: past that the
+   * latest rows move to the front (copyWithin, about once every tailRows rows), so a message never allocates. */
   function addTail(start, steps, stats, step) {
-    const count = steps.length;
-    if (!tail || start !== tail.r0 + tail.n) {
-      if (tail && start < tail.r0 + tail.n) return; // rows the tail already holds (a sync's overlap)
-      tail = { r0: start, n: 0, K, steps: [], stats: new Float32Array(0), step: new Float32Array(0) };
+    const count = steps.length, cap = 2 * TAIL_ROWS;
+    if (tail && start < tail.r0 + tail.n) return; // rows the tail already holds (a sync's overlap)
+    if (!tail || start > tail.r0 + tail.n) tail = { r0: start, n: 0, K, steps: [], stats: tail?.stats || new Float32Array(0), step: tail?.step || new Float32Array(0) };
+    const skip = Math.max(0, count - TAIL_ROWS), add = count - skip;
+    if (skip) { tail.r0 = start + skip; tail.n = 0; tail.steps = []; }
+    if (tail.n + add > cap) { // compact: the latest TAIL_ROWS - add rows to the front
+      const keep = Math.min(tail.n, TAIL_ROWS - add), drop = tail.n - keep;
+      tail.stats.copyWithin(0, drop * P, tail.n * P); tail.step.copyWithin(0, drop * 2, tail.n * 2);
+      tail.steps = tail.steps.slice(drop); tail.r0 += drop; tail.n = keep;
     }
-    const keep = Math.min(tail.n, Math.max(0, TAIL - count)), n = keep + count, drop = tail.n - keep;
-    if (tail.stats.length < n * P || drop) {
-      const s = new Float32Array(Math.max(n, Math.min(2 * TAIL, n * 2)) * P), t = new Float32Array(s.length / P * 2);
-      s.set(tail.stats.subarray(drop * P, tail.n * P)); t.set(tail.step.subarray(drop * 2, tail.n * 2));
-      tail = { r0: tail.r0 + drop, n: keep, K, steps: tail.steps.slice(drop), stats: s, step: t };
+    if ((tail.n + add) * P > tail.stats.length) { // grow (doubling, up to cap rows)
+      const rows = Math.min(cap, Math.max(2 * (tail.n + add), 2 * (tail.stats.length / P | 0), 16)); // a sync's 322 rows: all 644 at once
+      const s = new Float32Array(rows * P), t = new Float32Array(rows * 2);
+      s.set(tail.stats.subarray(0, tail.n * P)); t.set(tail.step.subarray(0, tail.n * 2));
+      tail.stats = s; tail.step = t;
     }
-    const skip = Math.max(0, count - TAIL);
-    tail.stats.set(stats.subarray(skip * P), keep * P);
-    tail.step.set(step.subarray(skip * 2), keep * 2);
-    if (skip) { tail.r0 = start + skip; tail.steps = []; }
+    tail.stats.set(stats.subarray(skip * P, count * P), tail.n * P);
+    tail.step.set(step.subarray(skip * 2, count * 2), tail.n * 2);
     for (let i = skip; i < count; i++) tail.steps.push(steps[i]);
-    tail.n = tail.steps.length;
+    tail.n += add;
   }
   function applyFacts(msg) {
     if (Array.isArray(msg.nonfinite)) store.nonfinite = new Map(msg.nonfinite.map(([k, v]) => [k, v]));
@@ -186,6 +227,9 @@ export function createStore(meta) {
   function notify() { for (const fn of listeners) fn(store); }
   return store;
 }
+
+/** Per-layer summaries for store.columnAcc: min, max, the sum of finite values and their count, the non-finite codes, the last value. */
+export const layerSums = (L) => ({ min: new Float64Array(L), max: new Float64Array(L), sum: new Float64Array(L), w: new Float64Array(L), nf: new Uint8Array(L), last: new Float64Array(L) });
 
 /** First index i < n with xs[i] >= x (n when none). */
 function lowerBound(xs, x, n) {

@@ -7,9 +7,10 @@
 // below (the live widget asks the kernel, the standalone page uses its inlined data).
 // Layer names come from user code: they are set as text only.
 import { fmt } from "../shared/format.js";
-import { bins, chooseScale, colourOf, cssOf, INF_RGB, NAN_RGB, ZERO_RGB } from "./scale.js";
-import { NEG_INF, newAcc, POS_INF, resetAcc, shown, summary } from "./bins.js";
+import { addToScale, bins, chooseScale, colourOf, cssOf, INF_RGB, NAN_RGB, newScaleAcc, scaleOf, ZERO_RGB } from "./scale.js";
+import { completeBins, newAcc, resetAcc, shown, summary } from "./bins.js";
 import { series } from "./draw.js";
+import { blockValue, infiniteRows, rowsOverColumns } from "./sparks.js";
 import { initialExpanded, layerTree, visibleRows } from "./groups.js";
 import { installWatchStyles } from "./styles.js";
 import { around, bindAxis, visible, zoom } from "./axis.js";
@@ -36,7 +37,9 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   let openStep = null, frame = 0, layout = null, scaleMemo = null, asked = null;
   let view = null, selected = null; // view: the rows shown (axis.js); selected: a clicked step
   const acc = newAcc();
-  let sparkKey = null, sparkAt = 0, heatImg = null, lists = null, legendKey = null;
+  let sparkKey = null, sparkAt = 0, heatImg = null, lists = null, legendKey = null, opColour = "#8b5cf6";
+  const scaleBins = completeBins(), infinite = { span: completeBins(), bad: null }; // what the whole-run figures have added
+  let scaleDone = newScaleAcc();
   const redraws = []; // the last 200 redraws' durations (ms): the live benchmark reads them (tests/browser)
 
   const select = h("select", { "data-testid": "watch-stat", title: "the statistic the heatmap, sparklines and values show", onchange: () => { stat = select.value; redraw(); } },
@@ -176,6 +179,8 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   }
 
   function draw() {
+    // The series' colour (the theme's --hw-op), read before this redraw writes to the page: after, it forces a style recalc.
+    opColour = globalThis.getComputedStyle?.(root).getPropertyValue("--hw-op").trim() || "#8b5cf6";
     layout = measure();
     const k = meta.stats.indexOf(stat);
     const N = store.n, last = N ? store.stepOf(N - 1) : NaN, total = store.totalSteps ?? (N ? last + 1 : 0);
@@ -200,7 +205,8 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     drawSparks(k, whole);
     if (whole) {
       sparkKey = runKey; sparkAt = now;
-      labels.childNodes.forEach((node, i) => node.classList.toggle("bad", infiniteIn(rows[i].layers, k)));
+      const bad = infiniteIn(k);
+      labels.childNodes.forEach((node, i) => node.classList.toggle("bad", bad[i]));
     }
     drawMarks();
     drawChart(lossC, 0, lossV, lossR);
@@ -223,16 +229,18 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     requestWindow({ start: layout.v0, stop: layout.v1, bins: layout.cols, stat: k });
   }
 
-  /** The colour scale of statistic k: over the overview's bins (every step's min and max), refreshed at most once a
-   * second while rows stream. */
+  /** The colour scale of statistic k: over the overview's bins (every step's min and max) and the latest row, refreshed
+   * at most once a second while rows stream; the complete bins are added once (bins.js completeBins). */
   function scaleOfStat(k) {
-    const o = store.overview, now = Date.now();
+    const o = store.overview, now = Date.now(), K = store.K;
     if (scaleMemo && scaleMemo.k === k && scaleMemo.o === o && (scaleMemo.have === store.have || now - scaleMemo.t < 1000)) return scaleMemo.scale;
-    const vals = new Float32Array(o.m * L * 2 + 2 * L);
-    let j = 0;
-    for (let i = 0; i < o.m; i++) for (let l = 0; l < L; l++) { const x = (i * L + l) * store.K + k; vals[j++] = o.min[x]; vals[j++] = o.max[x]; }
-    for (let l = 0; l < L && store.n; l++) vals[j++] = store.value(store.n - 1, l, k);
-    scaleMemo = { k, o, have: store.have, t: now, scale: chooseScale(vals.subarray(0, j)) };
+    const span = scaleBins(o, k), add = (acc, i) => { for (let l = 0, x = i * L * K + k; l < L; l++, x += K) { addToScale(acc, o.min[x]); addToScale(acc, o.max[x]); } };
+    if (span.reset) scaleDone = newScaleAcc();
+    for (let i = span.from; i < span.to; i++) add(scaleDone, i);
+    const acc = { ...scaleDone };
+    if (o.m) add(acc, o.m - 1); // the bin still filling
+    for (let l = 0; l < L && store.n; l++) addToScale(acc, store.value(store.n - 1, l, k));
+    scaleMemo = { k, o, have: store.have, t: now, scale: scaleOf(acc) };
     return scaleMemo.scale;
   }
 
@@ -288,27 +296,9 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     if (sc >= 0) { ctx.strokeStyle = "#2563eb"; ctx.strokeRect(Math.floor(sc * colW) + 1, 1, Math.max(2, Math.floor(colW) - 2), rows.length * rowH - 2); }
   }
 
-  /** A block's cell from its layers' cells: +Inf, -Inf, then NaN win (as in bins.js shown), else the largest |value|. */
-  function blockValue(vals, layers) {
-    if (layers.length === 1) return vals[layers[0]];
-    let best = -1, out = NaN, nf = 0;
-    for (const l of layers) {
-      const v = vals[l];
-      if (v === Infinity) return v;
-      if (v === -Infinity) nf |= 4; else if (v !== v) nf |= 1; else if (Math.abs(v) > best) { best = Math.abs(v); out = v; }
-    }
-    return nf & 4 ? -Infinity : nf & 1 ? NaN : out;
-  }
-
-  /** Whether a layer of `layers` held a real ±Inf of statistic k (not an overflowed norm: its counts say its entries
-   * were finite) in a bin of the overview. */
-  function infiniteIn(layers, k) {
-    const o = store.overview, K = store.K, counts = (COUNTS[stat] || []).map((c) => meta.stats.indexOf(c)).filter((j) => j >= 0);
-    for (const l of layers) for (let b = 0; b < o.m; b++) {
-      if (!(o.nf[(b * L + l) * K + k] & (POS_INF | NEG_INF))) continue;
-      if (!counts.length || counts.some((j) => o.max[(b * L + l) * K + j] > 0 || o.nf[(b * L + l) * K + j])) return true;
-    }
-    return false;
+  /** Per visible row, whether a layer of it held a real ±Inf of statistic k (sparks.js infiniteRows). */
+  function infiniteIn(k) {
+    return infiniteRows(store, rows, k, (COUNTS[stat] || []).map((c) => meta.stats.indexOf(c)).filter((j) => j >= 0), infinite);
   }
 
   function drawLegend(scale) {
@@ -334,8 +324,9 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   function drawSparks(k, lines = true) {
     const ctx = spark.getContext?.("2d");
     const last = store.n - 1, lastSrc = last >= 0 ? store.source(last, last + 1, k) : null;
+    const latest = lastSrc ? rowsOverColumns(store, [lastSrc], rows, k) : null;
     values.childNodes.forEach((node, i) => {
-      const s = lastSrc ? summary(rowAcc(lastSrc, i, k)) : null, v = s ? shown(acc) : NaN;
+      const s = latest ? summary(latest[i][0]) : null, v = s ? shown(latest[i][0]) : NaN;
       const one = rows[i].layers.length === 1 ? rows[i].layers[0] : -1;
       const over = one >= 0 && lastSrc?.seg && overflowAt(store, last, one, k);
       node.textContent = node.classList.contains("hw-w-quiet") ? "" : s ? fmtOver(v, over) : "–";
@@ -346,15 +337,11 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     ctx.clearRect(0, 0, SPARK_W, spark.height);
     const whole = store.n ? store.source(0, store.n, k) : null, bs = bins(store.n, SPARK_W), srcs = bs.map(([a, b]) => store.source(a, b, k, whole));
     const dx = store.n <= SPARK_W ? Math.min(CELL / 2, SPARK_W / Math.max(store.n, 1)) : 1;
+    const perRow = rowsOverColumns(store, srcs, rows, k);
     for (let i = 0; i < rows.length; i++) {
-      const pts = srcs.map((src) => summary(rowAcc(src, i, k)));
-      series(ctx, pts, chooseScale(pts.flatMap((p) => [p.min, p.max])), { y: i * rowH + 1, dx, boxH: rowH - 2, colour: getOp(), band: bs.some(([a, b]) => b - a > 1) || rows[i].layers.length > 1 });
+      const pts = perRow[i].map(summary);
+      series(ctx, pts, chooseScale(pts.flatMap((p) => [p.min, p.max])), { y: i * rowH + 1, dx, boxH: rowH - 2, colour: opColour, band: bs.some(([a, b]) => b - a > 1) || rows[i].layers.length > 1 });
     }
-  }
-
-  function getOp() {
-    const v = globalThis.getComputedStyle?.(root).getPropertyValue("--hw-op").trim();
-    return v || "#8b5cf6";
   }
 
   function drawChart(canvas, j, valueEl, rangeEl) {
@@ -376,7 +363,7 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
     ctx.clearRect(0, 0, W, CHART_H);
     ctx.fillStyle = "rgba(127,127,127,0.08)";
     ctx.fillRect(0, 0, cols * colW, CHART_H);
-    series(ctx, pts, scale, { y: 3, dx: colW, boxH: CHART_H - 6, colour: getOp(), band: sources.some((s, c) => s.size > 1 || bs[c][1] - bs[c][0] > 1) });
+    series(ctx, pts, scale, { y: 3, dx: colW, boxH: CHART_H - 6, colour: opColour, band: sources.some((s, c) => s.size > 1 || bs[c][1] - bs[c][0] > 1) });
   }
 
   /** Anomalies (a coloured bar) and kept steps (a teal triangle) in the column holding them, whatever the zoom. */
@@ -435,6 +422,7 @@ export function createWatchView({ store, el, nonce, openTrace, requestWindow = n
   }
 
   function hover(e, where) {
+    if (frame) { (globalThis.cancelAnimationFrame || clearTimeout)(frame); frame = 0; redraw(); } // rows came: fresh layout first
     const at = locate(e, where);
     if (!at) return;
     const { c, first, end, row } = at, src = layout.sources[c];
