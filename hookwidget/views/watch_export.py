@@ -117,7 +117,7 @@ def _traces(watch, traces: dict, detail_budget: int, summary_budget: int) -> int
 def _around(watch, marks: list, tail_from: int, rows: int) -> list:
     """Row ranges of up to AROUND rows either side of each marked step (anomalies, kept steps) before the tail,
     fewer each when `rows` cannot pay for AROUND: (start, stop) pairs."""
-    steps = watch.steps
+    steps = watch._step_index()  # read a row at a time: a long log's step column is not read whole
     at = [r for r in (_row_of(steps, s) for s in marks) if r is not None and r < tail_from]
     if not at or rows <= 0:
         return []
@@ -162,7 +162,7 @@ def held_text(watch, out: dict, tail: int, around: list) -> str:
     o, n = out["overview"], out["n_rows"]
     if not n:
         return "no step recorded"
-    steps = watch.steps
+    steps = watch._step_index()
     if o["size"] == 1:
         return f"this page holds every recorded step ({steps[0]:,}–{steps[-1]:,}) at full resolution."
     m = len(o["rows"])

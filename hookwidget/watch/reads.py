@@ -183,7 +183,7 @@ class Reads:
         """Each anomaly with its lead (watch/leads.py), worked out from the rows before it (the WINDOW + LOOKBACK
         rows that the rule reads), once its row is final (not the newest: its update ratio may still come)."""
         cache = self.__dict__.setdefault("_leads", {})
-        steps, n, out = self._steps(), self.n_rows, []
+        steps, n, out = self._step_index(), self.n_rows, []
         for a in anomalies:
             if a.step not in cache:
                 r = bisect.bisect_left(steps, a.step)
@@ -200,6 +200,11 @@ class Reads:
                 cache[a.step] = found
             out.append(type(a)(*a, cache[a.step]))
         return out
+
+    def _step_index(self):
+        """The step of each row, as a sequence bisect searches (a row's step read when asked: a long loaded log's
+        step column is not read whole to find a few anomalies' rows)."""
+        return _StepColumn(self)
 
     # -- views and files ------------------------------------------------------------------------------------
     def widget(self):
@@ -307,3 +312,19 @@ class Reads:
                 "dropped": self.dropped_traces,
                 "traces": None if self._flight is None else [(k, self.trace(k).to_data()) for k in self.kept]}
         saved.write(path, "watch", tree)  # a loaded watch saves the same way (watch/saved.py's SavedWatch)
+
+
+class _StepColumn:
+    """w's step column read one row at a time (len and [i], what bisect needs)."""
+
+    def __init__(self, reads):
+        self.reads, self.n = reads, reads.n_rows
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        i = i + self.n if i < 0 else i
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return int(self.reads._column(i, i + 1, (), "step")[0])
