@@ -28,6 +28,14 @@ VARIANTS = ("plain", "floor", "watch", "watch+fr", "per_sample")
 RESULTS = pathlib.Path(__file__).parent / "results"
 
 
+def monitor(model, variant: str):
+    """What the variant puts on `model` (None: plain); close() takes it off (the floor's flush() reads it)."""
+    return {"plain": lambda: None, "floor": lambda: Floor(model),
+            "watch": lambda: hw.watch(model, flight_recorder=False),
+            "watch+fr": lambda: hw.watch(model),
+            "per_sample": lambda: hw.watch(model, flight_recorder=False, per_sample=True)}[variant]()
+
+
 def time_loop(model, x, y, steps: int, variant: str, check: bool = False) -> float:
     """Seconds per step (wall time, rows brought to the host at the end). With `check`, the steps run under
     torch.cuda.set_sync_debug_mode("error") and fewer than the watch's batch of 64 rows are taken, so that no
@@ -39,10 +47,7 @@ def time_loop(model, x, y, steps: int, variant: str, check: bool = False) -> flo
         loss_of(model(x), y).backward()
         opt.step()
 
-    w = {"plain": lambda: None, "floor": lambda: Floor(model),
-         "watch": lambda: hw.watch(model, flight_recorder=False),
-         "watch+fr": lambda: hw.watch(model),
-         "per_sample": lambda: hw.watch(model, flight_recorder=False, per_sample=True)}[variant]()
+    w = monitor(model, variant)
     try:
         for _ in range(20):
             step()

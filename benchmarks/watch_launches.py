@@ -27,11 +27,10 @@ import pathlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import hookwidget as hw
-from benchmarks.watch_overhead import Floor, build, loss_of
+from benchmarks.watch_gpu import VARIANTS, monitor
+from benchmarks.watch_overhead import build, loss_of
 from hookwidget._torch import host_reads
 
-VARIANTS = ("plain", "floor", "watch", "watch+fr", "per_sample")
 RESULTS = pathlib.Path(__file__).parent / "results"
 NO_KERNEL = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "alias",
              "_local_scalar_dense")
@@ -87,10 +86,7 @@ def count(model, x, y, variant: str, steps: int, autocast: bool) -> Count:
         loss.backward()
         opt.step()
 
-    w = {"plain": lambda: None, "floor": lambda: Floor(model),
-         "watch": lambda: hw.watch(model, flight_recorder=False),
-         "watch+fr": lambda: hw.watch(model),
-         "per_sample": lambda: hw.watch(model, flight_recorder=False, per_sample=True)}[variant]()
+    w = monitor(model, variant)
     try:
         for _ in range(3):  # the first steps build index tensors, once
             step()

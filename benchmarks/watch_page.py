@@ -142,17 +142,7 @@ def before_bytes(L: int, n: int) -> int:
 
 def open_seconds(path: pathlib.Path, timeout: float = 120.0) -> float:
     """Seconds from navigation until the page says it is drawn (body[data-ready]), in Debian's chromium."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1500, "height": 900})
-        t0 = time.perf_counter()
-        page.goto(path.as_uri(), timeout=timeout * 1000)
-        page.wait_for_selector("body[data-ready='1']", timeout=timeout * 1000)
-        seconds = time.perf_counter() - t0
-        browser.close()
-    return seconds
+    return _opened(path, timeout, lambda page, root: {})["open_s"]
 
 
 # Each anomaly the view marks: its step and the alpha of the marks strip's pixel in its column (0: not painted).
@@ -164,6 +154,13 @@ MARKS = """(root) => {
 
 def open_and_look(path: pathlib.Path, timeout: float = 120.0) -> dict:
     """open_seconds' figure, then what the drawn page shows: each anomaly's mark, what it says it holds, JS heap."""
+    return _opened(path, timeout, lambda page, root: {
+        "marks": root.evaluate(MARKS), "held": root.locator('[data-testid="watch-held"]').inner_text(),
+        "js_heap_mb": round(page.evaluate("performance.memory.usedJSHeapSize") / 2**20, 1)})
+
+
+def _opened(path: pathlib.Path, timeout: float, look) -> dict:
+    """{"open_s": seconds until the page is drawn, **look(page, the view's root)}, in Debian's chromium."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -173,10 +170,7 @@ def open_and_look(path: pathlib.Path, timeout: float = 120.0) -> dict:
         page.goto(path.as_uri(), timeout=timeout * 1000)
         page.wait_for_selector("body[data-ready='1']", timeout=timeout * 1000)
         seconds = time.perf_counter() - t0
-        root = page.locator('[data-testid="watch"]')
-        out = {"open_s": round(seconds, 2), "marks": root.evaluate(MARKS),
-               "held": root.locator('[data-testid="watch-held"]').inner_text(),
-               "js_heap_mb": round(page.evaluate("performance.memory.usedJSHeapSize") / 2**20, 1)}
+        out = {"open_s": round(seconds, 2), **look(page, page.locator('[data-testid="watch"]'))}
         browser.close()
     return out
 
