@@ -20,15 +20,14 @@ benchmarks/watch_gpu.py's. Results: benchmarks/results/watch_launches.{md,json}.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import pathlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.watch_gpu import VARIANTS, monitor
-from benchmarks.watch_overhead import build, loss_of
+from benchmarks.watch_gpu import VARIANTS, gpt2_small, monitor, training_step
+from benchmarks.watch_overhead import build
 from hookwidget._torch import host_reads
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -66,26 +65,8 @@ def _aliases(out, args) -> bool:
     return any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr for a in args)
 
 
-def gpt2_small():
-    """GPT-2 small's layers (124M, random weights), a batch of 2 × 32 tokens, its loss under bf16 autocast."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(attn_implementation="eager")).train()
-    ids = torch.randint(0, model.config.vocab_size, (2, 32))
-    return model, ids, ids
-
-
-def count(model, x, y, variant: str, steps: int, autocast: bool) -> Count:
-    opt = torch.optim.Adam(model.parameters(), 1e-4)
-
-    def step():
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            loss = model(x, labels=y).loss if autocast else loss_of(model(x), y)
-        loss.backward()
-        opt.step()
-
+def count(model, x, y, variant: str, steps: int) -> Count:
+    step = training_step(model, x, y)
     w = monitor(model, variant)
     try:
         for _ in range(3):  # the first steps build index tensors, once
@@ -109,8 +90,8 @@ def main() -> None:
     rows = {}
     try:
         for name in args.models.split(","):
-            model, x, y = gpt2_small() if name == "gpt2_small" else build(name)
-            got = {v: count(model, x, y, v, args.steps, name == "gpt2_small") for v in VARIANTS}
+            model, x, y = gpt2_small(2, 32) if name == "gpt2_small" else build(name)  # counts: batch-independent
+            got = {v: count(model, x, y, v, args.steps) for v in VARIANTS}
             rows[name] = {v: {"ops": c.ops / args.steps, "reads": c.reads / args.steps} for v, c in got.items()}
             print(name, {v: (r["ops"], r["reads"]) for v, r in rows[name].items()}, flush=True)
     finally:
