@@ -453,7 +453,7 @@ class Watch(Reads, RankViews):
         if self._ps is None:
             raise KeyError("per-sample norms are off: hw.watch(model, per_sample=True) records them")
         self._flush()
-        return torch.from_numpy(self._history.column(0, self.n_rows, (), "per_sample").reshape(-1, 2))
+        return torch.from_numpy(self._history.column(0, self.n_rows, (slice(0, 2),), "per_sample").reshape(-1, 2))
 
     @property
     def found_nonfinite(self) -> dict:
