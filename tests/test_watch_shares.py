@@ -208,3 +208,20 @@ def test_planted_sample_named_by_the_anomaly_and_its_trace(tmp_path):
         again = [a for a in loaded.anomalies if a.step == k][0]
         assert again.samples == found[0].samples
         assert torch.equal(loaded.sample_shares, w.sample_shares)
+
+
+def test_tied_head_reduced_early_is_exact(monkeypatch):
+    """A tied LM head whose vocabulary-wide δ the watch lets go before the embedding's δ comes (sample_stats'
+    _head_part): its shares from its own gradient and δ at the embedding's ids, against the loop."""
+    from hookwidget.capture.sample_shares import SampleShares
+
+    calls = []
+    head = SampleShares.head
+    monkeypatch.setattr(SampleShares, "head", lambda self, *a: (calls.append(1), head(self, *a))[1])
+    torch.manual_seed(5)
+    model = GPT(V=2048, d=8, T=4)
+    batches = [(torch.randint(0, 2048, (3, 4)), torch.randint(0, 2048, (3, 4))) for _ in range(2)]
+    w, refs = run_watch(model, gpt_loss, batches, GPT_COUNTED)
+    assert len(calls) == 2  # the early route ran, once a step
+    check_top(w.sample_shares, [s for s, _ in refs])
+    assert torch.allclose(w.sample_shares[:, :, 1].sum(1), torch.ones(2), atol=1e-6)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from hookwidget.capture.stat_rows import F64, NAN
+from hookwidget.layers import factors as fx
 from hookwidget.layers import shares as sh
 
 TOP = 3  # samples kept per step
@@ -34,13 +35,14 @@ TOLERANCE = 1e-3  # relative: Σ_b ⟨G_b, G⟩ against ‖G‖², below which t
 
 class _StepShares:
     """One step's parts, on device: per parameter index its gradient (as the hook gave it, held only while a
-    layer of it is still to be reduced) and its factors waiting for it; per number of rows the dots summed, ‖G‖² and Σ dots of the parameters counted; per
-    (rows, positions) the position dots summed and how many layers gave them."""
+    layer of it is still to be reduced) and its factors waiting for it; per number of rows the dots summed,
+    ‖G‖² and Σ dots of the parameters counted; per (rows, positions) the position dots summed and how many
+    layers gave them."""
 
-    __slots__ = ("grads", "waiting", "fired", "gram", "dots", "sq", "dot_sum", "pos", "bad")
+    __slots__ = ("grads", "waiting", "fired", "gram", "heads", "dots", "sq", "dot_sum", "pos", "bad")
 
     def __init__(self):
-        self.grads, self.waiting, self.fired, self.gram = {}, {}, set(), set()
+        self.grads, self.waiting, self.fired, self.gram, self.heads = {}, {}, set(), set(), {}
         self.dots, self.sq, self.dot_sum, self.pos = {}, {}, {}, {}
         self.bad = False
 
@@ -93,6 +95,22 @@ class SampleShares:
             else:
                 st.waiting.setdefault(pi, []).extend(pfs)
 
+    def head(self, step, li: int, fs: list, w, ids: torch.Tensor) -> None:
+        """A tied LM head reduced before its embedding's δ comes (PerSample._head_part), its vocabulary-wide δ let
+        go now: its part with its own gradient G_h = Σ δ aᵀ (built here: autograd only gives the tied weight's
+        sum G = G_h + G_e) and, for the embedding's part G_e, whose rows are the embedding's token ids only, δ
+        at those ids: δ_btᵀ G a_bt = δ_btᵀ G_h a_bt + Σ_{v in ids} δ_bt[v] (G_e[v] · a_bt)."""
+        with torch.no_grad():
+            st = self._of(step)
+            pi = self.index.get(id(_param(self.layers[li], w.param)))
+            if pi is None or pi in st.fired or w.D.dim() != 3:
+                st.bad = True
+                return
+            G_h = fx.summed_grad(w)
+            rows = ids.reshape(-1).unique()
+            st.heads[pi] = (sh.position_dots(w, G_h), w.D[..., rows], w.X, rows, G_h.reshape(w.D.shape[-1], -1)[rows])
+            self._factors(st, li, [f for f in fs if f is not w])
+
     def grad(self, step, pi: int, g: torch.Tensor) -> None:
         """Parameter pi's gradient of this backward arrived (its hook)."""
         st = self._of(step)
@@ -106,6 +124,13 @@ class SampleShares:
         if type(g) is not torch.Tensor or g.shape != p.shape or g.is_sparse:
             st.bad = True  # a sharded or sparse gradient: not the parameter's dense G
             return
+        if pi in st.heads:
+            own, at_rows, X, rows, G_h = st.heads.pop(pi)
+            with torch.no_grad():
+                G_e = g.reshape(g.shape[0], -1)[rows].to(G_h.dtype) - G_h
+                pos = own + torch.einsum("btu,ud,btd->bt", at_rows, G_e, X)
+                sq = torch.linalg.vector_norm(g.reshape(-1), dtype=F64).square()
+            self._add(st, pi, None, pos, sq)
         for f in st.waiting.pop(pi, []):
             self._dot(st, pi, f, g)
         if any(li in step.ps_calls for li in self.owners[pi]):  # a layer of it reduced later (end of step)

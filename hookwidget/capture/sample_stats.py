@@ -161,7 +161,7 @@ class PerSample:
                 return
             rest = [self.fx.per_sample_norm_sq(f) for f in fs if f is not w]
             step.ps_parts[li] = (part, sum(rest) if rest else None)
-            self.shares.factors(step, li, fs)  # held until the tied weight's gradient comes (end of backward)
+            self.shares.head(step, li, fs, w, pending[0].a)  # its shares' part, its δ let go too
         del step.ps_calls[li]
         for c in calls:
             c.a = c.delta = None

@@ -9,8 +9,8 @@ reads alone, each shard readable by row range without reading the rest (np.load(
     ...                       are the shard index): step int64, stats (layers, stats) float32 (float64 where the
                               model holds float64 parameters: "dtype"), step_stats (2,) float64, per_sample
                               (per_sample_width,) float64 [max norm, its sample, the top samples' (index, share),
-                              the top position and its share] where recorded (2 wide in logs from before shares). Uncompressed: memory-mapped, a column
-                              or a row range is read alone.
+                              the top position and its share] where recorded (2 wide in logs from before shares).
+                              Uncompressed: memory-mapped, a column or a row range is read alone.
     d/events.json             {"anomalies": [[step, where, reason], ...], "skipped": [...], "nonfinite": {...}}:
                               few; rewritten whole after a shard that brought new ones, and at close
     d/lod.npz                 at close: the watch's level-of-detail summary (watch/lod.py), so that hw.load draws

@@ -1,0 +1,71 @@
+"""What the samples' shares cost hw.watch(per_sample=True) per training step (issue 43), side by side with
+per_sample=True without them, on CPU with one thread.
+
+    python -m benchmarks.watch_shares [--models gpt2] [--steps 40] [--repeats 5] [--out benchmarks/results]
+
+Variants (benchmarks/watch_overhead.py's loop and timing: CPU time per step, blocks interleaved, the order
+reversed every other round, medians): plain; per_sample_norms, hw.watch(model, flight_recorder=False,
+per_sample=True) with its shares switched off (watch_overhead.norms_only: per_sample=True as it was before
+shares); per_sample, the same with shares. The target (issue 43): per_sample within +0.10× (of plain's time)
+of per_sample_norms. Results: <out>/watch_shares.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.watch_overhead import LABELS, MODELS, ROOT, _device, time_models
+
+VARIANTS = ["plain", "per_sample_norms", "per_sample"]
+
+
+def markdown(res: dict) -> str:
+    lines = ["# What the samples' shares cost hw.watch(per_sample=True) (CPU, 1 thread)", "",
+             f"{res['device']}, torch {res['torch']}, 1 thread, Adam, `python -m benchmarks.watch_shares "
+             f"--models {','.join(res['models'])} --steps {res['steps']} --repeats {res['repeats']}`: one process, "
+             f"blocks interleaved, medians of CPU time per step. Load average {res['load_start']} at the start, "
+             f"{res['load_end']} at the end.", "",
+             "| model | " + " | ".join(LABELS[v] for v in VARIANTS) + " | shares' cost (× plain) |",
+             "|---|" + "---|" * (len(VARIANTS) + 1)]
+    for name, r in res["models"].items():
+        x = r["x_plain"]
+        cells = [f"{x[v]:.2f}× ({r['ms'][v]:.1f} ms)" for v in VARIANTS]
+        lines.append(f"| {MODELS[name]} | " + " | ".join(cells) +
+                     f" | +{x['per_sample'] - x['per_sample_norms']:.2f}× |")
+    lines += ["", "Rounds (× plain): " + "; ".join(
+        f"{name} {v}: " + " ".join(f"{a:.2f}" for a in r["rounds_x_plain"][v])
+        for name, r in res["models"].items() for v in VARIANTS[1:])]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="gpt2")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:  # as watch_overhead.py runs: glibc's trimming out of reach
+        env = dict(os.environ, MALLOC_TRIM_THRESHOLD_="4294967296", MALLOC_MMAP_THRESHOLD_="4294967296",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.watch_shares", *sys.argv[1:]], env)
+    torch.set_num_threads(1)
+    load, t0 = os.getloadavg(), time.time()
+    models = time_models(args.models.split(","), VARIANTS, args.steps, args.repeats)
+    res = {"device": _device(), "torch": torch.__version__, "steps": args.steps, "repeats": args.repeats,
+           "models": models, "load_start": load, "load_end": os.getloadavg(), "seconds": time.time() - t0}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "watch_shares.json").write_text(json.dumps(res, indent=1))
+    (out / "watch_shares.md").write_text(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
