@@ -221,6 +221,8 @@ def test_tied_head_reduced_early_is_exact(monkeypatch):
     torch.manual_seed(5)
     model = GPT(V=2048, d=8, T=4)
     batches = [(torch.randint(0, 2048, (3, 4)), torch.randint(0, 2048, (3, 4))) for _ in range(2)]
+    for idx, _ in batches:
+        idx[1, 3], idx[2, 0] = idx[1, 0], idx[0, 2]  # ids met twice, in one sample and across two
     w, refs = run_watch(model, gpt_loss, batches, GPT_COUNTED)
     assert len(calls) == 2  # the early route ran, once a step
     check_top(w.sample_shares, [s for s, _ in refs])

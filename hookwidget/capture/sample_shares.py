@@ -99,7 +99,8 @@ class SampleShares:
         """A tied LM head reduced before its embedding's δ comes (PerSample._head_part), its vocabulary-wide δ let
         go now: its part with its own gradient G_h = Σ δ aᵀ (built here: autograd only gives the tied weight's
         sum G = G_h + G_e) and, for the embedding's part G_e, whose rows are the embedding's token ids only, δ
-        at those ids: δ_btᵀ G a_bt = δ_btᵀ G_h a_bt + Σ_{v in ids} δ_bt[v] (G_e[v] · a_bt)."""
+        at those ids: δ_btᵀ G a_bt = δ_btᵀ G_h a_bt + Σ_{v in ids} δ_bt[v] (G_e[v] · a_bt) (held: (B, T, tokens),
+        an id met c times weighted 1/c at each of its places)."""
         with torch.no_grad():
             st = self._of(step)
             pi = self.index.get(id(_param(self.layers[li], w.param)))
@@ -107,8 +108,11 @@ class SampleShares:
                 st.bad = True
                 return
             G_h = fx.summed_grad(w)
-            rows = ids.reshape(-1).unique()
-            st.heads[pi] = (sh.position_dots(w, G_h), w.D[..., rows], w.X, rows, G_h.reshape(w.D.shape[-1], -1)[rows])
+            rows = ids.reshape(-1).long()  # with repeats (unique() would wait for the device): each counted once
+            once = torch.zeros(w.D.shape[-1], dtype=w.D.dtype, device=rows.device).index_add_(
+                0, rows, torch.ones(rows.shape, dtype=w.D.dtype, device=rows.device))[rows].reciprocal()
+            st.heads[pi] = (sh.position_dots(w, G_h), w.D[..., rows] * once, w.X, rows,
+                            G_h.reshape(w.D.shape[-1], -1)[rows])
             self._factors(st, li, [f for f in fs if f is not w])
 
     def grad(self, step, pi: int, g: torch.Tensor) -> None:
