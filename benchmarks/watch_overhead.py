@@ -63,7 +63,7 @@ LABELS = {"plain": "plain", "floor": "hand-written hooks, the same 12 statistics
           "watch": "`hw.watch(model, flight_recorder=False)`",
           "watch+fr": "`hw.watch(model)` (default: flight recorder on)",
           "per_sample": "`hw.watch(model, flight_recorder=False, per_sample=True)`",
-          "per_sample_norms": "the same, its shares switched off (per_sample=True before shares)", **PEER_LABELS}
+          "per_sample_norms": "`hw.watch(model, flight_recorder=False, per_sample=\"norms\")`", **PEER_LABELS}
 
 
 class Block(nn.Module):
@@ -266,28 +266,8 @@ def monitor(variant: str, model, x, watch=watch) -> Monitor:
     w = {"plain": lambda: None, "floor": lambda: Floor(model),
          "watch": lambda: watch(model, flight_recorder=False), "watch+fr": lambda: watch(model),
          "per_sample": lambda: watch(model, flight_recorder=False, per_sample=True),
-         "per_sample_norms": lambda: norms_only(lambda: watch(model, flight_recorder=False, per_sample=True)),
-         }[variant]()
+         "per_sample_norms": lambda: watch(model, flight_recorder=False, per_sample="norms")}[variant]()
     return Monitor(model) if w is None else Hooked(model, w)
-
-
-def norms_only(make):
-    """`make()` with per_sample=True's shares switched off (capture/sample_shares.py's SampleShares swapped for
-    one that hooks no parameter and records NaN): per_sample=True as it was before shares, for the side-by-side
-    in benchmarks/watch_shares.py."""
-    from unittest import mock
-
-    from hookwidget.capture import sample_stats
-
-    class NoShares(sample_stats.SampleShares):
-        def __init__(self, layers, eligible, group):
-            super().__init__(layers, set(), group)
-
-        def factors(self, step, li, fs):
-            pass
-
-    with mock.patch.object(sample_stats, "SampleShares", NoShares):
-        return make()
 
 
 class HooksLeft(AssertionError):

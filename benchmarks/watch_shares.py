@@ -5,8 +5,8 @@ per_sample=True without them, on CPU with one thread.
 
 Variants (benchmarks/watch_overhead.py's loop and timing: CPU time per step, blocks interleaved, the order
 reversed every other round, medians): plain; per_sample_norms, hw.watch(model, flight_recorder=False,
-per_sample=True) with its shares switched off (watch_overhead.norms_only: per_sample=True as it was before
-shares); per_sample, the same with shares. The target (issue 43): per_sample within +0.10× (of plain's time)
+per_sample="norms"): the largest per-sample norm only, as per_sample=True was before shares; per_sample,
+per_sample=True: with the shares. The target (issue 43): per_sample within +0.10× (of plain's time)
 of per_sample_norms. Results: <out>/watch_shares.json and .md.
 """
 

@@ -227,3 +227,27 @@ def test_tied_head_reduced_early_is_exact(monkeypatch):
     assert len(calls) == 2  # the early route ran, once a step
     check_top(w.sample_shares, [s for s, _ in refs])
     assert torch.allclose(w.sample_shares[:, :, 1].sum(1), torch.ones(2), atol=1e-6)
+
+
+def test_norms_only_hooks_no_parameter_and_records_the_same_norms():
+    from hookwidget._torch.tensors import backward_hooks
+
+    torch.manual_seed(6)
+    batches = [(torch.randn(3, 1, 6, 6), torch.randn(3, 3)) for _ in range(2)]
+    got = {}
+    for mode in (True, "norms"):
+        torch.manual_seed(7)  # the same weights for both
+        model = CNN()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with hw.watch(model, per_sample=mode, flight_recorder=False) as w:
+            hooked = [n for n, p in model.named_parameters() if backward_hooks(p)]
+            for x, y in batches:
+                opt.zero_grad()
+                mse(model, x, y).backward()
+                opt.step()
+        got[mode] = (hooked, w.per_sample, w.sample_shares)
+    assert len(got[True][0]) == 6 and got["norms"][0] == []  # per_sample=True hooks each parameter; "norms" none
+    assert torch.equal(got[True][1], got["norms"][1])
+    assert not got[True][2].isnan().any() and got["norms"][2].isnan().all()
+    with pytest.raises(ValueError, match="per_sample='shares' must be True, False or 'norms'"):
+        hw.watch(CNN(), per_sample="shares")

@@ -44,7 +44,7 @@ class PerSample:
     head's, reduced as it arrives to what the cross term needs (_head_part). A call in a forward that
     non-reentrant checkpointing reruns holds no input: it takes the rerun's (rerun), as capture/norms.py does."""
 
-    def __init__(self, layers: list, layer_names: list, pairs: list):
+    def __init__(self, layers: list, layer_names: list, pairs: list, shares: bool = True):
         from hookwidget.layers import factors as fx
         from hookwidget.layers import shared
 
@@ -72,7 +72,8 @@ class PerSample:
         self.layers, self.layer_names, self.odd = layers, layer_names, set()
         self.samples = Samples()  # where each call's samples are, proven from the first watched call's input
         self.partial_reruns: set = set()  # layers reentrant checkpointing reran after their norms were taken
-        self.shares = SampleShares(layers, self.eligible, self.group)  # which samples carried each step
+        # which samples carried each step (shares=False: per_sample="norms", no parameter hooked, NaN)
+        self.shares = SampleShares(layers, self.eligible if shares else set(), self.group)
         self.note = (f"hw.watch(per_sample=True): per-sample norms leave out {', '.join(left[:6])}"
                      f"{' ...' if len(left) > 6 else ''}") if left else None
 
