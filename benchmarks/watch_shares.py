@@ -26,12 +26,16 @@ from benchmarks.watch_overhead import LABELS, MODELS, ROOT, _device, time_models
 VARIANTS = ["plain", "per_sample_norms", "per_sample"]
 
 
+def load(avg) -> str:
+    return "/".join(f"{v:.2f}" for v in avg)
+
+
 def markdown(res: dict) -> str:
     lines = ["# What the samples' shares cost hw.watch(per_sample=True) (CPU, 1 thread)", "",
              f"{res['device']}, torch {res['torch']}, 1 thread, Adam, `python -m benchmarks.watch_shares "
              f"--models {','.join(res['models'])} --steps {res['steps']} --repeats {res['repeats']}`: one process, "
-             f"blocks interleaved, medians of CPU time per step. Load average {res['load_start']} at the start, "
-             f"{res['load_end']} at the end.", "",
+             f"blocks interleaved, medians of CPU time per step. Load average (1/5/15 min) {load(res['load_start'])} "
+             f"at the start, {load(res['load_end'])} at the end.", "",
              "| model | " + " | ".join(LABELS[v] for v in VARIANTS) + " | shares' cost (× plain) |",
              "|---|" + "---|" * (len(VARIANTS) + 1)]
     for name, r in res["models"].items():
@@ -42,6 +46,11 @@ def markdown(res: dict) -> str:
     lines += ["", "Rounds (× plain): " + "; ".join(
         f"{name} {v}: " + " ".join(f"{a:.2f}" for a in r["rounds_x_plain"][v])
         for name, r in res["models"].items() for v in VARIANTS[1:])]
+    lines += ["", "Why over the issue's +0.10× target: an exact share ⟨G_{b,t}, G⟩ = δ_btᵀ G a_bt needs one (tokens × "
+              "out)(out × in) product per layer, as large as the layer's forward (a third of its training step); the "
+              "Gram form over token pairs costs more at these shapes. The tied LM head, whose vocabulary-wide δ is "
+              "let go before the embedding's arrives (capture/sample_shares.py), builds its own gradient once more. "
+              "per_sample=\"norms\" keeps the old cost."]
     return "\n".join(lines) + "\n"
 
 
