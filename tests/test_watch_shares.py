@@ -181,21 +181,34 @@ def test_accumulated_step_leaves_shares_out_and_keeps_norms():
     assert not w.per_sample[:, 0].isnan().any()
 
 
-def test_planted_sample_named_by_the_anomaly_and_its_trace(tmp_path):
+def planted_run(k=80, planted=4, wrong=(2, 6), after=None):
+    """A small GPT learning next token = token + 1 (Adam), one sample with two wrong labels at step k; `after(step)`
+    is called after each optimizer step."""
     torch.manual_seed(3)
     V, T, B = 11, 8, 6
     model = GPT(V=V, T=T)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    k, planted, wrong = 80, 4, [2, 6]
-    with hw.watch(model, per_sample=True, window=10, spike=4.0, log_dir=tmp_path / "log") as w:
+
+    def run():
         for step in range(k + 1):
             idx = torch.randint(0, V, (B, T))
             y = (idx + 1) % V  # learnable: the next token
             if step == k:
-                y[planted, wrong] = (y[planted, wrong] + 5) % V  # two wrong labels in one sample
+                y[planted, list(wrong)] = (y[planted, list(wrong)] + 5) % V  # two wrong labels in one sample
             opt.zero_grad()
             gpt_loss(model, idx, y).backward()
             opt.step()
+            if after is not None:
+                after(step)
+
+    return model, run
+
+
+def test_planted_sample_named_by_the_anomaly_and_its_trace(tmp_path):
+    k, planted, wrong = 80, 4, [2, 6]
+    model, run = planted_run(k, planted, wrong)
+    with hw.watch(model, per_sample=True, window=10, spike=4.0, log_dir=tmp_path / "log") as w:
+        run()
     found = [a for a in w.anomalies if a.step == k]
     assert found, w.anomalies
     assert found[0].samples is not None and found[0].samples.samples[0][0] == planted
@@ -251,3 +264,19 @@ def test_norms_only_hooks_no_parameter_and_records_the_same_norms():
     assert not got[True][2].isnan().any() and got["norms"][2].isnan().all()
     with pytest.raises(ValueError, match="per_sample='shares' must be True, False or 'norms'"):
         hw.watch(CNN(), per_sample="shares")
+
+
+def test_trainer_callbacks_log_the_anomaly_sample():
+    """The callbacks' Fit counts optimizer steps (each step one backward pass here: its shares are known) and logs
+    the sample that carried the latest anomaly's step."""
+    from hookwidget.integrations.fit import PREFIX, Fit
+
+    fit = Fit({"per_sample": True, "window": 10, "spike": 4.0, "flight_recorder": False}, ())
+    model, run = planted_run(after=lambda step: fit.stepped(step + 1))
+    fit.open(model, 0)
+    try:
+        run()
+        logs = fit.metrics(81)
+    finally:
+        fit.close()
+    assert logs[f"{PREFIX}/anomaly_step"] == 81 and logs[f"{PREFIX}/anomaly_sample"] == 4

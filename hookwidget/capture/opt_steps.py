@@ -20,8 +20,9 @@ What a merged row holds (all on device, no host sync):
   divided by the accumulation steps); of the passes inside one step(closure) only the first counts (L-BFGS and SAM
   call the closure again on the same batch, and return the first loss);
 - per_sample: the largest per-sample norm over the passes, its index in its own micro-batch; the samples' shares
-  NaN (not known): a pass's are of its own gradient, and the optimizer step's G is known only after the last pass,
-  when the earlier passes' a and δ are gone (the kept Trace of the step has them: t.shares()).
+  those of its one pass, or NaN (not known) for two passes or more: a pass's are of its own gradient, and the
+  optimizer step's G is known only after the last pass, when the earlier passes' a and δ are gone (the kept Trace
+  of the step has them: t.shares()).
 """
 
 from __future__ import annotations
@@ -78,5 +79,6 @@ def merge(group: list, grads, total):
     if group[0].ps is not None:
         maxima = torch.stack([s.ps for s in group])
         ps = maxima.index_select(0, maxima[:, 0].nan_to_num(-1.0).argmax().view(1)).view(-1)  # no sync: no .item()
-        ps[2:] = NAN  # shares: each pass's are of its own gradient, not of the optimizer step's (left out)
+        if len(group) > 1:  # shares: each pass's are of its own gradient, not of the optimizer step's (left out)
+            ps[2:] = NAN
     return row, torch.stack([loss, total.to(row.device, F64)]), order, a_order, has_loss, ps
