@@ -280,3 +280,41 @@ def test_trainer_callbacks_log_the_anomaly_sample():
     finally:
         fit.close()
     assert logs[f"{PREFIX}/anomaly_step"] == 81 and logs[f"{PREFIX}/anomaly_sample"] == 4
+
+
+class Wide(nn.Module):
+    """Few samples through wide layers: the Gram form (token pairs) is the cheaper there. `reuse`: fc1's weight
+    used again outside fc1 (its .grad is then more than fc1's samples' sum)."""
+
+    def __init__(self, reuse=False):
+        super().__init__()
+        self.fc1, self.fc2, self.reuse = nn.Linear(64, 64), nn.Linear(64, 2), reuse
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if self.reuse:
+            h = h + F.linear(x, self.fc1.weight)
+        return self.fc2(h)
+
+
+def test_gram_form_where_cheaper_matches_loops(monkeypatch):
+    from hookwidget.capture import sample_shares
+
+    used = []
+    gram = sample_shares.sh.gram_position_dots
+    monkeypatch.setattr(sample_shares.sh, "gram_position_dots", lambda fs: (used.append(1), gram(fs))[1])
+    torch.manual_seed(8)
+    model = Wide()
+    batches = [(torch.randn(3, 64), torch.randn(3, 2)) for _ in range(2)]
+    w, refs = run_watch(model, mse, batches, [n for n, _ in model.named_parameters()])
+    assert used  # fc1's weight took the Gram form
+    check_top(w.sample_shares, [s for s, _ in refs])
+    assert torch.allclose(w.sample_shares[:, :, 1].sum(1), torch.ones(2), atol=1e-6)
+
+
+def test_a_weight_used_outside_its_layer_gives_nan_not_a_wrong_share():
+    torch.manual_seed(9)
+    model = Wide(reuse=True)
+    batches = [(torch.randn(3, 64), torch.randn(3, 2)) for _ in range(2)]
+    w, _ = run_watch(model, mse, batches, [n for n, _ in model.named_parameters()])
+    assert w.sample_shares.isnan().all()  # Σ_b ⟨G_b, G⟩ ≠ ‖G‖²: the check says not known

@@ -42,7 +42,7 @@ class _StepShares:
     __slots__ = ("grads", "waiting", "fired", "gram", "heads", "dots", "sq", "dot_sum", "pos", "bad")
 
     def __init__(self):
-        self.grads, self.waiting, self.fired, self.gram, self.heads = {}, {}, set(), set(), {}
+        self.grads, self.waiting, self.fired, self.gram, self.heads = {}, {}, set(), {}, {}
         self.dots, self.sq, self.dot_sum, self.pos = {}, {}, {}, {}
         self.bad = False
 
@@ -84,9 +84,9 @@ class SampleShares:
                 by_param.setdefault(pi, []).append(f)
         for pi, pfs in by_param.items():
             if li not in self.group and len(pfs) == 1 and pi not in st.fired and sh.gram_cheaper(pfs):
-                st.gram.add(pi)  # the layer alone makes p's gradient: its token pairs give ⟨G_b,t, G⟩
-                (pos,) = sh.gram_position_dots(pfs)
-                self._add(st, pi, pfs[0], pos, pos.sum(dtype=F64))
+                (pos,) = sh.gram_position_dots(pfs)  # the layer alone makes p's gradient: its token pairs
+                st.gram[pi] = pos.shape[0]  # ‖G‖² comes with G (grad): Σ dots must match it
+                self._add(st, pi, pfs[0], pos, None)
             elif pi in st.grads:
                 for f in pfs:
                     self._dot(st, pi, f, st.grads[pi])
@@ -123,6 +123,7 @@ class SampleShares:
             return
         st.fired.add(pi)
         if pi in st.gram:
+            st.sq.setdefault(st.gram[pi], {})[pi] = torch.linalg.vector_norm(g.reshape(-1), dtype=F64).square()
             return
         p = self.params[pi]
         if type(g) is not torch.Tensor or g.shape != p.shape or g.is_sparse:
