@@ -104,6 +104,23 @@ def gpt_positions(model, idx, y):
     return pos / sum(g.square().sum() for g in G.values())
 
 
+def cnn_positions(model, x, y):
+    """(B, 36) ⟨G_{b,l}, G⟩ / ‖G‖² of c1's output positions l: a convolution is linear in its weight, so a
+    position's part is Σ_o δ_{b,o,l} (conv(a; G_w) + G_bias)_{o,l}; a and δ from this file's own hooks."""
+    got = {}
+
+    def hook(m, args, out):
+        got["a"] = args[0].detach()
+        out.register_hook(lambda g: got.__setitem__("d", g.detach()))
+
+    h = model.c1.register_forward_hook(hook)
+    params = list(model.parameters())
+    G = torch.autograd.grad(mse(model, x, y), params)
+    h.remove()
+    y1 = F.conv2d(got["a"], G[0], G[1], padding=1)
+    return (got["d"] * y1).sum(1).flatten(1) / sum(g.square().sum() for g in G)
+
+
 def run_watch(model, loss_fn, batches, names, lr=0.05, **kw):
     """Train on `batches` under hw.watch(per_sample=True); per step, the loop's shares (and own-norm shares) at
     the step's weights, taken before the watch sees the step."""
@@ -154,10 +171,15 @@ def test_cnn_and_lstm_match_loops():
     torch.manual_seed(1)
     cnn = CNN()
     batches = [(torch.randn(3, 1, 6, 6), torch.randn(3, 3)) for _ in range(2)]
+    first = copy.deepcopy(cnn)
     w, refs = run_watch(cnn, mse, batches, [n for n, _ in cnn.named_parameters()])
     check_top(w.sample_shares, [s for s, _ in refs])
     assert torch.allclose(w.sample_shares[:, :, 1].sum(1), torch.ones(2), atol=1e-6)
     assert not w.notes
+    pos = cnn_positions(first, *batches[0])  # step 0: c1's 36 output positions (c2 has 4: the longer axis wins)
+    b = int(refs[0][0].argmax())
+    share, t = pos[b].max(0)
+    assert w.top_positions[0, 0].item() == t.item() and abs(w.top_positions[0, 1].item() - share.item()) < 1e-9
     rnn = RNN()  # the LSTM has no exact (a, δ) rule in the watch (the generic rule reruns its forward): left
     batches = [(torch.randn(4, 5, 3), torch.randn(4, 2)) for _ in range(2)]  # out, named; the shares are fc's
     w, refs = run_watch(rnn, mse, batches, ["fc.weight", "fc.bias"])

@@ -36,8 +36,8 @@ TOLERANCE = 1e-3  # relative: Σ_b ⟨G_b, G⟩ against ‖G‖², below which t
 class _StepShares:
     """One step's parts, on device: per parameter index its gradient (as the hook gave it, held only while a
     layer of it is still to be reduced) and its factors waiting for it; per number of rows the dots summed,
-    ‖G‖² and Σ dots of the parameters counted; per (rows, positions) the position dots summed and how many
-    layers gave them."""
+    ‖G‖² and Σ dots of the parameters counted; per (rows, positions) the position dots summed and the
+    layers that gave them."""
 
     __slots__ = ("grads", "waiting", "fired", "gram", "heads", "dots", "sq", "dot_sum", "pos", "bad")
 
@@ -86,14 +86,14 @@ class SampleShares:
             if li not in self.group and len(pfs) == 1 and pi not in st.fired and sh.gram_cheaper(pfs):
                 (pos,) = sh.gram_position_dots(pfs)  # the layer alone makes p's gradient: its token pairs
                 st.gram[pi] = pos.shape[0]  # ‖G‖² comes with G (grad): Σ dots must match it
-                self._add(st, pi, pfs[0], pos, None)
+                self._add(st, pi, li, pos, None)
             elif pi in st.grads:
                 for f in pfs:
-                    self._dot(st, pi, f, st.grads[pi])
+                    self._dot(st, pi, li, f, st.grads[pi])
             elif pi in st.fired:
                 st.bad = True  # its gradient came and went before this layer's factors: not known this step
             else:
-                st.waiting.setdefault(pi, []).extend(pfs)
+                st.waiting.setdefault(pi, []).extend((li, f) for f in pfs)
 
     def head(self, step, li: int, fs: list, w, ids: torch.Tensor) -> None:
         """A tied LM head reduced before its embedding's δ comes (PerSample._head_part), its vocabulary-wide δ let
@@ -111,7 +111,7 @@ class SampleShares:
             rows = ids.reshape(-1).long()  # with repeats (unique() would wait for the device): each counted once
             once = torch.zeros(w.D.shape[-1], dtype=w.D.dtype, device=rows.device).index_add_(
                 0, rows, torch.ones(rows.shape, dtype=w.D.dtype, device=rows.device))[rows].reciprocal()
-            st.heads[pi] = (sh.position_dots(w, G_h), w.D[..., rows] * once, w.X, rows,
+            st.heads[pi] = (li, sh.position_dots(w, G_h), w.D[..., rows] * once, w.X, rows,
                             G_h.reshape(w.D.shape[-1], -1)[rows])
             self._factors(st, li, [f for f in fs if f is not w])
 
@@ -130,29 +130,30 @@ class SampleShares:
             st.bad = True  # a sharded or sparse gradient: not the parameter's dense G
             return
         if pi in st.heads:
-            own, at_rows, X, rows, G_h = st.heads.pop(pi)
+            head, own, at_rows, X, rows, G_h = st.heads.pop(pi)
             with torch.no_grad():
                 G_e = g.reshape(g.shape[0], -1)[rows].to(G_h.dtype) - G_h
                 pos = own + torch.einsum("btu,ud,btd->bt", at_rows, G_e, X)
                 sq = torch.linalg.vector_norm(g.reshape(-1), dtype=F64).square()
-            self._add(st, pi, None, pos, sq)
-        for f in st.waiting.pop(pi, []):
-            self._dot(st, pi, f, g)
+            self._add(st, pi, head, pos, sq)
+        for li, f in st.waiting.pop(pi, []):
+            self._dot(st, pi, li, f, g)
         if any(li in step.ps_calls for li in self.owners[pi]):  # a layer of it reduced later (end of step)
             st.grads[pi] = g
 
-    def _dot(self, st: _StepShares, pi: int, f, g: torch.Tensor) -> None:
+    def _dot(self, st: _StepShares, pi: int, li: int, f, g: torch.Tensor) -> None:
         with torch.no_grad():
             G = g.to(f.D.dtype) if f.D.is_floating_point() and g.dtype != f.D.dtype else g
             pos = sh.position_dots(f, G)
             first = pi not in st.sq.get(f.D.shape[0], {})
             sq = torch.linalg.vector_norm(g.reshape(-1), dtype=F64).square() if first else None
-            self._add(st, pi, f, pos if pos is not None else sh.sample_dots(f, G).unsqueeze(1), sq,
+            self._add(st, pi, li, pos if pos is not None else sh.sample_dots(f, G).unsqueeze(1), sq,
                       positional=pos is not None)
 
     @staticmethod
-    def _add(st: _StepShares, pi: int, f, pos: torch.Tensor, sq, positional: bool = True) -> None:
-        """(B, T) dots `pos` of factor f of parameter pi (T 1 where they have no positions), ‖G_pi‖² once."""
+    def _add(st: _StepShares, pi: int, li: int, pos: torch.Tensor, sq, positional: bool = True) -> None:
+        """(B, T) dots `pos` of a factor of parameter pi in layer li (T 1 where they have no positions), ‖G_pi‖²
+        once."""
         n = pos.shape[0]
         pos = pos.to(F64)
         dots = pos.sum(1)
@@ -163,7 +164,7 @@ class SampleShares:
         if positional and pos.dim() == 2:
             key = (n, pos.shape[1])
             held = st.pos.get(key)
-            st.pos[key] = (pos, 1) if held is None else (held[0] + pos, held[1] + 1)
+            st.pos[key] = (pos, {li}) if held is None else (held[0] + pos, held[1] | {li})
 
     def row(self, step, batch: int | None, dev) -> torch.Tensor:
         """The step's WIDTH floats (float64, on dev): NaN where not known."""
@@ -177,7 +178,7 @@ class SampleShares:
         k = min(TOP, batch)
         values, idx = torch.topk(s, k)
         out = torch.stack([idx.to(F64), values], 1).flatten()
-        got = [(T, c) for (n, T), (_, c) in st.pos.items() if n == batch and T > 1]
+        got = [(T, len(c)) for (n, T), (_, c) in st.pos.items() if n == batch and T > 1]
         if got:
             T = max(got, key=lambda tc: (tc[1], tc[0]))[0]
             strip = st.pos[(batch, T)][0].to(dev).index_select(0, idx[:1]).view(-1) / total
