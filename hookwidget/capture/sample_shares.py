@@ -127,7 +127,7 @@ class SampleShares:
             return
         p = self.params[pi]
         if type(g) is not torch.Tensor or g.shape != p.shape or g.is_sparse:
-            st.bad = True  # a sharded or sparse gradient: not the parameter's dense G
+            st.bad = True  # a sharded or sparse gradient (Embedding(sparse=True)): not the parameter's dense G
             return
         if pi in st.heads:
             head, own, at_rows, X, rows, G_h = st.heads.pop(pi)
@@ -170,7 +170,7 @@ class SampleShares:
         """The step's WIDTH floats (float64, on dev): NaN where not known."""
         st, step.shares = step.shares, None
         nan = torch.full((WIDTH,), NAN, dtype=F64, device=dev)
-        if st is None or st.bad or batch is None or batch not in st.dots:
+        if st is None or st.bad or batch is None or batch not in st.dots or not st.sq.get(batch):
             return nan  # (factors still waiting: their parameter got no gradient, not part of the step's G)
         total = sum(st.sq[batch].values()).to(dev)
         s = st.dots[batch].to(dev) / total
