@@ -200,6 +200,14 @@ def test_accumulated_step_leaves_shares_out_and_keeps_norms():
             opt.step()
     assert w.steps == [0, 1]
     assert w.sample_shares.isnan().all()  # left out: a pass's shares are not of the optimizer step's gradient
+    assert any("shares" in n and "several backward passes" in n for n in w.notes)  # and named
+    with hw.watch(model, per_sample=True, flight_recorder=False) as once:  # one such step, the loop's last
+        once.count_optimizer_steps()
+        opt.zero_grad()
+        for _ in range(2):
+            mse(model, torch.randn(3, 1, 6, 6), torch.randn(3, 3)).backward()
+        opt.step()
+    assert once.steps == [0] and any("several backward passes" in n for n in once.notes)
     assert not w.per_sample[:, 0].isnan().any()
 
 

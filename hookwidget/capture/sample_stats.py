@@ -72,6 +72,7 @@ class PerSample:
         self.layers, self.layer_names, self.odd = layers, layer_names, set()
         self.samples = Samples()  # where each call's samples are, proven from the first watched call's input
         self.partial_reruns: set = set()  # layers reentrant checkpointing reran after their norms were taken
+        self.accumulated = False  # an optimizer step of several backward passes was recorded (its shares NaN)
         # which samples carried each step (shares=False: per_sample="norms", no parameter hooked, NaN)
         self.shares = SampleShares(layers, self.eligible if shares else set(), self.group)
         self.note = (f"hw.watch(per_sample=True): per-sample norms leave out {', '.join(left[:6])}"
@@ -201,6 +202,11 @@ class PerSample:
             out.append(f"hw.watch(per_sample=True): per-sample norms leave out {names}: no proof places the samples "
                        "of the first watched layer's input (its dim 0) where its rule takes them (a table called on "
                        "positions, a copy of the data, rows folded); hw.trace(..., batch_dim=N) shows each layer's")
+        if self.accumulated and self.shares.params:
+            out.append("hw.watch(per_sample=True): the samples' shares (w.sample_shares, Anomaly.samples) are NaN in "
+                       "optimizer steps of several backward passes: the step's gradient is known only after its last "
+                       "pass, when the earlier passes' a and δ are gone; the kept Trace of such a step has them "
+                       "(w.trace(k).shares())")
         if self.partial_reruns:
             names = ", ".join(self.layer_names[li] for li in sorted(self.partial_reruns))
             out.append(f"hw.watch(per_sample=True): per-sample norms are NaN (not known) in steps where reentrant "

@@ -269,6 +269,8 @@ class StatsKeep(Keep):
         self.since += 1
         if self.grouped:
             self.group.append(step)
+            if self.ps is not None and len(self.group) > 1 and step.recorded:
+                self.ps.accumulated = True  # its shares are left out (opt_steps.merge): a note says so now
         else:
             self.row_step = step
             self.recent.append(step)
@@ -289,6 +291,8 @@ class StatsKeep(Keep):
             dev = self.params[0].device
             grads, total = self.rows.grads(dev) if read_grads else (None, None)
             step.row, step.step_row, step.order, step.a_order, step.has_loss, step.ps = merge(group, grads, total)
+            if self.ps is not None and len(group) > 1:
+                self.ps.accumulated = True  # its shares are left out (opt_steps.merge): a note says so
             step.micro = (torch.stack([s.row for s in group]), torch.stack([s.step_row for s in group]))
             step.scale, step.next_scale = group[-1].scale, group[-1].next_scale
             step.compiled = any(s.compiled for s in group)
