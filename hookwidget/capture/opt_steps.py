@@ -21,8 +21,8 @@ What a merged row holds (all on device, no host sync):
   call the closure again on the same batch, and return the first loss);
 - per_sample: the largest per-sample norm over the passes, its index in its own micro-batch; the samples' shares
   those of its one pass, or NaN (not known) for two passes or more: a pass's are of its own gradient, and the
-  optimizer step's G is known only after the last pass, when the earlier passes' a and δ are gone (the kept Trace
-  of the step has them: t.shares()).
+  optimizer step's G is known only after the last pass, when the earlier passes' a and δ are gone (hw.trace of
+  the whole optimizer step has them: t.shares()).
 """
 
 from __future__ import annotations

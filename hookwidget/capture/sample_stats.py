@@ -205,8 +205,8 @@ class PerSample:
         if self.accumulated and self.shares.params:
             out.append("hw.watch(per_sample=True): the samples' shares (w.sample_shares, Anomaly.samples) are NaN in "
                        "optimizer steps of several backward passes: the step's gradient is known only after its last "
-                       "pass, when the earlier passes' a and δ are gone; the kept Trace of such a step has them "
-                       "(w.trace(k).shares())")
+                       "pass, when the earlier passes' a and δ are gone (a kept Trace holds the last pass only); "
+                       "hw.trace of the whole optimizer step has them: t.shares()")
         if self.partial_reruns:
             names = ", ".join(self.layer_names[li] for li in sorted(self.partial_reruns))
             out.append(f"hw.watch(per_sample=True): per-sample norms are NaN (not known) in steps where reentrant "

@@ -144,10 +144,11 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     sample it was (w.per_sample: (steps, 2), [norm, index in the batch]; w.series("per_sample_max"),
     w.series("per_sample_argmax")), and the three samples with the largest shares s_b = ⟨G_b, G⟩ / ‖G‖² of the
     step's gradient G (w.sample_shares: (steps, 3, 2), [index, share]; w.top_positions: the first one's top
-    position; each anomaly's .samples names them; NaN for an optimizer step of several backward passes, and
-    throughout with per_sample="norms"). A sample's gradient is its contribution to .grad (a mean-reduced loss's
-    1/B included), its norm taken over every layer with an exact (a, δ) rule: ghost norms (Linear: two
-    Gram products per layer, the per-sample gradients never built where that is cheaper), computed while
+    position; each anomaly's .samples names them; NaN for an optimizer step of several backward passes, whose
+    kept Trace holds its last pass only, and throughout with per_sample="norms"). A sample's gradient is its
+    contribution to .grad (a mean-reduced loss's 1/B included), its norm taken over every layer with an exact
+    (a, δ) rule: ghost norms (Linear: two Gram products per layer, the per-sample gradients never built where
+    that is cheaper), computed while
     backward runs, each layer's a and δ let go as soon as its last call's δ arrived. Layers that share a
     parameter (an embedding tied to the LM head) are reduced together when the last of them has its δ (the
     shared norm with its cross term; the first one's a and δ held until then). The batch is the leading
