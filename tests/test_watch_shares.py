@@ -245,6 +245,12 @@ def test_planted_sample_named_by_the_anomaly_and_its_trace(tmp_path):
     assert f"samples {planted} (" in found[0].samples.text
     assert found[0].samples.position in wrong
     assert w.trace(k).shares().top(1)[0][0] == planted  # the kept Trace carries the full attribution
+    tensorboard = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    w.to_tensorboard(tmp_path / "tb")  # the exports say it too
+    events = tensorboard.EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("anomalies/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert f"({found[0].samples.text})" in text
     saved = tmp_path / "run.pt"
     w.save(saved)
     for loaded in (hw.load(saved), hw.load(tmp_path / "log")):
