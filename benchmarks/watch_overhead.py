@@ -63,7 +63,8 @@ STEP_SHARE = {"nn_encoder": 0.25}  # of --steps: its steps take 15-60× the othe
 LABELS = {"plain": "plain", "floor": "hand-written hooks, the same 12 statistics (the floor)",
           "watch": "`hw.watch(model, flight_recorder=False)`",
           "watch+fr": "`hw.watch(model)` (default: flight recorder on)",
-          "per_sample": "`hw.watch(model, flight_recorder=False, per_sample=True)`", **PEER_LABELS}
+          "per_sample": "`hw.watch(model, flight_recorder=False, per_sample=True)`",
+          "per_sample_norms": "`hw.watch(model, flight_recorder=False, per_sample=\"norms\")`", **PEER_LABELS}
 
 
 class Block(nn.Module):
@@ -265,7 +266,8 @@ def monitor(variant: str, model, x, watch=watch) -> Monitor:
         return PEERS[variant](model, x)
     w = {"plain": lambda: None, "floor": lambda: Floor(model),
          "watch": lambda: watch(model, flight_recorder=False), "watch+fr": lambda: watch(model),
-         "per_sample": lambda: watch(model, flight_recorder=False, per_sample=True)}[variant]()
+         "per_sample": lambda: watch(model, flight_recorder=False, per_sample=True),
+         "per_sample_norms": lambda: watch(model, flight_recorder=False, per_sample="norms")}[variant]()
     return Monitor(model) if w is None else Hooked(model, w)
 
 

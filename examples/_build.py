@@ -1353,7 +1353,8 @@ NB06 = [
 
     This notebook trains a tiny GPT-2 on synthetic text, plants one bad sample in one step, and
     finds it from the step's gradient alone: `t.sample_shares()` names the sample, `t.position_shares()`
-    the tokens in it, and the explorer shows both, with the text of each token.
+    the tokens in it, the explorer shows both, with the text of each token, and a watch names it in the
+    anomaly it flags.
     """),
     code(SETUP),
     md("""
@@ -1468,6 +1469,37 @@ NB06 = [
     """),
     code("""
     t
+    """),
+    md("""
+    ## In a watch
+
+    `hw.watch(model, per_sample=True)` records, at every step, the three samples with the largest shares
+    of the step's gradient and the top position of the first: on the device, nothing sent to the host per
+    step. Twenty more steps under a watch, the same kind of sample planted in the last: the watch flags the
+    step (a loss spike), and its anomaly names the sample and a position in the run. The kept Trace of the
+    step has every sample's and every position's share.
+    """),
+    code("""
+    last = 20
+    with hw.watch(model, per_sample=True, window=10) as w:
+        for step in range(last + 1):
+            ids, labels = batch()
+            if step == last:
+                ids[planted, run] = vocab["zzz"]
+                labels[planted, run] = labels[planted, run][torch.randperm(20, generator=torch.Generator().manual_seed(1))]
+            train_step(ids, labels)
+
+    a = next(a for a in w.anomalies if a.step == last)
+    print(a.where, "|", a.samples.text)
+    print("the kept Trace's largest share:", int(w.trace(last).sample_shares().argmax()))
+    assert a.samples.samples[0][0] == planted and run.start <= a.samples.position < run.stop
+    """),
+    md("""
+    The watch's view lists the anomaly with the samples that carried its step (`w.sample_shares` has every
+    step's, `w.top_positions` the first one's top position):
+    """),
+    code("""
+    w
     """),
     md("""
     ## What to try next

@@ -77,6 +77,18 @@ def test_watch_overhead_times_every_monitor_and_none_leaves_a_hook(tmp_path):
     assert "bytes per step" in md and "Load average" in md
 
 
+def test_watch_shares_times_both_per_sample_modes_side_by_side(tmp_path):
+    """Issue 43's side-by-side in a tiny configuration: plain, per_sample="norms" and per_sample=True each timed
+    (no hook left behind: the loop raises HooksLeft), the table written. No timing is asserted."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.watch_shares", "--models", "mlp", "--steps", "3",
+                        "--repeats", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=HANG)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "watch_shares.json").read_text())
+    assert set(res["models"]["mlp"]["x_plain"]) == {"plain", "per_sample_norms", "per_sample"}
+    assert "shares' cost" in (tmp_path / "watch_shares.md").read_text()
+
+
 @pytest.mark.slow
 def test_watch_ranks_times_every_variant_and_the_watch_changes_no_loss(tmp_path):
     """The FSDP2 benchmark on 2 gloo ranks in a tiny configuration: every variant has its row, and every watched

@@ -118,6 +118,10 @@ class Keep:
 
     rerun_inputs = False  # whether on_rerun_input is wanted (a pre-hook per target)
 
+    def param_hooks(self) -> list:
+        """(parameter, fn) pairs: the tracer registers parameter.register_hook(fn) on each (a streaming strategy)."""
+        return []
+
     def on_rerun_input(self, module, inputs) -> None:
         pass
 

@@ -19,7 +19,10 @@ What a merged row holds (all on device, no host sync):
 - the loss as the trainer reports it: the sum of the passes' losses (each micro-batch's loss is the trainer's loss
   divided by the accumulation steps); of the passes inside one step(closure) only the first counts (L-BFGS and SAM
   call the closure again on the same batch, and return the first loss);
-- per_sample: the largest per-sample norm over the passes, its index in its own micro-batch.
+- per_sample: the largest per-sample norm over the passes, its index in its own micro-batch; the samples' shares
+  those of its one pass, or NaN (not known) for two passes or more: a pass's are of its own gradient, and the
+  optimizer step's G is known only after the last pass, when the earlier passes' a and δ are gone (hw.trace of
+  the whole optimizer step has them: t.shares()).
 """
 
 from __future__ import annotations
@@ -75,5 +78,7 @@ def merge(group: list, grads, total):
     ps = None
     if group[0].ps is not None:
         maxima = torch.stack([s.ps for s in group])
-        ps = maxima.index_select(0, maxima[:, 0].nan_to_num(-1.0).argmax().view(1)).view(2)  # no sync: no .item()
+        ps = maxima.index_select(0, maxima[:, 0].nan_to_num(-1.0).argmax().view(1)).view(-1)  # no sync: no .item()
+        if len(group) > 1:  # shares: each pass's are of its own gradient, not of the optimizer step's (left out)
+            ps[2:] = NAN
     return row, torch.stack([loss, total.to(row.device, F64)]), order, a_order, has_loss, ps

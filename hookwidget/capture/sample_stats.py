@@ -1,5 +1,6 @@
 """Per-sample gradient norms per step for the watch (`hw.watch(per_sample=True)`): the largest one and its
-sample, from each layer's (a, δ) shortcut as its δ arrives (the keep strategy "stats", step_stats.py, calls it)."""
+sample, from each layer's (a, δ) shortcut as its δ arrives (the keep strategy "stats", step_stats.py, calls it);
+and each sample's share of the step's gradient, from the same factors (sample_shares.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 
 from hookwidget._torch.autograd import checkpoint_frame
 from hookwidget._torch.tensors import version
+from hookwidget.capture.sample_shares import WIDTH, SampleShares
 from hookwidget.capture.samples import Samples
 from hookwidget.capture.stat_rows import F64, NAN
 from hookwidget.layers.batch_first import movable
@@ -42,7 +44,7 @@ class PerSample:
     head's, reduced as it arrives to what the cross term needs (_head_part). A call in a forward that
     non-reentrant checkpointing reruns holds no input: it takes the rerun's (rerun), as capture/norms.py does."""
 
-    def __init__(self, layers: list, layer_names: list, pairs: list):
+    def __init__(self, layers: list, layer_names: list, pairs: list, shares: bool = True):
         from hookwidget.layers import factors as fx
         from hookwidget.layers import shared
 
@@ -70,6 +72,9 @@ class PerSample:
         self.layers, self.layer_names, self.odd = layers, layer_names, set()
         self.samples = Samples()  # where each call's samples are, proven from the first watched call's input
         self.partial_reruns: set = set()  # layers reentrant checkpointing reran after their norms were taken
+        self.accumulated = False  # an optimizer step of several backward passes was recorded (its shares NaN)
+        # which samples carried each step (shares=False: per_sample="norms", no parameter hooked, NaN)
+        self.shares = SampleShares(layers, self.eligible if shares else set(), self.group)
         self.note = (f"hw.watch(per_sample=True): per-sample norms leave out {', '.join(left[:6])}"
                      f"{' ...' if len(left) > 6 else ''}") if left else None
 
@@ -158,12 +163,14 @@ class PerSample:
                 return
             rest = [self.fx.per_sample_norm_sq(f) for f in fs if f is not w]
             step.ps_parts[li] = (part, sum(rest) if rest else None)
+            self.shares.head(step, li, fs, w, pending[0].a)  # its shares' part, its δ let go too
         del step.ps_calls[li]
         for c in calls:
             c.a = c.delta = None
 
     def end(self, step, dev):
-        """The step's [largest per-sample gradient norm, its sample] (float64, on dev), NaN if not known."""
+        """The step's [largest per-sample gradient norm, its sample, then sample_shares.WIDTH floats: the top
+        samples by share] (float64, on dev), NaN where not known."""
         while step.ps_calls:  # calls no δ reached added nothing to .grad: the others are counted
             li = next(iter(step.ps_calls))
             calls = {m: step.ps_calls.pop(m) for m in self.group.get(li, (li,)) if m in step.ps_calls}
@@ -179,10 +186,13 @@ class PerSample:
             self._reduce(step, {}, {li: step.ps_parts.pop(li)})
         self.samples.clear()  # the step's tensors and graph nodes go with it
         sq = step.ps_sq.get(step.ps_batch)
-        if sq is None or step.ps_bad:
-            return torch.full((2,), NAN, dtype=F64, device=dev)
+        shares = self.shares.row(step, step.ps_batch, dev)
+        if step.ps_bad:
+            return torch.full((2 + WIDTH,), NAN, dtype=F64, device=dev)
+        if sq is None:
+            return torch.cat([torch.full((2,), NAN, dtype=F64, device=dev), shares])
         m, i = torch.max(sq.to(dev, F64), 0)
-        return torch.stack([m.sqrt(), i.to(F64)])
+        return torch.cat([torch.stack([m.sqrt(), i.to(F64)]), shares])
 
     def notes(self) -> list:
         """What the per-sample norms left out so far, and why (the watch adds each new one to w.notes)."""
@@ -192,6 +202,11 @@ class PerSample:
             out.append(f"hw.watch(per_sample=True): per-sample norms leave out {names}: no proof places the samples "
                        "of the first watched layer's input (its dim 0) where its rule takes them (a table called on "
                        "positions, a copy of the data, rows folded); hw.trace(..., batch_dim=N) shows each layer's")
+        if self.accumulated and self.shares.params:
+            out.append("hw.watch(per_sample=True): the samples' shares (w.sample_shares, Anomaly.samples) are NaN in "
+                       "optimizer steps of several backward passes: the step's gradient is known only after its last "
+                       "pass, when the earlier passes' a and δ are gone (a kept Trace holds the last pass only); "
+                       "hw.trace of the whole optimizer step has them: t.shares()")
         if self.partial_reruns:
             names = ", ".join(self.layer_names[li] for li in sorted(self.partial_reruns))
             out.append(f"hw.watch(per_sample=True): per-sample norms are NaN (not known) in steps where reentrant "
@@ -211,31 +226,34 @@ class PerSample:
             step.ps_bad = True  # an input changed in place after the layer read it: not known this step
         else:
             with torch.no_grad():
-                sq = self._norm_sq(calls, parts or {})
+                fs = {li: self.fx.factors(self.layers[li], cs) for li, cs in calls.items()}
+                sq = self._norm_sq(fs, parts or {})
             if sq is None or sq.shape[0] != step.ps_batch:
                 self.odd.update(calls)  # its rows are not the batch's samples (a position embedding: tokens)
             if sq is not None:
                 n = sq.shape[0]
                 step.ps_sq[n] = step.ps_sq[n] + sq.to(F64) if n in step.ps_sq else sq.to(F64)
+                for li, lfs in fs.items():
+                    self.shares.factors(step, li, lfs)
         for c in every:
             c.a = c.delta = None
 
-    def _norm_sq(self, calls: dict, parts: dict) -> torch.Tensor | None:
-        """(rows,) squared norms; None where layers sharing a parameter saw different leading dimensions (rows that
-        are not the same samples: their shared gradient has no per-row split)."""
+    def _norm_sq(self, factors: dict, parts: dict) -> torch.Tensor | None:
+        """(rows,) squared norms from each layer's factors (layer -> its factors this step); None where layers
+        sharing a parameter saw different leading dimensions (rows that are not the same samples: their shared
+        gradient has no per-row split)."""
         fx = self.fx
-        if len(calls) == 1 and not parts:
-            (li, cs), = calls.items()
-            m = self.layers[li]
-            return fx.layer_norm_sq(m, fx.factors(m, cs))
+        if len(factors) == 1 and not parts:
+            (li, fs), = factors.items()
+            return fx.layer_norm_sq(self.layers[li], fs)
         by_param: dict = {}  # id(parameter) -> its factors, from every layer that holds it
         rest = []  # a reduced head's other parameters' squared norms
         for li, (part, own) in parts.items():
             by_param.setdefault(id(self.layers[li].weight), []).append(part)
             rest += [own] if own is not None else []
-        for li, cs in calls.items():
+        for li, fs in factors.items():
             m = self.layers[li]
-            for f in fx.factors(m, cs):
+            for f in fs:
                 by_param.setdefault(id(getattr(m, f.param)), []).append(f)
         if len({self.shared.batch_of(f) for fs in by_param.values() for f in fs}) > 1:
             return None

@@ -90,7 +90,8 @@ class Step:
         self.ps_awaiting: dict = {}  # per_sample=True: checkpointed calls awaiting their rerun's input (PerSample)
         self.ps_done: set = set()  # per_sample=True: layers whose norms this step were taken (PerSample)
         self.ps_odd: set = set()  # per_sample=True: layers left out this step, no proof placing their samples
-        self.ps = None  # [largest per-sample gradient norm, its sample], when backward ends
+        self.shares = None  # per_sample=True: the samples' shares of the step's gradient (sample_shares.py)
+        self.ps = None  # [largest per-sample gradient norm, its sample, the top shares], when backward ends
 
 
 class StatsKeep(Keep):
@@ -168,6 +169,19 @@ class StatsKeep(Keep):
             reentrant = self.ps is not None and checkpoint_frame() is None
             call = self.ps.forward(cur, li, module, a, rerun=True) if reentrant else None
         return li, reduce_input(a) if a is not None else None, cur.calls, call
+
+    def param_hooks(self) -> list:
+        """(parameter, hook) pairs the tracer registers: per_sample=True takes each backward's gradient of each
+        counted parameter, for the samples' shares (sample_shares.py)."""
+        return [(p, self._grad_hook(pi)) for pi, p in enumerate(self.ps.shares.params)] if self.ps is not None else []
+
+    def _grad_hook(self, pi: int):
+        def hook(g):
+            if self.kind == "backward":  # autograd.grad calls (gradient penalties) are not steps
+                with self.lock:
+                    if self.cur.recorded:
+                        self.ps.shares.grad(self.cur, pi, g)
+        return hook
 
     @property
     def rerun_inputs(self) -> bool:
@@ -256,6 +270,8 @@ class StatsKeep(Keep):
         self.since += 1
         if self.grouped:
             self.group.append(step)
+            if self.ps is not None and len(self.group) > 1 and step.recorded:
+                self.ps.accumulated = True  # its shares are left out (opt_steps.merge): a note says so now
         else:
             self.row_step = step
             self.recent.append(step)
@@ -276,6 +292,8 @@ class StatsKeep(Keep):
             dev = self.params[0].device
             grads, total = self.rows.grads(dev) if read_grads else (None, None)
             step.row, step.step_row, step.order, step.a_order, step.has_loss, step.ps = merge(group, grads, total)
+            if self.ps is not None and len(group) > 1:
+                self.ps.accumulated = True  # its shares are left out (opt_steps.merge): a note says so
             step.micro = (torch.stack([s.row for s in group]), torch.stack([s.step_row for s in group]))
             step.scale, step.next_scale = group[-1].scale, group[-1].next_scale
             step.compiled = any(s.compiled for s in group)

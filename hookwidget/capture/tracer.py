@@ -179,6 +179,8 @@ class Tracer:
                 s.enter_context(Removing(m.register_forward_hook(self._stream_hook)))
                 if self.run.keep.rerun_inputs:  # and a pre-hook, for the input of a rerun (_stream_pre_hook)
                     s.enter_context(Removing(m.register_forward_pre_hook(self._stream_pre_hook)))
+            for p, fn in self.run.keep.param_hooks():  # each backward's gradient of a parameter (sample_shares.py)
+                s.enter_context(Removing(p.register_hook(fn)))
         else:
             for m in every_module(self.targets):
                 s.enter_context(Removing(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True)))

@@ -10,8 +10,9 @@ no optimizer step followed (a fit that ended mid-accumulation) belong to no trai
 
 At the trainer's logging cadence the loggers get a handful of keys (LOG_KEYS): the global gradient norm, the
 largest update ratio and its layer (an index into watch.layer_names: loggers take numbers), the anomalies so far,
-the trainer step of the latest and of its lead (where its cause shows first); per-layer series only for the
-statistics asked for in `log_stats`.
+the trainer step of the latest and of its lead (where its cause shows first), and with per_sample=True the sample
+that carried its step most (its index in the batch); per-layer series only for the statistics asked for in
+`log_stats`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from hookwidget.watch import STAT_NAMES
 from hookwidget.watch import watch as open_watch
 
 PREFIX = "hookwidget"  # the loggers' keys: hookwidget/{key}, and hookwidget/{stat}/{layer} for log_stats
-LOG_KEYS = ("grad_norm", "update_ratio_max", "update_ratio_max_layer", "anomalies", "anomaly_step", "anomaly_lead_step")
+LOG_KEYS = ("grad_norm", "update_ratio_max", "update_ratio_max_layer", "anomalies", "anomaly_step", "anomaly_lead_step",
+            "anomaly_sample")
 
 
 class Fit:
@@ -111,6 +113,9 @@ class Fit:
             if lead is not None:
                 at = self.trainer_step(lead.step)
                 out[f"{PREFIX}/anomaly_lead_step"] = at if at is not None else math.nan
+            carried = anomalies[-1].samples  # per_sample=True: the samples that carried its step (watch/carriers.py)
+            if carried is not None:
+                out[f"{PREFIX}/anomaly_sample"] = carried.samples[0][0]
         if self.log_stats:
             table = row[0].double().tolist()
             out.update({f"{PREFIX}/{stat}/{layer}": table[li][w.stat_names.index(stat)]
@@ -125,7 +130,9 @@ class Watching:
     global ‖W.grad‖ of the gradient the optimizer step used), `hookwidget/update_ratio_max` and
     `hookwidget/update_ratio_max_layer` (an index into `cb.watch.layer_names`: loggers take numbers),
     `hookwidget/anomalies` (so far), `hookwidget/anomaly_step` (the latest one's) and
-    `hookwidget/anomaly_lead_step` (where its cause shows first); per layer, `hookwidget/{stat}/{layer}` only for
+    `hookwidget/anomaly_lead_step` (where its cause shows first), `hookwidget/anomaly_sample` (with
+    per_sample=True: the index in its batch of the sample that carried its step most; `cb.watch.anomalies[-1]
+    .samples` has the rest); per layer, `hookwidget/{stat}/{layer}` only for
     the statistics in `log_stats`.
     """
 

@@ -37,8 +37,13 @@ def position_dots(f: Factor, G: torch.Tensor) -> torch.Tensor | None:
         return _conv_dots(f.conv, G.reshape(f.shape))
     D = f.D
     if f.kind == "outer":
-        # the output this layer gives its inputs with weight G, dotted with δ: (B, T, o) · ((B, T, i) Gᵀ)
-        return torch.linalg.vecdot(D, torch.matmul(f.X, G.reshape(D.shape[-1], -1).T))
+        # the output this layer gives its inputs with weight G, dotted with δ: (B, T, o) · ((B, T, i) Gᵀ), or
+        # as (δ G) · a where the input side is the narrower: the same products, a smaller intermediate to sweep
+        # (an LM head's (B, T, d) instead of (B, T, V): half the time there)
+        G = G.reshape(D.shape[-1], -1)
+        if G.shape[0] > G.shape[1]:
+            return torch.linalg.vecdot(torch.matmul(D, G), f.X)
+        return torch.linalg.vecdot(D, torch.matmul(f.X, G.T))
     if f.kind == "onehot":
         return torch.linalg.vecdot(D, G.reshape(f.rows, -1)[f.X.long()])
     if f.kind == "diag":

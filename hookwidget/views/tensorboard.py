@@ -47,7 +47,8 @@ class TensorBoardLog:
     def anomalies(self) -> None:
         found = self.watch.found_anomalies
         if found:
-            text = "\n".join(f"- step {a.step}, {a.where}: {a.reason}" for a in found)
+            text = "\n".join(f"- step {a.step}, {a.where}: {a.reason}" + (f" ({a.samples.text})" if a.samples else "")
+                              for a in found)
             self.writer.add_text("anomalies", text, found[-1].step)
 
     QUEUED = ("rows",)  # the events the thread writes (a method of each name)

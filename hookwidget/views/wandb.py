@@ -4,7 +4,8 @@ The keys are TensorBoard's (views/tensorboard.py): `{stat}/{layer}` for every la
 statistic, a chart per layer), `step/loss` and `step/grad_norm`, against their own x axis `hookwidget_step` (the
 watch's step: a backward pass), declared with define_metric, so they never fight the run's own `_step` (a
 Trainer's logger may be writing optimizer steps into the same run). NaN and Inf go in as they are. The
-anomalies go in as a table (`hookwidget/anomalies`: step, where, reason) and their count in the summary.
+anomalies go in as a table (`hookwidget/anomalies`: step, where, reason, and with per_sample=True the samples
+that carried the step) and their count in the summary.
 
 On an open watch the export keeps going: the rows recorded later are logged from a background thread as they
 reach the host (TensorBoardLog's thread: the training loop never waits for W&B), until the watch is closed.
@@ -73,8 +74,9 @@ class WandbLog(TensorBoardLog):
         found = self.watch.found_anomalies
         self.run.summary["hookwidget/anomaly_count"] = len(found)
         if found:
-            table = _wandb().Table(columns=["step", "where", "reason"],
-                                   data=[[a.step, a.where, a.reason] for a in found])
+            table = _wandb().Table(columns=["step", "where", "reason", "samples"],  # samples: per_sample=True's
+                                   data=[[a.step, a.where, a.reason, a.samples.text if a.samples else ""]
+                                         for a in found])
             self.run.log({ANOMALIES: table, X: found[-1].step})
 
 

@@ -2,13 +2,15 @@
 reads alone, each shard readable by row range without reading the rest (np.load(..., mmap_mode="r")).
 
     d/watch.json              {"format": "hookwidget-watch-log", "version": 2, "layers": [...], "stats": [...],
-                              "step_stats": ["loss", "grad_norm"], "every", "per_sample", "dtype", "closed",
+                              "step_stats": ["loss", "grad_norm"], "every", "per_sample", "per_sample_width",
+                              "dtype", "closed",
                               "notes", "seen"}
     d/rows-<first>-<n>.npy    a structured array of n rows, the first being row <first> of the run (so the names
     ...                       are the shard index): step int64, stats (layers, stats) float32 (float64 where the
-                              model holds float64 parameters: "dtype"), step_stats (2,) float64, per_sample (2,)
-                              float64 [max norm, its sample] where recorded. Uncompressed: memory-mapped, a column
-                              or a row range is read alone.
+                              model holds float64 parameters: "dtype"), step_stats (2,) float64, per_sample
+                              (per_sample_width,) float64 [max norm, its sample, the top samples' (index, share),
+                              the top position and its share] where recorded (2 wide in logs from before shares).
+                              Uncompressed: memory-mapped, a column or a row range is read alone.
     d/micro-<first>-<n>.npy   the backward passes of the optimizer steps that accumulated several (w.micro): n
                               passes, the first being pass <first> in the files' order: step int64, pass int64,
                               stats (layers, stats), step_stats (2,) float64; written with the rows' shards
@@ -38,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hookwidget.capture.sample_shares import COLUMNS
 from hookwidget.views.tensorboard import TensorBoardLog
 
 FORMAT, VERSION, META, EVENTS, LOD = "hookwidget-watch-log", 2, "watch.json", "events.json", "lod.npz"
@@ -59,10 +62,16 @@ def _replace(path: Path, write, durable: bool = True) -> None:
     os.replace(tmp, path)
 
 
-def row_dtype(L: int, K: int, dtype, per_sample: bool) -> np.dtype:
-    """One row of a shard: its step, its statistics, its step statistics (and per-sample maxima)."""
+def row_dtype(L: int, K: int, dtype, per_sample: int) -> np.dtype:
+    """One row of a shard: its step, its statistics, its step statistics (and per-sample maxima and shares:
+    `per_sample` floats, 0 where not recorded)."""
     fields = [("step", "<i8"), ("stats", np.dtype(dtype).newbyteorder("<"), (L, K)), ("step_stats", "<f8", (2,))]
-    return np.dtype(fields + ([("per_sample", "<f8", (2,))] if per_sample else []))
+    return np.dtype(fields + ([("per_sample", "<f8", (per_sample,))] if per_sample else []))
+
+
+def per_sample_width(meta: dict) -> int:
+    """The floats of a log's per-sample column: 0 (not recorded), 2 (a log written before shares were) or more."""
+    return int(meta.get("per_sample_width", 2)) if meta["per_sample"] else 0
 
 
 class WatchLog(TensorBoardLog):
@@ -84,7 +93,7 @@ class WatchLog(TensorBoardLog):
         self.durable = durable  # fsync each file (a log_dir= the user keeps; not a temporary folder)
         self._queue, self._thread, self.error = queue.SimpleQueue(), None, None
         self._ps, self.dtype = watch.tracks_per_sample, np.dtype(dtype)
-        self._row = row_dtype(len(watch.layer_names), len(watch.stat_names), self.dtype, self._ps)
+        self._row = row_dtype(len(watch.layer_names), len(watch.stat_names), self.dtype, COLUMNS if self._ps else 0)
         self._held: list = []  # (stats, step_stats, steps, per-sample) handed over, not written yet
         self.index: list = []  # (first row, rows, path) of each whole shard
         self.written = 0
@@ -194,6 +203,7 @@ class WatchLog(TensorBoardLog):
         w = self.watch
         meta = {"format": FORMAT, "version": VERSION, "layers": list(w.layer_names), "stats": list(w.stat_names),
                 "step_stats": list(w.step_stat_names), "every": w.every, "per_sample": self._ps,
+                "per_sample_width": COLUMNS if self._ps else 0,
                 "dtype": self.dtype.name, "closed": closed, "notes": [str(n) for n in w.notes],
                 "seen": int(w.seen) if closed else None}
         text = json.dumps(meta, indent=1).encode()
@@ -280,7 +290,7 @@ def _readable(shards: Shards, meta: dict, notes: list) -> Shards:
     """The shards up to the first that cannot be read (damaged, or of another shape), with a note. The first is
     opened; the others' sizes are checked against theirs (a header padded to 64 bytes, then n rows): hw.load
     stays lazy, one stat() a shard."""
-    want = row_dtype(len(meta["layers"]), len(meta["stats"]), meta.get("dtype", "float64"), meta["per_sample"])
+    want = row_dtype(len(meta["layers"]), len(meta["stats"]), meta.get("dtype", "float64"), per_sample_width(meta))
     for i, (_, n, path) in enumerate(shards.index):
         try:
             if i == 0:
@@ -318,7 +328,7 @@ def _open_v1(d: Path, meta: dict) -> tuple[dict, Shards, dict, list]:
             parts[k].append(v)
     rows = {k: np.concatenate(v) for k, v in parts.items()}
     n = len(rows["steps"])
-    table = np.empty(n, row_dtype(L, K, np.float64, meta["per_sample"]))
+    table = np.empty(n, row_dtype(L, K, np.float64, per_sample_width(meta)))
     table["step"], table["stats"], table["step_stats"] = rows["steps"], rows["stats"], rows["step_stats"]
     if meta["per_sample"]:
         table["per_sample"] = rows["per_sample"]

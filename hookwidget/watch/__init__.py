@@ -27,7 +27,7 @@ __all__ = ["STAT_NAMES", "STEP_STAT_NAMES", "Anomaly", "Watch", "watch"]
 
 def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None, flight_recorder: bool = True,
           max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256, scaler=None,
-          tensorboard=None, per_sample: bool = False, log_dir=None, ranks: str = "global") -> Watch:
+          tensorboard=None, per_sample: bool | str = False, log_dir=None, ranks: str = "global") -> Watch:
     """Watch `model` across a training loop: statistics per step and layer, anomalies, Traces of the bad steps.
 
     Use it as `with hw.watch(model) as w: ...`, or `w = hw.watch(model)` ... `w.close()` (the hooks go on when
@@ -52,7 +52,8 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
     - `trace_budget_mb`: megabytes of a and δ per kept Trace; default 256.
     - `scaler`: the GradScaler the loop uses (default: the first one whose scale() the loop calls).
     - `tensorboard`: a log directory to write scalars to as the run goes.
-    - `per_sample`: also record each step's largest per-sample gradient norm; default False.
+    - `per_sample`: also record each step's largest per-sample gradient norm and the samples with the largest
+      shares of its gradient (True), or the norm only ("norms": cheaper, see which-samples.md); default False.
     - `log_dir`: a folder to append the statistics to as the run goes (see Keeping it).
     - `ranks`: `"global"` (figures over the ranks of a process group, the default) or `"local"` (this rank's).
 
@@ -141,9 +142,13 @@ def watch(model, every: int = 1, spike: float = 6.0, window: int = 20, keep=None
 
     **Per-sample norms.** per_sample=True: per recorded step also the largest per-sample gradient norm and which
     sample it was (w.per_sample: (steps, 2), [norm, index in the batch]; w.series("per_sample_max"),
-    w.series("per_sample_argmax")). A sample's gradient is its contribution to .grad (a mean-reduced loss's
-    1/B included), its norm taken over every layer with an exact (a, δ) rule: ghost norms (Linear: two
-    Gram products per layer, the per-sample gradients never built where that is cheaper), computed while
+    w.series("per_sample_argmax")), and the three samples with the largest shares s_b = ⟨G_b, G⟩ / ‖G‖² of the
+    step's gradient G (w.sample_shares: (steps, 3, 2), [index, share]; w.top_positions: the first one's top
+    position; each anomaly's .samples names them; NaN for an optimizer step of several backward passes, whose
+    kept Trace holds its last pass only, and throughout with per_sample="norms"). A sample's gradient is its
+    contribution to .grad (a mean-reduced loss's 1/B included), its norm taken over every layer with an exact
+    (a, δ) rule: ghost norms (Linear: two Gram products per layer, the per-sample gradients never built where
+    that is cheaper), computed while
     backward runs, each layer's a and δ let go as soon as its last call's δ arrived. Layers that share a
     parameter (an embedding tied to the LM head) are reduced together when the last of them has its δ (the
     shared norm with its cross term; the first one's a and δ held until then). The batch is the leading
@@ -274,7 +279,9 @@ _CHECKS = {
     "max_kept": _integer(0, "max_kept=8", "anomalous steps' Traces to keep"),
     "batch": _integer(1, "batch=64", "steps moved to the host at a time"),
     "trace_budget_mb": _number(0, "trace_budget_mb=256", "megabytes per kept Trace", inf=True),
-    "flight_recorder": _flag("flight_recorder"), "per_sample": _flag("per_sample"),
+    "flight_recorder": _flag("flight_recorder"),
+    "per_sample": lambda v: "" if isinstance(v, bool) or v == "norms" else
+    "must be True, False or 'norms' (the norms without the samples' shares), e.g. per_sample=True",
     "keep": lambda v: "" if v is None or callable(v) else "must be a function keep(step, stats) -> bool, or None",
     "scaler": lambda v: "" if v is None or callable(getattr(v, "scale", None)) else
     "must be a torch.amp.GradScaler (or None: found when the loop calls scaler.scale)",

@@ -75,7 +75,7 @@ class Watch(Reads, RankViews):
 
     def __init__(self, model: nn.Module, every: int = 1, spike: float = 6.0, window: int = 20, keep=None,
                  flight_recorder: bool = True, max_kept: int = 8, batch: int = 64, trace_budget_mb: float = 256,
-                 scaler=None, tensorboard=None, per_sample: bool = False, log_dir=None, ranks: str = "global"):
+                 scaler=None, tensorboard=None, per_sample: bool | str = False, log_dir=None, ranks: str = "global"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"watch(model): model must be an nn.Module, got {type(model).__name__}")
         if int(every) < 1 or int(window) < 2 or int(batch) < 1:
@@ -119,7 +119,7 @@ class Watch(Reads, RankViews):
         if script_note:
             self.notes.append(script_note)
             warnings.warn(script_note, stacklevel=3)
-        ps = PerSample(self._layers, self.layer_names, pairs) if per_sample else None
+        ps = PerSample(self._layers, self.layer_names, pairs, shares=per_sample != "norms") if per_sample else None
         if ps is not None and ps.note:
             self.notes.append(ps.note)
         self._listeners: list = []  # see listen()
@@ -478,7 +478,7 @@ class Watch(Reads, RankViews):
         if self._ps is None:
             raise KeyError("per-sample norms are off: hw.watch(model, per_sample=True) records them")
         self._flush()
-        return torch.from_numpy(self._history.column(0, self.n_rows, (), "per_sample").reshape(-1, 2))
+        return torch.from_numpy(self._history.column(0, self.n_rows, (slice(0, 2),), "per_sample").reshape(-1, 2))
 
     @property
     def found_nonfinite(self) -> dict:

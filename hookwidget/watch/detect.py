@@ -37,6 +37,10 @@ class Anomaly(tuple):
       `layers`, where it left its window ([] for the global norm); `ratio`, how far (median over those layers;
       inf for a jump to +Inf); `base` and `value`, its window's level and its value there; `lr`, a learning-rate
       (or optimizer) change; `text`, the one line the view and the logs show.
+    - `samples`: with `hw.watch(model, per_sample=True)`, which samples carried the step's gradient (a
+      `Carried`, watch/carriers.py: `samples`, ((index, share), ...) largest share first; `position` and
+      `position_share`, the first one's top token; `text`), from the step's own row; None where not recorded or
+      not known (an optimizer step of several backward passes). Beside the tuple too.
 
     Example:
 
@@ -47,20 +51,21 @@ class Anomaly(tuple):
     """
     # the lead: watch/leads.py's Lead
 
-    def __new__(cls, step: int, where: str, reason: str, lead: Any = None):
+    def __new__(cls, step: int, where: str, reason: str, lead: Any = None, samples: Any = None):
         self = super().__new__(cls, (step, where, reason))
-        self.lead = lead
+        self.lead, self.samples = lead, samples
         return self
 
     def __getnewargs__(self):
-        return (*self, self.lead)
+        return (*self, self.lead, self.samples)
 
     step = property(lambda self: self[0])
     where = property(lambda self: self[1])
     reason = property(lambda self: self[2])
 
     def __repr__(self) -> str:
-        return f"Anomaly(step={self[0]!r}, where={self[1]!r}, reason={self[2]!r}, lead={self.lead!r})"
+        return (f"Anomaly(step={self[0]!r}, where={self[1]!r}, reason={self[2]!r}, lead={self.lead!r}, "
+                f"samples={self.samples!r})")
 
 
 # What a kept Trace of an anomalous step is worth beside the others (FlightRecorder keeps at most max_kept):
@@ -195,7 +200,7 @@ class Detector:
             for i in range(first + 1, len(self.anomalies)):
                 a = self.anomalies[i]
                 note = " (the GradScaler skipped this step: see where='scaler')"
-                self.anomalies[i] = Anomaly(a.step, a.where, a.reason + note, a.lead)
+                self.anomalies[i] = Anomaly(a.step, a.where, a.reason + note, a.lead, a.samples)
             self._ranks[step] = WARNING  # its non-finite values are the scaler's found-inf, which it handled
         if self.keep is not None:
             stats = {n: row[:, i] for i, n in enumerate(STAT_NAMES)}

@@ -11,6 +11,7 @@ from collections import deque
 
 import torch
 
+from hookwidget.capture.sample_shares import COLUMNS
 from hookwidget.capture.stat_rows import F64, NAN, STAT_NAMES, S
 from hookwidget.capture.step_stats import lr_column
 from hookwidget.watch.amp import SKIPPED
@@ -106,10 +107,10 @@ class HostRows:
             both = both[:-n_lrs]
         skipped = both[-2 * n:].view(n, 2) if scales else None  # (scale, scale after) per step
         both = both[:-2 * n] if scales else both
-        maxima = None  # this chunk's per-sample maxima (n, 2)
+        maxima = None  # this chunk's per-sample maxima and shares (n, COLUMNS)
         if ps:
-            maxima = both[-2 * n:].view(n, 2)
-            both = both[:-2 * n]
+            maxima = both[-COLUMNS * n:].view(n, COLUMNS)
+            both = both[:-COLUMNS * n]
         rows, step_rows = both[:n * L * len(STAT_NAMES)].view(n, L, -1), both[n * L * len(STAT_NAMES):].view(n, 2)
         view = rows.numpy()  # the same memory: a row's small writes cost a fraction of torch indexing's
         for r, s in enumerate(take):

@@ -14,8 +14,10 @@ import bisect
 import numpy as np
 import torch
 
+from hookwidget.capture.sample_shares import COLUMNS, TOP
 from hookwidget.options import check_path
 from hookwidget.watch import leads, lod
+from hookwidget.watch.carriers import carried
 from hookwidget.watch.ranks import MODES
 
 READ_BYTES = 128 << 20  # w.lod reads rows up to this many bytes for bins finer than the in-RAM summary's
@@ -165,6 +167,36 @@ class Reads:
             at = end
         return lod.concat(parts, L, K, size)
 
+    # -- which samples carried each step (per_sample=True) ------------------------------------------------------
+    def _per_sample_columns(self) -> np.ndarray:
+        """(recorded steps, width) float64: each step's per-sample column (capture/sample_shares.py)."""
+        if not self.tracks_per_sample:
+            raise KeyError("per-sample norms and shares are off: hw.watch(model, per_sample=True) records them")
+        self._settle()
+        got = self._column(0, self.n_rows, (), "per_sample")
+        return got.reshape(len(got), -1) if got.size else np.zeros((0, COLUMNS))
+
+    @property
+    def sample_shares(self) -> torch.Tensor:
+        """per_sample=True: (recorded steps, 3, 2) float64, each step's three samples with the largest shares
+        s_b = ⟨G_b, G⟩ / ‖G‖² of its gradient G, largest first, as [index in the batch, share]; NaN where not
+        known (an optimizer step of several backward passes; a batch of fewer samples). Over the layers with an
+        exact per-sample rule (w.notes names any left out); the shares of all samples sum to 1."""
+        got = self._per_sample_columns()
+        if got.shape[1] < COLUMNS:
+            raise KeyError("this watch was recorded before shares were: its per-sample column holds the norms only")
+        return torch.from_numpy(got[:, 2:2 + 2 * TOP].reshape(-1, TOP, 2).copy())
+
+    @property
+    def top_positions(self) -> torch.Tensor:
+        """per_sample=True: (recorded steps, 2) float64, of each step's first sample in w.sample_shares the
+        position (token) with the largest share and that share of the step, [position, share]; NaN where no
+        watched layer is applied per position, or where the shares are not known."""
+        got = self._per_sample_columns()
+        if got.shape[1] < COLUMNS:
+            raise KeyError("this watch was recorded before shares were: its per-sample column holds the norms only")
+        return torch.from_numpy(got[:, 2 + 2 * TOP:COLUMNS].copy())
+
     # -- anomalies --------------------------------------------------------------------------------------------
     @property
     def anomalies(self) -> list:
@@ -181,7 +213,8 @@ class Reads:
 
     def _with_leads(self, anomalies: list) -> list:
         """Each anomaly with its lead (watch/leads.py), worked out from the rows before it (the WINDOW + LOOKBACK
-        rows that the rule reads), once its row is final (not the newest: its update ratio may still come)."""
+        rows that the rule reads), once its row is final (not the newest: its update ratio may still come), and
+        the samples that carried its step (carriers.py; per_sample=True)."""
         cache = self.__dict__.setdefault("_leads", {})
         steps, n, out = self._step_index(), self.n_rows, []
         for a in anomalies:
@@ -194,11 +227,15 @@ class Reads:
                     rows = leads.Rows(stats, step_stats, got.tolist(), self.layer_names, self.stat_names,
                                       self.step_stat_names)
                     found = leads.lead_of(rows, r - lo)
+                if r < n and steps[r] == a.step and self.tracks_per_sample:  # which samples carried it
+                    found = (found, carried(self._column(r, r + 1, (), "per_sample").reshape(-1)))
+                else:
+                    found = (found, None)
                 if r >= n - 1 and not self.closed:
-                    out.append(type(a)(*a, found))
+                    out.append(type(a)(*a, *found))
                     continue
                 cache[a.step] = found
-            out.append(type(a)(*a, cache[a.step]))
+            out.append(type(a)(*a, *cache[a.step]))
         return out
 
     def _step_index(self):
@@ -299,10 +336,7 @@ class Reads:
         from hookwidget.record import saved
 
         check_path(path, "w.save(path)", "w.save('run.pt')")
-        try:
-            ps = self.per_sample
-        except KeyError:  # per_sample=False
-            ps = None
+        ps = torch.from_numpy(self._per_sample_columns()) if self.tracks_per_sample else None
         tree = {"layers": list(self.layer_names), "stat_names": list(self.stat_names),  # the whole run, read
                 "step_stat_names": list(self.step_stat_names), "every": self.every, "stats": self.stats,
                 "step_stats": self.step_stats, "steps": torch.tensor(self.steps, dtype=torch.int64),

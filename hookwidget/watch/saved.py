@@ -159,7 +159,7 @@ class SavedWatch(Reads):
     def per_sample(self) -> torch.Tensor:
         if not self.tracks_per_sample:
             raise KeyError("per-sample norms were off in this watch: hw.watch(model, per_sample=True) records them")
-        return torch.from_numpy(self._column(0, self.n_rows, (), "per_sample").reshape(-1, 2))
+        return torch.from_numpy(self._column(0, self.n_rows, (slice(0, 2),), "per_sample").reshape(-1, 2))
 
     @property
     def kept(self) -> list:

@@ -39,20 +39,22 @@ function leadButton(lead, showLead) {
   return h("button", { class: "hw-w-lead", "data-lead-step": String(lead.step), title: "zoom the steps to it and select it", text: `lead: ${lead.text}`, onclick: () => showLead(lead) });
 }
 
-/** The anomalies (the first 200), each with its lead as a button that zooms to it (`showLead(lead)`). */
+/** The anomalies (the first 200), each with its lead as a button that zooms to it (`showLead(lead)`) and, with
+ * per_sample=True, the samples that carried its step (the kernel's text: watch/carriers.py), set as text. */
 export function anomalyList(el, store, showLead) {
   const list = store.anomalies;
   el.hidden = list.length === 0;
   if (list.length && !el.dataset.opened) { el.open = true; el.dataset.opened = "1"; }
   const shown = list.slice(0, 200), leads = leadsOf(store), first = list.length ? leads.get(list[0][0]) : null;
   const seen = new Set();
-  const item = ([step, where, reason]) => {
-    const lead = seen.has(step) ? null : leads.get(step);
+  const item = ([step, where, reason, , carried]) => {
+    const first = !seen.has(step), lead = first ? leads.get(step) : null;
     seen.add(step);
     const after = store.nonfinite.get(step);
     return h("li", { "data-step": String(step) }, h("span", { text: `step ${fmt(step)} · ${where}: ${reason}` }),
       after ? h("span", { class: "hw-w-dim", "data-testid": "watch-nonfinite-after", text: ` · then ${fmt(after)} more non-finite step${after === 1 ? "" : "s"}` }) : null,
-      lead ? leadButton(lead, showLead) : null);
+      lead ? leadButton(lead, showLead) : null,
+      first && carried && carried.text ? h("span", { class: "hw-w-dim", "data-testid": "watch-anomaly-samples", title: "which samples carried the step's gradient: their shares ⟨G_b, G⟩/‖G‖² (w.anomalies[i].samples)", text: ` · ${carried.text}` }) : null);
   };
   el.replaceChildren(h("summary", { "data-testid": "watch-first-lead", text: `${fmt(list.length)} anomal${list.length === 1 ? "y" : "ies"}${list.length ? ` (first at step ${fmt(list[0][0])}${first ? ` · lead: ${first.text}` : ""})` : ""}` }),
     h("ul", { class: "hw-w-anoms" }, ...shown.map(item),
