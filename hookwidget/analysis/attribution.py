@@ -27,7 +27,9 @@ from hookwidget.analysis import per_sample as ps
 from hookwidget.analysis.batches import check_batched, unbatched
 from hookwidget.analysis.facts import answering_holders, owned_params, step_indices
 from hookwidget.layers import factors as fx
+from hookwidget.layers import share_gram
 from hookwidget.layers import shares as sh
+from hookwidget.layers.float64_sums import squared_norm
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,9 @@ class Shares:
 def shares(trace, name: str | None, step: int | None, method: str | None = None) -> Shares:
     """The shares of the samples (and positions) in the gradient of the selected step(s): over every parameter
     with an exact per-sample rule (name None), the parameters layer `name` answers for, or parameter `name`.
-    method: 'grad' (the product with G) or 'gram' (Σ over token pairs, where a parameter's factors are all plain
-    outer products; the product elsewhere) forces one; None chooses the cheaper per parameter (layers/shares.py)."""
+    method: 'grad' (the product with G, layers/shares.py) or 'gram' (Σ over token pairs, layers/share_gram.py,
+    where a parameter's factors are all plain outer products or embedding lookups of one weight; the product
+    elsewhere) forces one; None chooses the cheaper per parameter (share_gram.cheaper)."""
     if method not in (None, "grad", "gram"):
         raise ValueError(f"method={method!r}: use None (the cheaper), 'grad' or 'gram'")
     steps = step_indices(trace, step)
@@ -72,10 +75,11 @@ def shares(trace, name: str | None, step: int | None, method: str | None = None)
     selected, placed, asked = _select(trace, name, step, steps)
     left_out, notes = {}, []
     cache: dict = {}
-    usable = {k: set(ps.factor_layers(trace, k)) - set(unbatched(trace, k)) for k in steps}
+    odd = {k: set(unbatched(trace, k)) for k in steps}  # once per step: it walks every call
+    usable = {k: set(ps.factor_layers(trace, k)) - odd[k] for k in steps}
     counted, parts = [], {}  # parameter name -> [(k, layer, factor)]
     for pname, p in selected:
-        found = _contributions(trace, p, steps, usable, cache)
+        found = _contributions(trace, p, steps, usable, odd, cache)
         if isinstance(found, str):
             left_out[pname] = found
         elif found:
@@ -97,14 +101,14 @@ def shares(trace, name: str | None, step: int | None, method: str | None = None)
     unpositioned = set()
     for pname, found in parts.items():
         fs = [f for _, _, f in found]
-        if (method == "gram" and sh.gram_applies(fs)) or (method is None and sh.gram_cheaper(fs)):
-            dots = sh.gram_position_dots(fs)
+        if (method == "gram" and share_gram.applies(fs)) or (method is None and share_gram.cheaper(fs)):
+            dots = share_gram.position_dots(fs)
             total += float(sum(d.sum(dtype=acc) for d in dots))
         else:
             G = _made(trace, pname, {k for k, _, _ in found})
             if G is None:
                 G = sum(fx.summed_grad(f) for f in fs)
-            total += float(torch.linalg.vector_norm(G.reshape(-1), dtype=acc).square())  # no float64 copy of G
+            total += squared_norm(G)  # in float64, piece by piece: no float64 copy of G
             dots = [sh.position_dots(f, G) if _positional(f) else None for f in fs]
             dots = [d if d is not None else sh.sample_dots(f, G).unsqueeze(1) for d, f in zip(dots, fs)]
             unpositioned |= {(pname, h) for (_, h, f) in found if not _positional(f)}
@@ -205,15 +209,14 @@ def _select(trace, name, step, steps) -> tuple[list, set | None, str | None]:
     return [(names[id(p)], p) for p in owned.values() if id(p) in names], {name}, None
 
 
-def _contributions(trace, p, steps, usable, cache) -> list | str:
+def _contributions(trace, p, steps, usable, odd, cache) -> list | str:
     """[(step, layer, factor)] of every layer that uses p in the selected steps, or why p is left out."""
     out = []
     for k in steps:
         holders = [h for h in answering_holders(trace, p) if any(c.step == k for c in trace.layers[h].calls)]
         if not holders:
             continue
-        odd = set(unbatched(trace, k))
-        reasons = {h: None if h in usable[k] else (ps._layer_reason(trace, h, k, odd, False) or
+        reasons = {h: None if h in usable[k] else (ps._layer_reason(trace, h, k, odd[k], False) or
                                                     "no exact per-sample rule in this step") for h in holders}
 
         def factors_of(ok, k=k):
