@@ -5,9 +5,10 @@ Why on request and not in the summary: the shares cost about what ghost norms co
 opened must not slow the explorer's first paint; they are computed when the panel is opened (or a sample is
 clicked) and kept per trace and layer, so clicking samples reuses them.
 
-Token ids are the input of an nn.Embedding: the one named by the `token_layer` option, else the only one whose
-input holds, in every step, one (samples, T) integer row per sample of the attributed samples and positions
-(shapes proved equal, so its position t is the strip's position t). The text comes from the `decode` option
+Token ids are what `t.token_ids()` proves them to be (analysis/tokens.py): the input of the nn.Embedding the
+`token_layer` option names, else of the only one whose input holds, in every step, one integer row of the strip's
+T positions per sample along the proven samples dim; and as many rows as the attributed samples (so its position
+t is the strip's position t). The text comes from the `decode` option
 (a function or a tokenizer: user code), sent as text; the front-end never parses it as markup.
 """
 
@@ -129,54 +130,17 @@ def _strip(trace, found, step, b: int, out) -> dict:
 
 
 def token_ids(trace, step: int | None, n: int, T: int) -> tuple[torch.Tensor | None, str | None, str | None]:
-    """((n, T) token ids, the layer they are the input of, None), or (None, None, why not). The layer is the
-    `token_layer` option's, else the only nn.Embedding whose input is, in each step counted, one integer row of
-    T positions per sample along the dim capture proved to hold the samples, n samples in all (the attributed
-    ones, in the same order)."""
-    from hookwidget.analysis.facts import step_indices
-
-    steps = step_indices(trace, step)
-    named = getattr(_options(trace), "token_layer", None)
-    if named is not None:
-        if named not in trace.layers:
-            return None, None, f"token_layer={named[:80]!r} is not a layer of this trace: name one of its nn.Embedding"
-        ids, why = _layer_ids(trace, named, steps, n, T)
-        return (ids, named, None) if ids is not None else (None, None, f"token_layer {named!r}: {why}")
-    found = {}
-    for name, layer in trace.layers.items():
-        if isinstance(layer.module, nn.Embedding):
-            ids, _ = _layer_ids(trace, name, steps, n, T)
-            if ids is not None:
-                found[name] = ids
-    if len(found) == 1:
-        name, ids = next(iter(found.items()))
-        return ids, name, None
-    if not found:
-        return None, None, (f"token ids: no nn.Embedding's input is one row of {T} ids per sample here; name the "
-                            "layer whose input they are: hw.trace(..., token_layer='wte')")
-    return None, None, (f"token ids: {', '.join(found)} all take one row of {T} ids per sample; name the token one: "
-                        f"hw.trace(..., token_layer={next(iter(found))!r})")
-
-
-def _layer_ids(trace, name: str, steps: list, n: int, T: int) -> tuple[torch.Tensor | None, str | None]:
-    rows = []
-    for k in steps:
-        calls = [c for c in trace.layers[name].calls if c.step == k]
-        if len(calls) != 1:
-            return None, f"called {len(calls)} times in step {k} (one call a step holds the ids)"
-        a, dim = calls[0].a, calls[0].sample_dim  # the dim capture proved to hold the samples (record/calls.py)
-        if a is None:
-            return None, "its input was not kept (capture='summary' or the memory budget): raise budget_mb"
-        if dim is None or a.dim() != 2:
-            return None, f"its input {tuple(a.shape)} has no proven samples dim (a matching size is no proof)"
-        a = a if dim == 0 else a.T  # time-major (T, B) ids: each sample's row
-        if a.is_floating_point() or a.is_complex() or a.shape[1] != T:
-            return None, f"its input {tuple(a.shape)} is not one row of {T} integer ids per sample"
-        rows.append(a)
-    ids = torch.cat(rows) if rows else None
-    if ids is None or ids.shape[0] != n:
-        return None, f"its inputs hold {0 if ids is None else ids.shape[0]} rows, not the {n} samples"
-    return ids.detach().cpu(), None
+    """((n, T) token ids, the layer they are the input of, None), or (None, None, why not): trace.token_ids (its
+    proof: the token_layer option's embedding, else the only one whose input is one integer row of T ids per sample
+    along the dim capture proved to hold the samples), and n rows: the attributed samples, in the same order."""
+    try:
+        layer = trace.token_layer(step, positions=T)
+        ids = trace.token_ids(step, positions=T)
+    except ValueError as e:
+        return None, None, str(e).splitlines()[0][:300]
+    if ids.shape[0] != n:
+        return None, None, f"token ids: {layer}'s inputs hold {ids.shape[0]} rows, not the {n} samples attributed"
+    return ids, layer, None
 
 
 def token_texts(decode, ids: list[int]) -> tuple[list[str] | None, str | None]:
