@@ -62,12 +62,16 @@ class Shares:
         return [(int(i), float(v)) for i, v in zip(idx.tolist(), values.tolist())]
 
 
-def shares(trace, name: str | None, step: int | None, method: str | None = None) -> Shares:
+CHECKING = 0.2  # of the progress reported: proving each parameter's factors (the rest: their products)
+
+
+def shares(trace, name: str | None, step: int | None, method: str | None = None, progress=None) -> Shares:
     """The shares of the samples (and positions) in the gradient of the selected step(s): over every parameter
     with an exact per-sample rule (name None), the parameters layer `name` answers for, or parameter `name`.
     method: 'grad' (the product with G, layers/shares.py) or 'gram' (Σ over token pairs, layers/share_gram.py,
     where a parameter's factors are all plain outer products or embedding lookups of one weight; the product
-    elsewhere) forces one; None chooses the cheaper per parameter (share_gram.cheaper)."""
+    elsewhere) forces one; None chooses the cheaper per parameter (share_gram.cheaper). progress: None, or called
+    with the fraction done (0 to 1, by parameter size: about where the time goes) after each parameter."""
     if method not in (None, "grad", "gram"):
         raise ValueError(f"method={method!r}: use None (the cheaper), 'grad' or 'gram'")
     steps = step_indices(trace, step)
@@ -78,8 +82,10 @@ def shares(trace, name: str | None, step: int | None, method: str | None = None)
     odd = {k: set(unbatched(trace, k)) for k in steps}  # once per step: it walks every call
     usable = {k: set(ps.factor_layers(trace, k)) - odd[k] for k in steps}
     counted, parts = [], {}  # parameter name -> [(k, layer, factor)]
+    done = _Progress(progress, selected)
     for pname, p in selected:
         found = _contributions(trace, p, steps, usable, odd, cache)
+        done.add(p, CHECKING)
         if isinstance(found, str):
             left_out[pname] = found
         elif found:
@@ -112,6 +118,7 @@ def shares(trace, name: str | None, step: int | None, method: str | None = None)
             dots = [sh.position_dots(f, G) if _positional(f) else None for f in fs]
             dots = [d if d is not None else sh.sample_dots(f, G).unsqueeze(1) for d, f in zip(dots, fs)]
             unpositioned |= {(pname, h) for (_, h, f) in found if not _positional(f)}
+        done.add(trace.params[pname], 1 - CHECKING)
         for (k, h, f), d in zip(found, dots):
             d = d.to(acc)
             samples[k] = d.sum(1) if samples[k] is None else samples[k] + d.sum(1)
@@ -172,6 +179,19 @@ def position_norms(trace, name: str, step: int | None) -> torch.Tensor:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
+class _Progress:
+    """The fraction of the work done, by the size of the parameters done, reported to `report` (or nothing)."""
+
+    def __init__(self, report, selected: list):
+        self.report, self.done = report, 0.0
+        self.total = float(sum(p.numel() for _, p in selected)) or 1.0
+
+    def add(self, p, weight: float) -> None:
+        if self.report is not None:
+            self.done += weight * p.numel()
+            self.report(min(1.0, self.done / self.total))
+
+
 def _check_kept(trace) -> None:
     if trace.record.norms is not None:
         raise ValueError("capture='norms' streams per-sample norms and keeps no (a, δ): trace with capture='full' "

@@ -32,13 +32,14 @@ MAX_TOKEN_TEXT = 40  # characters of one token's text (a decode function may ret
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trace -> {layer: (Shares, step, note) or error}
 
 
-def shares_view(trace, layer: str, sample: int | None) -> tuple[dict, list[bytes]]:
+def shares_view(trace, layer: str, sample: int | None, progress=None) -> tuple[dict, list[bytes]]:
     """Meta + buffers for the panel: the shares of layer `layer`'s gradient ("" = every parameter counted), and,
     where `sample` is given, that sample's positions and tokens. Raises ValueError (one line) where the trace
-    cannot say (capture='summary', no backward, a layer without parameters)."""
+    cannot say (capture='summary', no backward, a layer without parameters). progress: as t.shares', called only
+    where they are computed (not cached)."""
     if layer and layer not in trace.layers:
         raise KeyError(f"unknown layer {layer[:80]!r}: give a layer name (t.layers) or '' for the whole model")
-    found, step, step_note = _shares(trace, layer)
+    found, step, step_note = _shares(trace, layer, progress)
     n = int(found.samples.shape[0])
     if sample is not None and not 0 <= sample < n:
         raise ValueError(f"sample={sample}: this step has {n} samples (0..{n - 1})")
@@ -181,13 +182,13 @@ def _text(x) -> str:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def _shares(trace, layer: str):
+def _shares(trace, layer: str, progress=None):
     """(Shares, the step they are of or None, a note or None), kept per trace and layer."""
     per_trace = _cache.setdefault(trace, {})
     if layer not in per_trace:
         step, note = _default_step(trace)
         try:
-            per_trace[layer] = (trace.shares(layer or None, step=step), step, note)
+            per_trace[layer] = (trace.shares(layer or None, step=step, progress=progress), step, note)
         except (ValueError, KeyError, TypeError) as e:
             per_trace[layer] = e
     hit = per_trace[layer]
