@@ -319,12 +319,14 @@ def test_the_panel_benchmark_runs_and_writes_its_table(tmp_path):
     import sys
 
     r = subprocess.run([sys.executable, "-m", "benchmarks.shares_panel", "--tiny", "--rounds", "1", "--seq", "16",
-                        "--out", str(tmp_path)], cwd=pathlib.Path(__file__).parent.parent, capture_output=True,
-                       text=True, timeout=600)
+                        "--before", "HEAD", "--out", str(tmp_path)],  # HEAD: in a shallow clone too
+                       cwd=pathlib.Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((tmp_path / "shares_panel.json").read_text())
     assert data["left_out"] == 0 and data["median"]["page_kib"] > 0
-    assert "| opening the panel" in (tmp_path / "shares_panel.md").read_text()
+    assert set(data["versus"]["summary"]) == {"open_wall", "open_cpu", "layer_wall", "layer_cpu"}
+    text = (tmp_path / "shares_panel.md").read_text()
+    assert "| opening the panel" in text and "## Before / after, interleaved in one process" in text
 
 
 class TimeMajor(nn.Module):

@@ -247,8 +247,9 @@ def _contributions(trace, p, steps, usable, odd, cache) -> list | str:
             return f"step {k}: {gap}"
         fs = factors_of(holders)
         key = ("shares: factors complete", id(p), k)  # the record does not change: checked once per trace
+        checked = trace.facts.get(("factors checked", id(p), k, tuple(holders)))  # coverage_gap checked them all
         if key not in trace.facts:
-            trace.facts[key] = bool(fs) and ps._complete(trace, p, fs, k)
+            trace.facts[key] = checked if checked is not None else bool(fs) and ps._complete(trace, p, fs, k)
         if not trace.facts[key]:
             return (f"step {k}: its factors from {', '.join(holders)} do not add up to the .grad the step made (a use "
                     "outside the layers traced, e.g. an excluded layer that shares it; or its .grad was not kept)")

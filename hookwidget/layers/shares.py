@@ -38,8 +38,8 @@ def position_dots(f: Factor, G: torch.Tensor) -> torch.Tensor | None:
     if f.kind == "outer":
         # δ_tᵀ G a_t, multiplied in the order with the narrower product (the same multiply-adds, N·o·i, either
         # way): the output this layer gives its inputs with weight G dotted with δ, (B, T, o) · ((B, T, i) Gᵀ),
-        # or G's transpose applied to δ dotted with the input, ((B, T, o) G) · (B, T, i). GPT-2's tied head
-        # (o = 50257, i = 768) writes 768 floats a token instead of 50257: 0.21 s against 0.37 s.
+        # or G's transpose applied to δ dotted with the input, ((B, T, o) G) · (B, T, i). An LM head of
+        # 50257 × 768 writes 768 floats a token instead of 50257 (512 tokens, 2 CPU cores: 0.21 s against 0.37 s).
         G = G.reshape(D.shape[-1], -1)
         if G.shape[0] > G.shape[1]:
             return torch.linalg.vecdot(torch.matmul(D, G), f.X)

@@ -83,9 +83,10 @@ def static_shares(trace) -> dict:
 
 
 def shares_macs(trace) -> float:
-    """About what the whole model's shares cost: for every call of a layer that holds parameters of its own, its
-    parameters' size times the rows of its input (one product with G per token, layers/shares.py's form; the
-    Gram form is used only where it is cheaper; an embedding gathers one row a token). Read from shapes only."""
+    """About what the whole model's shares cost, at most: for every call of a layer that holds parameters of its
+    own, its parameters' size times the rows of its input (one product with G per token, layers/shares.py's form;
+    an embedding gathers one row a token). The Gram form (layers/share_gram.py) is taken only where it costs less
+    (GPT-2 124M on 4 × 128 tokens: its blocks and its tied head). Read from shapes only."""
     total = 0.0
     for layer in trace.layers.values():
         own = sum(p.numel() for p in layer.module.parameters(recurse=False) if p.requires_grad)
