@@ -11,7 +11,16 @@ in turn:
     page shares    static_shares(t): what to_html adds for the page's panel (live-only past STATIC_MACS), and what
                    inlining it (bar + every strip) would cost
 
-    .venv/bin/python -m benchmarks.shares_panel [--rounds 3] [--tiny] [--out benchmarks/results]
+Before / after (--before COMMIT, default the commit before issue 43's speed-up of the panel; "" skips it): the
+package at COMMIT is imported next to the working tree's in this process (house_ab.materialise) and each round
+opens the panel on a fresh trace of each version in turn (the order reversed every other round), so that the load
+of a shared machine hits both alike: on one thread (torch.set_num_threads(1), as house_ab.py), CPU seconds of this
+process and wall seconds, medians, and the median of the per-round ratios after / before. One thread because on a
+loaded 2-core machine two threads mostly wait for each other (measured at load 8: 12-26 s wall to open the panel at
+2 threads, 3-6 s at one); the table above is at torch's default threads, as a user opens the panel. The load
+average is recorded per round.
+
+    .venv/bin/python -m benchmarks.shares_panel [--rounds 3] [--tiny] [--before COMMIT] [--out benchmarks/results]
 
 Writes shares_panel.{json,md}.
 """
@@ -19,9 +28,13 @@ Writes shares_panel.{json,md}.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
+import pathlib
 import platform
 import statistics
+import tempfile
 import time
 
 import torch
@@ -30,10 +43,12 @@ import hookwidget as hw
 from hookwidget.views import payload
 from hookwidget.views.payload import shares as panel
 
+from .house_ab import _describe, materialise
 from .run import RESULTS, write_results
 
 TINY = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 1000}
 LAYER = "transformer.h.0.mlp.c_fc"
+BEFORE = "5761338"  # the commit before the panel's speed-up (9.1 s to open on GPT-2 124M, measured loaded)
 
 
 def model_and_step(batch: int, seq: int, tiny: bool):
@@ -56,6 +71,26 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def clocked(fn) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of fn()."""
+    w, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w, time.process_time() - c
+
+
+def versus_round(versions: dict, step, order: list) -> dict:
+    """Each version in turn: a fresh trace, then the whole model's shares opened (nothing cached) and one layer's."""
+    row = {name: opened(versions[name], step) for name in order}
+    row["load"] = os.getloadavg()[0]
+    return row
+
+
+def opened(hw_v, step) -> dict:
+    view = importlib.import_module(f"{hw_v.__name__}.views.payload.shares").shares_view
+    t = hw_v.trace(step, budget_mb=float("inf"))
+    return {"open": clocked(lambda: view(t, "", None)), "layer": clocked(lambda: view(t, LAYER, None))}
+
+
 def one_round(step, decode) -> dict:
     t = hw.trace(step, decode=decode, budget_mb=float("inf"))  # fresh: nothing cached on it; every (a, δ) kept
     row = {"summary_s": timed(lambda: payload.summary(t)),
@@ -73,6 +108,7 @@ def one_round(step, decode) -> dict:
     finally:
         panel.STATIC_MACS = bound
     row["macs"] = panel.shares_macs(t)
+    row["load"] = os.getloadavg()[0]
     shares = t.shares()
     row["left_out"], row["params_counted"] = len(shares.left_out), len(shares.params)
     return row
@@ -84,6 +120,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--tiny", action="store_true", help="a 2-block model: a smoke run of the script")
+    ap.add_argument("--before", default=BEFORE, help="the commit to compare opening the panel with ('': none)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     step = model_and_step(args.batch, args.seq, args.tiny)
@@ -91,28 +128,76 @@ def main() -> None:
     vocab = [f"t{i}" for i in range(50257)]
     rows = [one_round(step, lambda i: vocab[i]) for _ in range(args.rounds)]
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "page_live_only"}
+    fastest = {k: min(r[k] for r in rows) for k in rows[0] if k.endswith("_s")}  # load only ever adds time
     results = {"model": "GPT-2 124M" if not args.tiny else "GPT-2 tiny", "batch": args.batch, "seq": args.seq,
-               "rounds": rows, "median": med, "threads": torch.get_num_threads(), "platform": platform.platform(),
+               "rounds": rows, "median": med, "fastest": fastest, "threads": torch.get_num_threads(),
+               "platform": platform.platform(),
                "left_out": rows[-1]["left_out"], "params_counted": rows[-1]["params_counted"],
                "static_macs": panel.STATIC_MACS}
+    if args.before:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the work, not the wait: see the docstring
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                versions = {"before": materialise(args.before, pathlib.Path(tmp)), "after": hw}
+                ab = [versus_round(versions, step, ["before", "after"] if r % 2 == 0 else ["after", "before"])
+                      for r in range(args.rounds)]
+        finally:
+            torch.set_num_threads(threads)
+        results["versus"] = {"before": _describe(args.before), "after": _describe("HEAD"), "rounds": ab,
+                             "summary": versus_summary(ab)}
     write_results(results, args.out, "shares_panel", markdown)
 
 
+def versus_summary(ab: list) -> dict:
+    """Per what (open, layer) and clock (wall, cpu): medians of each version and of the per-round ratios."""
+    out = {}
+    for what in ("open", "layer"):
+        for i, clock in enumerate(("wall", "cpu")):
+            b = [r["before"][what][i] for r in ab]
+            a = [r["after"][what][i] for r in ab]
+            ratios = [x / y for x, y in zip(a, b)]
+            out[f"{what}_{clock}"] = {"before": statistics.median(b), "after": statistics.median(a),
+                                      "ratio": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
+    return out
+
+
 def markdown(r: dict) -> str:
-    m = r["median"]
+    m, f = r["median"], r.get("fastest") or r["median"]
+    loads = ", ".join(f"{x['load']:.1f}" for x in r["rounds"] if "load" in x) or "not recorded"
     lines = [f"# The explorer's shares panel: {r['model']}, batch {r['batch']} × {r['seq']} tokens, CPU "
              f"({r['threads']} threads)", "",
-             f"Medians of {len(r['rounds'])} rounds; {r['params_counted']} parameters counted, "
-             f"{r['left_out']} left out.",
-             "", "| what | seconds |", "|---|---|",
-             f"| payload.summary (the paint; the panel adds nothing to it) | {m['summary_s']:.3f} |",
-             f"| opening the panel: the whole model's shares, first time | {m['open_s']:.3f} |",
-             f"| clicking a sample: its strip and tokens' text (shares cached) | {m['click_s']:.3f} |",
-             f"| opening it on one layer ({LAYER}), first time | {m['layer_s']:.3f} |",
+             f"{len(r['rounds'])} rounds, wall seconds; {r['params_counted']} parameters counted, "
+             f"{r['left_out']} left out. Load average (1 min) per round: {loads} (2 cores: above 2, other processes "
+             "hold them, and two threads mostly wait on each other; the one-thread comparison below measures the "
+             "work).", "", "| what | median | fastest round |", "|---|---|---|",
+             f"| payload.summary (the paint; the panel adds nothing to it) | {m['summary_s']:.3f} | "
+             f"{f['summary_s']:.3f} |",
+             f"| opening the panel: the whole model's shares, first time | {m['open_s']:.3f} | {f['open_s']:.3f} |",
+             f"| clicking a sample: its strip and tokens' text (shares cached) | {m['click_s']:.3f} | "
+             f"{f['click_s']:.3f} |",
+             f"| opening it on one layer ({LAYER}), first time | {m['layer_s']:.3f} | {f['layer_s']:.3f} |",
              f"| what to_html adds ({'live-only: ' if r['rounds'][-1]['page_live_only'] else ''}{m['macs']:.1e} "
-             f"multiply-adds, bound {r['static_macs']:.0e}) | {m['page_s']:.3f} |",
-             f"| what inlining the bar and every strip would add | {m['page_inlined_s']:.3f} |",
+             f"multiply-adds, bound {r['static_macs']:.0e}) | {m['page_s']:.3f} | {f['page_s']:.3f} |",
+             f"| what inlining the bar and every strip would add | {m['page_inlined_s']:.3f} | "
+             f"{f['page_inlined_s']:.3f} |",
              "", f"The inlined panel data would be {m['page_kib']:.0f} KiB of JSON.", ""]
+    v = r.get("versus")
+    if v:
+        loads = ", ".join(f"{x['load']:.1f}" for x in v["rounds"])
+        lines += ["## Before / after, interleaved in one process", "",
+                  f"before: `{v['before']}`; after: `{v['after']}`. One thread; {len(v['rounds'])} rounds, each a "
+                  "fresh trace of each version in turn (order reversed every other round); load average (1 min) per "
+                  "round: "
+                  f"{loads}. after / before: median of the per-round ratios, with their range.", "",
+                  "| what | clock | before (s) | after (s) | after / before | per round |", "|---|---|---|---|---|---|"]
+        for key, label in (("open", "opening the panel: whole model, first time"),
+                           ("layer", f"opening it on one layer ({LAYER}), first time")):
+            for clock in ("wall", "cpu"):
+                x = v["summary"][f"{key}_{clock}"]
+                lines.append(f"| {label} | {clock} | {x['before']:.3f} | {x['after']:.3f} | **{x['ratio']:.3f}** | "
+                             f"{x['range'][0]:.3f}–{x['range'][1]:.3f} |")
+        lines.append("")
     return "\n".join(lines)
 
 

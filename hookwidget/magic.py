@@ -102,6 +102,8 @@ class HookTraceMagics(Magics):
         except BaseException as e:
             e.__traceback__ = _from_cell(e.__traceback__, code)
             raise  # the same exception, its cause and context kept
+        if options.decode is not None:
+            _check_token_ids(t)
         if args.no_widget:
             print(repr(t))
         else:
@@ -149,6 +151,18 @@ def _options(args, ns: dict) -> Options:
         return Options.from_kwargs(**given)
     except (TypeError, ValueError) as e:
         raise UsageError(f"%%hooktrace: {e}") from None
+
+
+def _check_token_ids(t) -> None:
+    """--decode turns token ids into text: where t.token_ids() finds none to turn (no embedding, or several that
+    qualify), say so in one line as the cell ends, not only when the explorer's shares panel is opened."""
+    if not t.steps:
+        return
+    try:
+        t.token_ids(step=-1)  # the last step's: one call a step proves the layer
+    except ValueError as e:
+        first = str(e).splitlines()[0][:300]
+        print(f"%%hooktrace --decode: {first} (in the magic: --token-layer NAME)", file=sys.stderr)
 
 
 def _models(names, ns):

@@ -194,10 +194,27 @@ def test_gram_form_equals_product_form(gpt):
     by_gram = attribution.shares(t, "fc", None, method="gram")
     assert torch.allclose(by_g.samples, by_gram.samples, atol=1e-10)
     assert torch.allclose(by_g.positions, by_gram.positions, atol=1e-10)
-    assert torch.allclose(attribution.shares(t, "wte", None, method="gram").samples,  # the product form there
+    assert torch.allclose(attribution.shares(t, "wte", None, method="gram").samples,  # tied head + embedding
                           attribution.shares(t, "wte", None, method="grad").samples, atol=1e-10)
     with pytest.raises(ValueError, match="method="):
         attribution.shares(t, None, None, method="ghost")
+
+
+def test_gram_form_in_blocks_matches_loops(gpt, monkeypatch):
+    """The Gram form wherever it applies (the tied head and embedding, wpe, fc, proj), in blocks of 3 of the 20
+    tokens (the symmetric path, a ragged block), against autograd's per-sample loops and hand-built positions."""
+    from hookwidget.analysis import attribution
+    from hookwidget.layers import share_gram
+
+    monkeypatch.setattr(share_gram, "BLOCK", 3)
+    model, idx, y = gpt
+    t = trace_step(model, gpt_loss, idx, y)
+    s = attribution.shares(t, None, None, method="gram")
+    want, _, _ = ref_shares(loop_grads(model, gpt_loss, idx, y, GPT_PARAMS))
+    assert torch.allclose(s.samples, want, atol=1e-10)
+    pos, total, _ = gpt_position_refs(model, idx, y)
+    assert torch.allclose(s.positions, pos / total, atol=1e-10)
+    assert abs(s.total_sq - float(total)) <= 1e-9 * float(total)
 
 
 def test_tied_weight_shares_count_both_layers(gpt):

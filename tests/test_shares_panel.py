@@ -230,6 +230,34 @@ def test_the_widget_answers_a_shares_request_and_refuses_bad_ones():
         validate({"type": "shares", "request_id": "r", "layer": 3, "sample": -1})
 
 
+def test_a_slow_shares_request_reports_its_progress_before_its_reply(monkeypatch):
+    from hookwidget.views import widget
+
+    _, _, _, t = setup()
+    w = HookWidget(t)
+    sent = []
+    w.send = lambda msg, buffers=None: sent.append(msg)
+    monkeypatch.setattr(widget._ShareProgress, "AFTER_S", 0.0)  # as if every parameter took seconds
+    monkeypatch.setattr(widget._ShareProgress, "EVERY_S", 0.0)
+    w._on_msg(w, {"type": "shares", "request_id": "r1", "layer": "", "sample": -1}, [])
+    running = [m for m in sent if m["type"] == "status"]
+    assert sent[-1]["type"] == "shares" and len(running) == 2 * len(t.shares().params)  # checked, then computed
+    for m in running:
+        check("reply_status", m)
+    fractions = [m["fraction"] for m in running]
+    assert fractions == sorted(fractions) and 0 < fractions[0] and fractions[-1] == 1.0
+    assert running[-1]["request_id"] == "r1" and running[-1]["text"] == "computing the shares: 100%"
+    sent.clear()
+    w._on_msg(w, {"type": "shares", "request_id": "r2", "layer": "", "sample": 1}, [])
+    assert [m["type"] for m in sent] == ["shares"]  # kept: no progress to report
+    monkeypatch.setattr(widget._ShareProgress, "AFTER_S", 60.0)
+    sent.clear()
+    w._on_msg(w, {"type": "shares", "request_id": "r3", "layer": "fc", "sample": -1}, [])
+    assert [m["type"] for m in sent] == ["shares"]  # under AFTER_S: the answer alone
+    with pytest.raises(TypeError, match="progress=1: pass a function"):
+        t.shares(progress=1)
+
+
 def test_the_standalone_page_carries_the_default_view_within_bounds(monkeypatch):
     _, idx, _, t = setup(decode=lambda i: VOCAB[i])
     page = panel.static_shares(t)
@@ -291,12 +319,14 @@ def test_the_panel_benchmark_runs_and_writes_its_table(tmp_path):
     import sys
 
     r = subprocess.run([sys.executable, "-m", "benchmarks.shares_panel", "--tiny", "--rounds", "1", "--seq", "16",
-                        "--out", str(tmp_path)], cwd=pathlib.Path(__file__).parent.parent, capture_output=True,
-                       text=True, timeout=600)
+                        "--before", "HEAD", "--out", str(tmp_path)],  # HEAD: in a shallow clone too
+                       cwd=pathlib.Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((tmp_path / "shares_panel.json").read_text())
     assert data["left_out"] == 0 and data["median"]["page_kib"] > 0
-    assert "| opening the panel" in (tmp_path / "shares_panel.md").read_text()
+    assert set(data["versus"]["summary"]) == {"open_wall", "open_cpu", "layer_wall", "layer_cpu"}
+    text = (tmp_path / "shares_panel.md").read_text()
+    assert "| opening the panel" in text and "## Before / after, interleaved in one process" in text
 
 
 class TimeMajor(nn.Module):

@@ -27,7 +27,9 @@ from hookwidget.analysis import per_sample as ps
 from hookwidget.analysis.batches import check_batched, unbatched
 from hookwidget.analysis.facts import answering_holders, owned_params, step_indices
 from hookwidget.layers import factors as fx
+from hookwidget.layers import share_gram
 from hookwidget.layers import shares as sh
+from hookwidget.layers.float64_sums import squared_norm
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,16 @@ class Shares:
         return [(int(i), float(v)) for i, v in zip(idx.tolist(), values.tolist())]
 
 
-def shares(trace, name: str | None, step: int | None, method: str | None = None) -> Shares:
+CHECKING = 0.2  # of the progress reported: proving each parameter's factors (the rest: their products)
+
+
+def shares(trace, name: str | None, step: int | None, method: str | None = None, progress=None) -> Shares:
     """The shares of the samples (and positions) in the gradient of the selected step(s): over every parameter
     with an exact per-sample rule (name None), the parameters layer `name` answers for, or parameter `name`.
-    method: 'grad' (the product with G) or 'gram' (Σ over token pairs, where a parameter's factors are all plain
-    outer products; the product elsewhere) forces one; None chooses the cheaper per parameter (layers/shares.py)."""
+    method: 'grad' (the product with G, layers/shares.py) or 'gram' (Σ over token pairs, layers/share_gram.py,
+    where a parameter's factors are all plain outer products or embedding lookups of one weight; the product
+    elsewhere) forces one; None chooses the cheaper per parameter (share_gram.cheaper). progress: None, or called
+    with the fraction done (0 to 1, by parameter size: about where the time goes) after each parameter."""
     if method not in (None, "grad", "gram"):
         raise ValueError(f"method={method!r}: use None (the cheaper), 'grad' or 'gram'")
     steps = step_indices(trace, step)
@@ -72,10 +79,13 @@ def shares(trace, name: str | None, step: int | None, method: str | None = None)
     selected, placed, asked = _select(trace, name, step, steps)
     left_out, notes = {}, []
     cache: dict = {}
-    usable = {k: set(ps.factor_layers(trace, k)) - set(unbatched(trace, k)) for k in steps}
+    odd = {k: set(unbatched(trace, k)) for k in steps}  # once per step: it walks every call
+    usable = {k: set(ps.factor_layers(trace, k)) - odd[k] for k in steps}
     counted, parts = [], {}  # parameter name -> [(k, layer, factor)]
+    done = _Progress(progress, selected)
     for pname, p in selected:
-        found = _contributions(trace, p, steps, usable, cache)
+        found = _contributions(trace, p, steps, usable, odd, cache)
+        done.add(p, CHECKING)
         if isinstance(found, str):
             left_out[pname] = found
         elif found:
@@ -97,17 +107,18 @@ def shares(trace, name: str | None, step: int | None, method: str | None = None)
     unpositioned = set()
     for pname, found in parts.items():
         fs = [f for _, _, f in found]
-        if (method == "gram" and sh.gram_applies(fs)) or (method is None and sh.gram_cheaper(fs)):
-            dots = sh.gram_position_dots(fs)
+        if (method == "gram" and share_gram.applies(fs)) or (method is None and share_gram.cheaper(fs)):
+            dots = share_gram.position_dots(fs)
             total += float(sum(d.sum(dtype=acc) for d in dots))
         else:
             G = _made(trace, pname, {k for k, _, _ in found})
             if G is None:
                 G = sum(fx.summed_grad(f) for f in fs)
-            total += float(torch.linalg.vector_norm(G.reshape(-1), dtype=acc).square())  # no float64 copy of G
+            total += squared_norm(G)  # in float64, piece by piece: no float64 copy of G
             dots = [sh.position_dots(f, G) if _positional(f) else None for f in fs]
             dots = [d if d is not None else sh.sample_dots(f, G).unsqueeze(1) for d, f in zip(dots, fs)]
             unpositioned |= {(pname, h) for (_, h, f) in found if not _positional(f)}
+        done.add(trace.params[pname], 1 - CHECKING)
         for (k, h, f), d in zip(found, dots):
             d = d.to(acc)
             samples[k] = d.sum(1) if samples[k] is None else samples[k] + d.sum(1)
@@ -168,6 +179,19 @@ def position_norms(trace, name: str, step: int | None) -> torch.Tensor:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
+class _Progress:
+    """The fraction of the work done, by the size of the parameters done, reported to `report` (or nothing)."""
+
+    def __init__(self, report, selected: list):
+        self.report, self.done = report, 0.0
+        self.total = float(sum(p.numel() for _, p in selected)) or 1.0
+
+    def add(self, p, weight: float) -> None:
+        if self.report is not None:
+            self.done += weight * p.numel()
+            self.report(min(1.0, self.done / self.total))
+
+
 def _check_kept(trace) -> None:
     if trace.record.norms is not None:
         raise ValueError("capture='norms' streams per-sample norms and keeps no (a, δ): trace with capture='full' "
@@ -205,15 +229,14 @@ def _select(trace, name, step, steps) -> tuple[list, set | None, str | None]:
     return [(names[id(p)], p) for p in owned.values() if id(p) in names], {name}, None
 
 
-def _contributions(trace, p, steps, usable, cache) -> list | str:
+def _contributions(trace, p, steps, usable, odd, cache) -> list | str:
     """[(step, layer, factor)] of every layer that uses p in the selected steps, or why p is left out."""
     out = []
     for k in steps:
         holders = [h for h in answering_holders(trace, p) if any(c.step == k for c in trace.layers[h].calls)]
         if not holders:
             continue
-        odd = set(unbatched(trace, k))
-        reasons = {h: None if h in usable[k] else (ps._layer_reason(trace, h, k, odd, False) or
+        reasons = {h: None if h in usable[k] else (ps._layer_reason(trace, h, k, odd[k], False) or
                                                     "no exact per-sample rule in this step") for h in holders}
 
         def factors_of(ok, k=k):
@@ -224,8 +247,9 @@ def _contributions(trace, p, steps, usable, cache) -> list | str:
             return f"step {k}: {gap}"
         fs = factors_of(holders)
         key = ("shares: factors complete", id(p), k)  # the record does not change: checked once per trace
+        checked = trace.facts.get(("factors checked", id(p), k, tuple(holders)))  # coverage_gap checked them all
         if key not in trace.facts:
-            trace.facts[key] = bool(fs) and ps._complete(trace, p, fs, k)
+            trace.facts[key] = checked if checked is not None else bool(fs) and ps._complete(trace, p, fs, k)
         if not trace.facts[key]:
             return (f"step {k}: its factors from {', '.join(holders)} do not add up to the .grad the step made (a use "
                     "outside the layers traced, e.g. an excluded layer that shares it; or its .grad was not kept)")

@@ -218,6 +218,7 @@ def coverage_gap(trace, p, k: int, reasons: dict, factors_of) -> str | None:
             trace.facts[key] = True  # exact rules on every holder; checked below only where the check is cheap
         else:  # a parameter also used outside its holders' calls (F.linear(x, emb.weight) in a parent) fails here
             trace.facts[key] = bool(fs) and _complete(trace, p, fs, k)
+            trace.facts[("factors checked", id(p), k, tuple(ok))] = trace.facts[key]  # proved, not assumed
     if trace.facts[key]:
         return None
     return "; ".join(bad) or (f"its .grad in step {k} is more than what {', '.join(ok)} give: its gradient also "

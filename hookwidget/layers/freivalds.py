@@ -16,6 +16,8 @@ import functools
 
 import torch
 
+from hookwidget.layers.float64_sums import squared_norm
+
 TOLERANCE = 3e-5  # of the magnitudes that enter the products
 
 
@@ -57,10 +59,10 @@ def of_factor(f, U: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.
 def of_grad(W: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
             norm: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(uᵀ W v for the two directions, a bound of the magnitudes that entered it: ‖u‖‖W‖_F‖v‖). `norm`: ‖W‖_F where
-    the caller has it (a float64 norm of a large CPU tensor is a full-size float64 copy first)."""
+    the caller has it (else float64_sums' piecewise float64 sum: no full-size float64 copy)."""
     got = ((U.T.to(W.dtype) @ W).double() * V.T).sum(1)
     if norm is None:
-        norm = float(torch.linalg.vector_norm(W, dtype=torch.float64))
+        norm = squared_norm(W) ** 0.5
     return got, U.norm(dim=0) * V.norm(dim=0) * norm
 
 

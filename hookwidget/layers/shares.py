@@ -6,7 +6,7 @@ G_b = Σ_t δ_t a_tᵀ, so a position's part is δ_tᵀ G a_t: the output the la
 dotted with δ_t. That costs one product with G (the .grad the step recorded; about what W.grad costs), and no
 per-sample gradient is built.
 The Gram form Σ_{t'} (δ_t·δ_t')(a_t·a_t') over every token t' of the step needs no G but N² pairs for N tokens:
-`gram_cheaper` says when it is the cheaper (as layers/cost.py does for the norms).
+layers/share_gram.py, and it says when it is the cheaper (as layers/cost.py does for the norms).
 
 Per kind (base.KINDS), with G shaped as the parameter:
     outer    rowwise((D G) · X)       a convolution: (conv(a; weight = G) · δ) summed over channels, per position
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from hookwidget.layers import cost
 from hookwidget.layers.base import KINDS, ConvCall, ConvCalls, Factor, batch_dot
 
 POSITIONAL = ("outer", "onehot", "diag", "sum", "conv")
@@ -37,9 +36,10 @@ def position_dots(f: Factor, G: torch.Tensor) -> torch.Tensor | None:
         return _conv_dots(f.conv, G.reshape(f.shape))
     D = f.D
     if f.kind == "outer":
-        # the output this layer gives its inputs with weight G, dotted with δ: (B, T, o) · ((B, T, i) Gᵀ), or
-        # as (δ G) · a where the input side is the narrower: the same products, a smaller intermediate to sweep
-        # (an LM head's (B, T, d) instead of (B, T, V): half the time there)
+        # δ_tᵀ G a_t, multiplied in the order with the narrower product (the same multiply-adds, N·o·i, either
+        # way): the output this layer gives its inputs with weight G dotted with δ, (B, T, o) · ((B, T, i) Gᵀ),
+        # or G's transpose applied to δ dotted with the input, ((B, T, o) G) · (B, T, i). An LM head of
+        # 50257 × 768 writes 768 floats a token instead of 50257 (512 tokens, 2 CPU cores: 0.21 s against 0.37 s).
         G = G.reshape(D.shape[-1], -1)
         if G.shape[0] > G.shape[1]:
             return torch.linalg.vecdot(torch.matmul(D, G), f.X)
@@ -86,32 +86,3 @@ def position_sq_norms(f: Factor) -> torch.Tensor | None:
     if f.kind == "diag":
         return (f.D * f.X).square().sum(-1)
     return d2
-
-
-# -- the Gram form, where it is the cheaper --------------------------------------------------------------------
-def gram_applies(fs: list) -> bool:
-    """Whether the Gram form exists for one parameter's contributions: all plain outer factors with their inputs
-    at hand (Linear-like; a convolution's would be unfolded)."""
-    return bool(fs) and all(f.kind == "outer" and f.conv is None and f.D.dim() == 3 for f in fs)
-
-
-def gram_cheaper(fs: list) -> bool:
-    """Whether the Gram form (N² token pairs over all N tokens of the contributions, N²·(d_in + d_out + M)) costs
-    less than the product with G (the .grad the step recorded: one product per token, N·d_in·d_out), where it
-    applies: only for few tokens against wide layers."""
-    if not gram_applies(fs):
-        return False
-    n = sum(f.D.shape[0] * f.D.shape[1] for f in fs)
-    d_out, d_in = fs[0].D.shape[-1], fs[0].X.shape[-1]
-    return n * (d_in + d_out + cost.MEMORY) < d_in * d_out
-
-
-def gram_position_dots(fs: list, chunk: int = 1024) -> list[torch.Tensor]:
-    """Per factor of `fs` (plain outer factors of one parameter, any steps), (B, T) ⟨G_{b,t}, G⟩ with
-    G = Σ over all their tokens of δ aᵀ, by Σ_{t'} (δ_t·δ_t')(a_t·a_t'), in row chunks (memory chunk × N)."""
-    D = torch.cat([f.D.reshape(-1, f.D.shape[-1]) for f in fs])
-    X = torch.cat([f.X.reshape(-1, f.X.shape[-1]) for f in fs])
-    rows = torch.cat([torch.linalg.vecdot(D[i:i + chunk] @ D.T, X[i:i + chunk] @ X.T)
-                      for i in range(0, D.shape[0], chunk)])
-    sizes = [f.D.shape[0] * f.D.shape[1] for f in fs]
-    return [r.reshape(f.D.shape[0], f.D.shape[1]) for r, f in zip(rows.split(sizes), fs)]

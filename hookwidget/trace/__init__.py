@@ -36,11 +36,12 @@ from hookwidget.trace.arguments import (
     with_weight,
 )
 from hookwidget.trace.shares import ShareQueries
+from hookwidget.trace.tokens import TokenQueries
 
 __all__ = ["Layer", "Step", "Trace"]
 
 
-class Trace(ShareQueries):
+class Trace(ShareQueries, TokenQueries):
     """What one run of your code showed: layers and their calls, steps, the graph, gradients, notes.
 
     `hw.trace`, `hw.tracing` and `hw.load` make one, and so does a watch's `w.trace(k)`; you do not construct it.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from hookwidget.layers import registry
+from hookwidget.options import shown
 from hookwidget.trace.arguments import boundary, check_step, reduction_scale, trainable
 
 
@@ -13,7 +14,7 @@ class ShareQueries:
     """The methods of `Trace` that split a step's gradient over its samples and positions (`Trace` inherits them)."""
 
     @boundary
-    def shares(self, name: str | None = None, step: int | None = None):
+    def shares(self, name: str | None = None, step: int | None = None, *, progress=None):
         """Each sample's share s_b = ⟨G_b, G⟩ / ‖G‖² of the step's gradient G, and each position's.
 
         Exact and additive: the samples' shares sum to 1, and a negative one pulled against the step. A sample's
@@ -25,6 +26,8 @@ class ShareQueries:
         - `name`: a layer (the parameters it answers for), a parameter (`t.params`), or None (default): every
           parameter with an exact per-sample rule (`.left_out` names the rest, and why).
         - `step`: as `per_sample_grads`' (under accumulation, None takes every micro-batch).
+        - `progress`: None, or a function called with the fraction done (0 to 1) after each parameter: the
+          explorer's panel shows it where a big model's shares take over half a second.
 
         Returns:
 
@@ -35,7 +38,7 @@ class ShareQueries:
 
         Raises:
 
-        - `TypeError`: `name` is not a string.
+        - `TypeError`: `name` is not a string, or `progress` is not callable.
         - `KeyError`: no such layer.
         - `ValueError`: no parameter with exact per-sample gradients among those asked, a step's gradient of zero,
           a trace that kept no (a, δ) (`capture="norms"` or `"summary"`), or a bad `step`.
@@ -50,8 +53,11 @@ class ShareQueries:
         """
         from hookwidget.analysis import attribution
 
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress={shown(progress)}: pass a function of the fraction done, e.g. "
+                            "progress=lambda f: print(f'{f:.0%}'), or None")
         with registry.memo():
-            return attribution.shares(self, name, check_step(self, step))
+            return attribution.shares(self, name, check_step(self, step), progress=progress)
 
     @boundary
     def sample_shares(self, name: str | None = None, step: int | None = None) -> torch.Tensor:

@@ -157,7 +157,7 @@ class HookWidget(anywidget.AnyWidget):
         from hookwidget.views.payload.shares import shares_view
 
         sample = msg["sample"] if msg["sample"] >= 0 else None
-        meta, buffers = shares_view(self.trace, msg["layer"], sample)
+        meta, buffers = shares_view(self.trace, msg["layer"], sample, _ShareProgress(self, msg["request_id"]))
         self.send({"type": "shares", "request_id": msg["request_id"], "layer": msg["layer"], "meta": meta}, buffers)
 
     def _do_add_hook(self, msg: dict) -> None:
@@ -217,6 +217,26 @@ class HookWidget(anywidget.AnyWidget):
 
     def _status(self, request_id, state: str, text: str) -> None:
         self.send({"type": "status", "request_id": request_id, "state": state, "text": text})
+
+
+class _ShareProgress:
+    """How far the shares are: a "running" status with the fraction done, where they take more than AFTER_S
+    seconds (a small model's answer comes before any), then at most one every EVERY_S seconds. The kernel sends it
+    while it computes (a comm message goes out at once); the panel shows it in place of its "computing" line."""
+
+    AFTER_S, EVERY_S = 0.5, 0.25
+
+    def __init__(self, widget, request_id):
+        self.widget, self.request_id = widget, request_id
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, fraction: float) -> None:
+        now = time.perf_counter()
+        if now - self.start < self.AFTER_S or now - self.last < self.EVERY_S:
+            return
+        self.last = now
+        self.widget.send({"type": "status", "request_id": self.request_id, "state": "running",
+                          "text": f"computing the shares: {fraction:.0%}", "fraction": round(fraction, 3)})
 
 
 def reply_id(content):

@@ -205,6 +205,7 @@ export function render({ model, el, nonce }) {
       return;
     }
     if (msg.type === "trace") { if (!req) applyTrace(msg); return; } // no request: a rerun started elsewhere
+    if (msg.type === "status" && msg.state === "running" && shares.progress(msg.request_id, msg.fraction, msg.text)) return;
     // A status: progress, a command's "done" (its error stays beside its control), or one no request awaits
     // (a rerun's closing "done", an error for a lost request).
     if (msg.type === "status" && (!req || msg.state !== "error")) status.set(msg.state, msg.text);

@@ -32,6 +32,7 @@ const CSS = `
 .hw-token.strong { color: #fff; }
 .hw-shares-note { color: var(--hw-dim); margin: 2px 0; }
 .hw-shares-error { color: #dc2626; }
+.hw-shares-progress { width: min(320px, 100%); height: 8px; }
 `;
 
 const WHOLE = "whole model";
@@ -46,6 +47,7 @@ export function createSharesPanel({ request, nonce }) {
   let sample = null; // the selected sample, per scope
   let token = 0; // bumps on every load: a reply for an older one is dropped
   let current = null; // the key on screen or being asked for: opening the panel twice asks once
+  let asked = null; // the request_id of the request awaited: its progress shows in place of "computing"
   const cache = new Map(); // `${scope}\u0000${sample}` -> decoded reply
 
   el.addEventListener("toggle", () => { if (el.open) load(); });
@@ -62,8 +64,11 @@ export function createSharesPanel({ request, nonce }) {
     const mine = ++token;
     let got = cache.get(key);
     if (!got) {
-      body.replaceChildren(h("div", { class: "hw-shares-note", text: "computing the shares…" }));
-      const r = await request(sharesRequest(scope, sample ?? -1));
+      body.replaceChildren(h("div", { class: "hw-shares-note", "data-testid": "shares-computing", text: "computing the shares…" }));
+      const msg = sharesRequest(scope, sample ?? -1);
+      asked = msg.request_id;
+      const r = await request(msg);
+      if (asked === msg.request_id) asked = null;
       if (mine !== token) return;
       if (!r.ok) { current = null; body.replaceChildren(h("div", { class: "hw-shares-error", "data-testid": "shares-error", text: r.text })); return; }
       try { got = decodeShares(r.msg.meta, r.buffers); } catch (e) {
@@ -87,6 +92,15 @@ export function createSharesPanel({ request, nonce }) {
       setTitle();
       current = null;
       if (el.open) load(); else body.replaceChildren();
+    },
+    /** A "running" status of the request this panel awaits (the kernel's fraction done, where the shares take
+     * over half a second): shown as a progress bar in place of the "computing" line. False: not this panel's. */
+    progress(requestId, fraction, text) {
+      if (requestId === undefined || requestId !== asked) return false;
+      const bar = h("progress", { class: "hw-shares-progress", "data-testid": "shares-progress", max: "1" });
+      if (typeof fraction === "number" && Number.isFinite(fraction)) bar.value = Math.min(1, Math.max(0, fraction));
+      body.replaceChildren(h("div", { class: "hw-shares-note", "data-testid": "shares-computing", text }), bar);
+      return true;
     },
     /** A new trace (a rerun): every cached answer is stale. */
     reset() { cache.clear(); sample = null; token++; current = null; if (el.open) load(); else body.replaceChildren(); },

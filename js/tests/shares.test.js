@@ -60,6 +60,29 @@ describe("shares panel", () => {
     expect(el.querySelector('[data-testid="shares-title"]').textContent).toMatch(/· whole model$/);
   });
 
+  it("shows the kernel's progress of its own request in the panel, then the answer", async () => {
+    const { el, model } = mount();
+    const panel = el.querySelector('[data-testid="shares"]');
+    panel.open = true;
+    panel.dispatchEvent(new Event("toggle"));
+    const rid = model.sent.at(-1).request_id;
+    expect(el.querySelector('[data-testid="shares-computing"]').textContent).toBe("computing the shares…");
+    const running = { type: "status", request_id: rid, state: "running", text: "computing the shares: 40%", fraction: 0.4 };
+    expect(errorsOf("reply_status", running)).toEqual([]);
+    model.emit("msg:custom", running);
+    const bar = el.querySelector('[data-testid="shares-progress"]');
+    expect(bar.value).toBeCloseTo(0.4);
+    expect(el.querySelector('[data-testid="shares-computing"]').textContent).toBe("computing the shares: 40%");
+    model.emit("msg:custom", { ...running, request_id: "someone-else", text: "rerunning", fraction: 0.9 });
+    expect(el.querySelector('[data-testid="shares-progress"]').value).toBeCloseTo(0.4); // not this panel's
+    model.emit("msg:custom", ...sharesFixture(rid));
+    await tick();
+    expect(el.querySelector('[data-testid="shares-progress"]')).toBeNull();
+    expect(el.querySelectorAll('[data-testid="share-bar"]').length).toBe(3);
+    model.emit("msg:custom", { ...running, fraction: 1 }); // a late one, after the answer: ignored
+    expect(el.querySelector('[data-testid="shares-progress"]')).toBeNull();
+  });
+
   it("sorts the bar largest first, signed: a negative share is drawn on the left", () => {
     const [msg, buffers] = sharesFixture("r1");
     const root = document.createElement("div");

@@ -112,3 +112,40 @@ def test_the_live_widget_answers_the_panel_from_the_kernel_in_jupyterlab(browser
                 assert shell.locator('[data-testid="token-strip"] b').count() == 0
                 shell.locator('[data-testid="shares"]').scroll_into_view_if_needed()
                 page.screenshot(path=str(img_dir / f"shares_lab_{width}.png"))
+
+
+LAB_SLOW = """\
+import time
+from hookwidget.views import widget as _widget
+_widget._ShareProgress.AFTER_S = _widget._ShareProgress.EVERY_S = 0.0  # report from the first parameter on
+_report = _widget._ShareProgress.__call__
+def _slowly(self, fraction):  # as if each parameter took a big model's time
+    _report(self, fraction)
+    time.sleep(0.15)
+_widget._ShareProgress.__call__ = _slowly
+t"""
+
+
+def test_the_panel_shows_the_kernels_progress_while_it_computes_in_jupyterlab(browser, tmp_path, img_dir):
+    """While the kernel computes the shares (kept busy by a slowed progress report), its "running" statuses reach the
+    panel through the comm before the answer: a progress bar that fills, then the bar of samples."""
+    from browser_session import notebook, run_cell
+    from lab_server import jupyter, write_notebook
+
+    write_notebook(tmp_path / "progress.ipynb", [LAB_SETUP, LAB_TRACE, LAB_SLOW])
+    with jupyter(tmp_path, "lab", "LabApp") as (base, token):
+        with notebook(browser, f"{base}/lab/tree/progress.ipynb?token={token}", 1100, 1000,
+                      failure=img_dir / "shares_progress_failure.png") as page:
+            for i in range(3):
+                run_cell(page, i)
+            shell = page.locator(".hw-shell").last
+            shell.locator('[data-testid="shares-title"]').click()
+            progress = shell.locator('[data-testid="shares-progress"]')
+            progress.wait_for(timeout=60_000)
+            page.wait_for_function("() => { const p = [...document.querySelectorAll('[data-testid=shares-progress]')]"
+                                   ".at(-1); return p && p.value > 0.3; }", timeout=60_000)
+            assert shell.locator('[data-testid="shares-computing"]').inner_text().startswith("computing the shares: ")
+            shell.locator('[data-testid="shares"]').scroll_into_view_if_needed()
+            page.screenshot(path=str(img_dir / "shares_progress_1100.png"))
+            shell.locator('[data-testid="share-bar"]').first.wait_for(timeout=60_000)
+            assert progress.count() == 0 and shell.locator('[data-testid="share-bar"]').count() == 4

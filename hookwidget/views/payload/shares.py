@@ -5,9 +5,10 @@ Why on request and not in the summary: the shares cost about what ghost norms co
 opened must not slow the explorer's first paint; they are computed when the panel is opened (or a sample is
 clicked) and kept per trace and layer, so clicking samples reuses them.
 
-Token ids are the input of an nn.Embedding: the one named by the `token_layer` option, else the only one whose
-input holds, in every step, one (samples, T) integer row per sample of the attributed samples and positions
-(shapes proved equal, so its position t is the strip's position t). The text comes from the `decode` option
+Token ids are what `t.token_ids()` proves them to be (analysis/tokens.py): the input of the nn.Embedding the
+`token_layer` option names, else of the only one whose input holds, in every step, one integer row of the strip's
+T positions per sample along the proven samples dim; and as many rows as the attributed samples (so its position
+t is the strip's position t). The text comes from the `decode` option
 (a function or a tokenizer: user code), sent as text; the front-end never parses it as markup.
 """
 
@@ -31,13 +32,14 @@ MAX_TOKEN_TEXT = 40  # characters of one token's text (a decode function may ret
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trace -> {layer: (Shares, step, note) or error}
 
 
-def shares_view(trace, layer: str, sample: int | None) -> tuple[dict, list[bytes]]:
+def shares_view(trace, layer: str, sample: int | None, progress=None) -> tuple[dict, list[bytes]]:
     """Meta + buffers for the panel: the shares of layer `layer`'s gradient ("" = every parameter counted), and,
     where `sample` is given, that sample's positions and tokens. Raises ValueError (one line) where the trace
-    cannot say (capture='summary', no backward, a layer without parameters)."""
+    cannot say (capture='summary', no backward, a layer without parameters). progress: as t.shares', called only
+    where they are computed (not cached)."""
     if layer and layer not in trace.layers:
         raise KeyError(f"unknown layer {layer[:80]!r}: give a layer name (t.layers) or '' for the whole model")
-    found, step, step_note = _shares(trace, layer)
+    found, step, step_note = _shares(trace, layer, progress)
     n = int(found.samples.shape[0])
     if sample is not None and not 0 <= sample < n:
         raise ValueError(f"sample={sample}: this step has {n} samples (0..{n - 1})")
@@ -81,9 +83,10 @@ def static_shares(trace) -> dict:
 
 
 def shares_macs(trace) -> float:
-    """About what the whole model's shares cost: for every call of a layer that holds parameters of its own, its
-    parameters' size times the rows of its input (one product with G per token, layers/shares.py's form; the
-    Gram form is used only where it is cheaper; an embedding gathers one row a token). Read from shapes only."""
+    """About what the whole model's shares cost, at most: for every call of a layer that holds parameters of its
+    own, its parameters' size times the rows of its input (one product with G per token, layers/shares.py's form;
+    an embedding gathers one row a token). The Gram form (layers/share_gram.py) is taken only where it costs less
+    (GPT-2 124M on 4 × 128 tokens: its blocks and its tied head). Read from shapes only."""
     total = 0.0
     for layer in trace.layers.values():
         own = sum(p.numel() for p in layer.module.parameters(recurse=False) if p.requires_grad)
@@ -129,54 +132,17 @@ def _strip(trace, found, step, b: int, out) -> dict:
 
 
 def token_ids(trace, step: int | None, n: int, T: int) -> tuple[torch.Tensor | None, str | None, str | None]:
-    """((n, T) token ids, the layer they are the input of, None), or (None, None, why not). The layer is the
-    `token_layer` option's, else the only nn.Embedding whose input is, in each step counted, one integer row of
-    T positions per sample along the dim capture proved to hold the samples, n samples in all (the attributed
-    ones, in the same order)."""
-    from hookwidget.analysis.facts import step_indices
-
-    steps = step_indices(trace, step)
-    named = getattr(_options(trace), "token_layer", None)
-    if named is not None:
-        if named not in trace.layers:
-            return None, None, f"token_layer={named[:80]!r} is not a layer of this trace: name one of its nn.Embedding"
-        ids, why = _layer_ids(trace, named, steps, n, T)
-        return (ids, named, None) if ids is not None else (None, None, f"token_layer {named!r}: {why}")
-    found = {}
-    for name, layer in trace.layers.items():
-        if isinstance(layer.module, nn.Embedding):
-            ids, _ = _layer_ids(trace, name, steps, n, T)
-            if ids is not None:
-                found[name] = ids
-    if len(found) == 1:
-        name, ids = next(iter(found.items()))
-        return ids, name, None
-    if not found:
-        return None, None, (f"token ids: no nn.Embedding's input is one row of {T} ids per sample here; name the "
-                            "layer whose input they are: hw.trace(..., token_layer='wte')")
-    return None, None, (f"token ids: {', '.join(found)} all take one row of {T} ids per sample; name the token one: "
-                        f"hw.trace(..., token_layer={next(iter(found))!r})")
-
-
-def _layer_ids(trace, name: str, steps: list, n: int, T: int) -> tuple[torch.Tensor | None, str | None]:
-    rows = []
-    for k in steps:
-        calls = [c for c in trace.layers[name].calls if c.step == k]
-        if len(calls) != 1:
-            return None, f"called {len(calls)} times in step {k} (one call a step holds the ids)"
-        a, dim = calls[0].a, calls[0].sample_dim  # the dim capture proved to hold the samples (record/calls.py)
-        if a is None:
-            return None, "its input was not kept (capture='summary' or the memory budget): raise budget_mb"
-        if dim is None or a.dim() != 2:
-            return None, f"its input {tuple(a.shape)} has no proven samples dim (a matching size is no proof)"
-        a = a if dim == 0 else a.T  # time-major (T, B) ids: each sample's row
-        if a.is_floating_point() or a.is_complex() or a.shape[1] != T:
-            return None, f"its input {tuple(a.shape)} is not one row of {T} integer ids per sample"
-        rows.append(a)
-    ids = torch.cat(rows) if rows else None
-    if ids is None or ids.shape[0] != n:
-        return None, f"its inputs hold {0 if ids is None else ids.shape[0]} rows, not the {n} samples"
-    return ids.detach().cpu(), None
+    """((n, T) token ids, the layer they are the input of, None), or (None, None, why not): trace.token_ids (its
+    proof: the token_layer option's embedding, else the only one whose input is one integer row of T ids per sample
+    along the dim capture proved to hold the samples), and n rows: the attributed samples, in the same order."""
+    try:
+        layer = trace.token_layer(step, positions=T)
+        ids = trace.token_ids(step, positions=T)
+    except ValueError as e:
+        return None, None, str(e).splitlines()[0][:300]
+    if ids.shape[0] != n:
+        return None, None, f"token ids: {layer}'s inputs hold {ids.shape[0]} rows, not the {n} samples attributed"
+    return ids, layer, None
 
 
 def token_texts(decode, ids: list[int]) -> tuple[list[str] | None, str | None]:
@@ -217,13 +183,13 @@ def _text(x) -> str:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def _shares(trace, layer: str):
+def _shares(trace, layer: str, progress=None):
     """(Shares, the step they are of or None, a note or None), kept per trace and layer."""
     per_trace = _cache.setdefault(trace, {})
     if layer not in per_trace:
         step, note = _default_step(trace)
         try:
-            per_trace[layer] = (trace.shares(layer or None, step=step), step, note)
+            per_trace[layer] = (trace.shares(layer or None, step=step, progress=progress), step, note)
         except (ValueError, KeyError, TypeError) as e:
             per_trace[layer] = e
     hit = per_trace[layer]
