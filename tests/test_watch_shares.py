@@ -369,8 +369,8 @@ def test_gram_form_where_cheaper_matches_loops(monkeypatch):
     from hookwidget.capture import sample_shares
 
     used = []
-    gram = sample_shares.sh.gram_position_dots
-    monkeypatch.setattr(sample_shares.sh, "gram_position_dots", lambda fs: (used.append(1), gram(fs))[1])
+    gram = sample_shares.share_gram.position_dots
+    monkeypatch.setattr(sample_shares.share_gram, "position_dots", lambda fs: (used.append(1), gram(fs))[1])
     torch.manual_seed(8)
     model = Wide()
     batches = [(torch.randn(3, 64), torch.randn(3, 2)) for _ in range(2)]

@@ -10,7 +10,7 @@ How, per parameter p of a layer with an exact (a, δ) rule (sample_stats.PerSamp
 - the layer's factors (a, δ as layers/factors.py gives them) come from PerSample as it reduces the layer's norms;
 - whichever of the two arrives second computes ⟨G_{b,t}, G_p⟩ = δ_btᵀ G_p a_bt per sample and position
   (layers/shares.py: one (tokens × out)(out × in) product), or, where the layer alone holds p and the Gram form
-  is the cheaper (layers/shares.gram_cheaper), from the token pairs as soon as the factors come.
+  is the cheaper (layers/share_gram.cheaper), from the token pairs as soon as the factors come.
 A parameter's gradient arriving twice in one step (reentrant checkpointing backward through it twice) makes the
 step's shares NaN (not known), as does Σ_b ⟨G_b, G⟩ differing from ‖G‖² (a use of p outside its layers).
 
@@ -25,6 +25,7 @@ import torch
 
 from hookwidget.capture.stat_rows import F64, NAN
 from hookwidget.layers import factors as fx
+from hookwidget.layers import share_gram
 from hookwidget.layers import shares as sh
 
 TOP = 3  # samples kept per step
@@ -83,8 +84,8 @@ class SampleShares:
             if pi is not None:
                 by_param.setdefault(pi, []).append(f)
         for pi, pfs in by_param.items():
-            if li not in self.group and len(pfs) == 1 and pi not in st.fired and sh.gram_cheaper(pfs):
-                (pos,) = sh.gram_position_dots(pfs)  # the layer alone makes p's gradient: its token pairs
+            if li not in self.group and len(pfs) == 1 and pi not in st.fired and share_gram.cheaper(pfs):
+                (pos,) = share_gram.position_dots(pfs)  # the layer alone makes p's gradient: its token pairs
                 st.gram[pi] = pos.shape[0]  # ‖G‖² comes with G (grad): Σ dots must match it
                 self._add(st, pi, li, pos, None)
             elif pi in st.grads:
