@@ -25,7 +25,6 @@ from hookwidget.capture.step_stats import STATS, Watched
 from hookwidget.capture.tracer import Tracer
 from hookwidget.watch import amp, compiled
 from hookwidget.watch.amp import ScaleTrack
-from hookwidget.watch.arrivals import InFlight
 from hookwidget.watch.detect import Detector
 from hookwidget.watch.flight import FlightRecorder
 from hookwidget.watch.gather import RankViews
@@ -34,6 +33,7 @@ from hookwidget.watch.host import HostRows
 from hookwidget.watch.ranks import MODES
 from hookwidget.watch.ranks import of as _spread_of
 from hookwidget.watch.reads import Reads
+from hookwidget.watch.verdicts import Verdicts
 
 _OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> the open watch on it
 
@@ -145,6 +145,8 @@ class Watch(Reads, RankViews):
             self._layers, self._params, pairs, self.every, ps, self._scale_now, self._rows.add, self._rows.changed,
             self._step_ended, self._step_began, self._take_back))
         self._stats = self._tracer.keep  # the steps (capture/step_stats.StatsKeep)
+        self._verdicts = Verdicts(self._rows, self._detector, lambda: self._detector.keep is not None or
+                                  self._amp is not None, lambda upto, wait: self._flush(upto, wait))
         self._ps = ps
         if tensorboard is not None:  # written as rows reach the host
             from hookwidget.views.tensorboard import TensorBoardLog
@@ -207,7 +209,7 @@ class Watch(Reads, RankViews):
             self._flush()
             self._history.finish()
             if self._flight is not None:
-                self._flight.finish(self._verdict, self._detector.rank)
+                self._flight.finish(self._verdicts.ready, self._detector.rank)
             self._tell("closed")
 
     def _scale_now(self):
@@ -239,9 +241,9 @@ class Watch(Reads, RankViews):
                 self.notes.append(note)
         if self._flight is not None:
             if self._flight.waiting:  # no forward ran since the step before (compiled code): judged now
-                self._judge(upto=step.index - 1)
+                self._verdicts.send(upto=step.index - 1)
             self._flight.step_ended(step.index)
-            self._flight.settle(self._verdict, self._detector.rank)
+            self._flight.settle(self._verdicts.ready, self._detector.rank)
         if self._rows.due(self.batch):
             self._flush(upto=step.index - 1, wait=False)
 
@@ -269,40 +271,8 @@ class Watch(Reads, RankViews):
         end of this step's backward (waiting for them then): at most two steps' detail alive beside the kept
         Traces while the model runs, the running step's and the one before."""
         if self._flight is not None and self._flight.waiting:
-            self._judge(upto=step.index - 1)
-            self._flight.settle(self._verdict, self._detector.rank)
-
-    def _judge(self, upto: int) -> None:
-        """Send what judges the steps up to `upto` to the host, without waiting: their scalars (loss, global
-        gradient norm) and one flag (a non-finite count in the row), in one small non-blocking transfer a step
-        (arrivals.py); their rows stay on the device until the batch moves. Where the verdict needs the whole row
-        (a keep= predicate, a GradScaler's skipped steps) the rows are sent instead."""
-        if self._whole_rows():
-            self._flush(upto=upto, wait=False)
-            return
-        for s in self._rows.pending:
-            if s.index > upto or self._detector.judged(s.index):
-                continue
-            self._rows.settle(s)  # spread over ranks: judged on the global row, the same verdict on every rank
-            self._detector.judge_later(s.index, InFlight(self._detector.scalars(s.row, s.step_row)), s.has_loss)
-
-    def _whole_rows(self) -> bool:
-        return self._detector.keep is not None or self._amp is not None
-
-    def _verdict(self, step: int, force: bool) -> bool:
-        """Whether the verdict on `step` is in (the flight recorder decides on it then); `force`: wait for what it
-        needs (a step late: FlightRecorder.settle)."""
-        if self._rows.holds(step) and not self._detector.judged(step):  # nothing sent to judge it yet
-            if not force:
-                return False
-            self._judge(upto=step)
-        needs_row = self._detector.arrived(step, wait=force)
-        if needs_row is None:
-            return False
-        if (needs_row or self._whole_rows()) and self._rows.holds(step):
-            self._flush(upto=step, wait=force)  # to locate a non-finite count, or for keep= and the scaler
-            return not self._rows.holds(step)
-        return True
+            self._verdicts.send(upto=step.index - 1)
+            self._flight.settle(self._verdicts.ready, self._detector.rank)
 
     def _not_called(self, step) -> None:
         """Watched layers no call of which reached backward in the first recorded step: named in one note."""
