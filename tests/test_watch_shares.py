@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hookwidget as hw
+from tests.helpers_shares import RNN, mse
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
@@ -50,20 +51,6 @@ class CNN(nn.Module):
 
     def forward(self, x):
         return self.fc(torch.relu(self.c2(torch.relu(self.c1(x)))).flatten(1))
-
-
-class RNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lstm = nn.LSTM(3, 4, batch_first=True)
-        self.fc = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.fc(self.lstm(x)[0][:, -1])
-
-
-def mse(model, x, y):
-    return ((model(x) - y) ** 2).sum()
 
 
 # -- references ------------------------------------------------------------------------------------------------
