@@ -88,18 +88,21 @@ class HostRows:
         dev = take[0].row.device
         grouped = [s for s in take if s.micro is not None]  # optimizer steps: their passes' rows come along
         micro = [t.to(dev).flatten() for s in grouped for t in s.micro]
+        own = self.ranks.outgoing(take) if self.ranks is not None else []  # each rank's own rows, spread
         both = torch.cat([torch.stack([s.row for s in take]).flatten(),
                           torch.stack([s.step_row for s in take]).flatten(), *ps, *scales,
-                          *([torch.stack([v.to(dev, F64) for v in lrs])] if lrs else []), *micro])
+                          *([torch.stack([v.to(dev, F64) for v in lrs])] if lrs else []), *micro, *own])
         for s in take:
             s.ps = None
-        return take, InFlight(both), (bool(scales), bool(ps), len(lrs), grouped)
+        return take, InFlight(both), (bool(scales), bool(ps), len(lrs), grouped, sum(t.numel() for t in own))
 
     def _land(self, take: list, moving: InFlight, holds: tuple) -> None:
         """The rows of `take` have arrived: judged, kept and told."""
         both = moving.wait()
-        scales, ps, n_lrs, grouped = holds
+        scales, ps, n_lrs, grouped, n_own = holds
         n, L = len(take), self.L
+        own = both[both.numel() - n_own:] if n_own else None
+        both = both[:both.numel() - n_own]
         if grouped:
             both = self._micro(grouped, both)
         if n_lrs:
@@ -117,7 +120,7 @@ class HostRows:
             if s.lr:
                 view[r, :, S["lr"]] = lr_column(s.lr, L)
         if self.ranks is not None:
-            self.ranks.moved(take, rows, step_rows)
+            self.ranks.moved(take, rows, step_rows, own)
         skips = [None] * n
         for r, s in enumerate(take):
             if skipped is not None and skipped[r, 1] < skipped[r, 0]:

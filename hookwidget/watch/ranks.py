@@ -393,18 +393,25 @@ class Ranks:
             chunk[r, :, S["update_ratio"]] = torch.where(prev.touched.cpu(), prev.update.cpu().sqrt() / w, NAN)
 
     # -- each rank's own rows on the host ---------------------------------------------------------------------
-    def moved(self, take: list, rows: torch.Tensor, step_rows: torch.Tensor) -> None:
-        """The steps of `take` just moved to the host as `rows`: their own (local) rows follow, in one transfer."""
+    def outgoing(self, take: list) -> list:
+        """The steps of `take` are about to move to the host: their own (local) rows as device tensors, to go in
+        the same non-blocking transfer (host.py); [] where each step's own row is its global row."""
         own = [getattr(s, "ranks_local", None) for s in take]
         if all(o is None for o in own):
+            return []
+        dev = next(o for o in own if o is not None)[0].device
+        rows = [o[0] if o is not None else s.row for s, o in zip(take, own)]
+        step_rows = [o[1] if o is not None else s.step_row for s, o in zip(take, own)]
+        return [torch.stack([r.to(dev, F64) for r in rows]).flatten(),
+                torch.stack([r.to(dev, F64) for r in step_rows]).flatten()]
+
+    def moved(self, take: list, rows: torch.Tensor, step_rows: torch.Tensor, own=None) -> None:
+        """The steps of `take` just moved to the host as `rows`: their own (local) rows are `own` (outgoing's,
+        arrived with them, flat) or, where None, the global rows themselves."""
+        if own is None:
             local, local_steps = rows.clone(), step_rows.clone()
         else:
-            dev = next(o for o in own if o is not None)[0].device
-            both = torch.cat([torch.stack([o[0] if o is not None else rows[r].to(dev) for r, o in enumerate(own)])
-                              .flatten(), torch.stack([o[1] if o is not None else step_rows[r].to(dev)
-                                                       for r, o in enumerate(own)]).flatten()]).cpu()
-            n = len(take)
-            local, local_steps = both[:rows.numel()].view_as(rows), both[rows.numel():].view(n, 2)
+            local, local_steps = own[:rows.numel()].view_as(rows), own[rows.numel():].view(len(take), 2)
         for r, s in enumerate(take):
             s.ranks_local = (local, r)
         self.local_chunks.append(local)
