@@ -117,26 +117,13 @@ def _traces(watch, traces: dict, detail_budget: int, summary_budget: int) -> int
 def _around(watch, marks: list, tail_from: int, rows: int) -> list:
     """Row ranges of up to AROUND rows either side of each marked step (anomalies, kept steps) before the tail,
     fewer each when `rows` cannot pay for AROUND: (start, stop) pairs."""
-    steps = watch._step_index()  # read a row at a time: a long log's step column is not read whole
-    at = [r for r in (_row_of(steps, s) for s in marks) if r is not None and r < tail_from]
+    at = [r for r in (watch._row_of(s) for s in marks) if r is not None and r < tail_from]  # a row at a time
     if not at or rows <= 0:
         return []
     half = min(AROUND, (rows // len(at) - 1) // 2)
     if half < 0:
         at, half = at[:rows], 0
     return [(max(0, r - half), min(tail_from, r + half + 1)) for r in at]
-
-
-def _row_of(steps, step: int):
-    """The row index of `step` in the recorded steps (bisection: they increase), or None."""
-    lo, hi = 0, len(steps)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if steps[mid] < step:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo if lo < len(steps) and steps[lo] == step else None
 
 
 def _union(ranges: list) -> list:

@@ -7,7 +7,6 @@ GradScaler steps (amp.py) and says what it could not see."""
 
 from __future__ import annotations
 
-import bisect
 import shutil
 import tempfile
 import threading
@@ -378,9 +377,8 @@ class Watch(Reads, RankViews):
         got = self._rows.micro.rows(step)
         if got is not None:
             return got
-        steps = self._history.steps
-        r = bisect.bisect_left(steps, step)
-        if r == len(steps) or steps[r] != step:
+        r = self._row_of(step)
+        if r is None:
             raise KeyError(f"step {step} was not recorded; recorded steps: w.steps")
         _, stats, step_stats = self.rows(r, r + 1)
         return stats, step_stats

@@ -238,6 +238,12 @@ class Reads:
             out.append(type(a)(*a, *cache[a.step]))
         return out
 
+    def _row_of(self, step: int) -> int | None:
+        """The row of recorded step `step` (bisection: the steps increase), or None where it was not recorded."""
+        steps = self._step_index()
+        r = bisect.bisect_left(steps, step)
+        return r if r < len(steps) and steps[r] == step else None
+
     def _step_index(self):
         """The step of each row, as a sequence bisect searches (a row's step read when asked: a long loaded log's
         step column is not read whole to find a few anomalies' rows)."""
