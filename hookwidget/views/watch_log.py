@@ -46,7 +46,6 @@ from hookwidget.views.tensorboard import TensorBoardLog
 FORMAT, VERSION, META, EVENTS, LOD = "hookwidget-watch-log", 2, "watch.json", "events.json", "lod.npz"
 SHARD = re.compile(r"rows-(\d+)-(\d+)\.npy")
 SHARD_V1 = re.compile(r"rows-(\d+)\.npz")
-MICRO = re.compile(r"micro-(\d+)-(\d+)\.npy")
 SHARD_SECONDS = 10.0  # a shard at least this often while rows arrive, however few
 
 
