@@ -148,8 +148,8 @@ class HostRows:
             rows = tail[off:off + P * self.L * K].view(P, self.L, K)
             off += P * self.L * K
             step_rows = tail[off:off + 2 * P].view(P, 2)
-            self.micro.add(s.index, list(s.passes), rows, step_rows)
-            self.tell("micro", s.index, list(s.passes), self.micro.ram[s.index][0], step_rows)
+            kept = self.micro.add(s.index, list(s.passes), rows, step_rows)
+            self.tell("micro", s.index, list(s.passes), kept, step_rows)
             off += 2 * P
             s.micro = None
         return both

@@ -24,18 +24,20 @@ class MicroRows:
         self._steps, self._first, self._count = array("q"), array("q"), array("i")  # contiguous passes
         self._scattered: dict = {}  # step -> its passes, where they are not one run of indices
 
-    def add(self, step: int, passes: list, rows: torch.Tensor, step_rows: torch.Tensor) -> None:
-        """Step `step` held backward passes `passes` (in step order), whose rows are `rows` (float64)."""
+    def add(self, step: int, passes: list, rows: torch.Tensor, step_rows: torch.Tensor) -> torch.Tensor:
+        """Step `step` held backward passes `passes` (in step order), whose rows are `rows` (float64); returns the
+        rows as kept (the storage dtype), which the log writes."""
         if passes == list(range(passes[0], passes[0] + len(passes))):
             self._steps.append(step)
             self._first.append(passes[0])
             self._count.append(len(passes))
         else:
             self._scattered[step] = list(passes)
-        self.ram[step] = (rows.to(self.dtype), step_rows)
+        kept = self.ram[step] = (rows.to(self.dtype), step_rows)
         written = self.log.micro_written if self.log is not None else -1
         while len(self.ram) > MICRO_KEPT and next(iter(self.ram)) <= written:  # on disk: read back from there
             self.ram.popitem(last=False)
+        return kept[0]
 
     def passes(self, step: int) -> list | None:
         """The backward passes step `step` held, or None where it held one (its own index)."""
